@@ -1,0 +1,11 @@
+"""The `enflame` backend: Enflame GCU (torch_gcu).
+
+Not built yet (issue #4); registered so selection can say so."""
+
+from glm5_hal.registry import unavailable_backend
+
+BACKEND = unavailable_backend(
+    "enflame",
+    "Enflame GCU (torch_gcu)",
+    "not implemented yet in this version of glm5-hal (tracked in issue #4)",
+)

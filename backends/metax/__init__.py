@@ -1,0 +1,11 @@
+"""The `metax` backend: MetaX (MACA).
+
+Not built yet (issue #4); registered so selection can say so."""
+
+from glm5_hal.registry import unavailable_backend
+
+BACKEND = unavailable_backend(
+    "metax",
+    "MetaX (MACA)",
+    "not implemented yet in this version of glm5-hal (tracked in issue #4)",
+)

@@ -1,0 +1,23 @@
+"""The `reference` backend: the float64 NumPy references (ops_reference) behind the torch API.
+
+Slow and exact: inputs are copied to host float64 arrays, the reference runs, outputs come back in the dtype
+and on the device the public op promises. Never picked by `auto`; select it explicitly to cross-check another
+backend inside a model (`GLM5_HAL_OP_BACKENDS=sparse_flash_attention=reference`).
+"""
+
+from glm5_hal.registry import ANY_DEVICE, Availability, Backend
+
+
+def _load_ops():
+    from backends.reference.ops import OPS
+
+    return OPS
+
+
+BACKEND = Backend(
+    name="reference",
+    summary="float64 NumPy references (ops_reference) behind the torch API; exact and slow",
+    probe=lambda: Availability(True, "NumPy is always available", (ANY_DEVICE,)),
+    load_ops=_load_ops,
+    auto_priority=None,
+)

@@ -1,0 +1,19 @@
+"""Descriptor of the `torch` backend: the portable PyTorch-eager implementation of every op."""
+
+from glm5_hal.registry import ANY_DEVICE, Availability, Backend
+
+
+def _load_ops():
+    from backends.torch_eager import OPS
+
+    return OPS
+
+
+BACKEND = Backend(
+    name="torch",
+    summary="portable PyTorch eager ops; runs on any torch device (cpu, cuda, npu, mlu, musa, gcu, ...)",
+    probe=lambda: Availability(True, "PyTorch is installed", (ANY_DEVICE,)),
+    load_ops=_load_ops,
+    # The floor of `auto`: every device torch has runs it, so every op has somewhere to go.
+    auto_priority=0,
+)

@@ -1,0 +1,208 @@
+"""Input validation shared by every public op.
+
+Public ops validate once, before dispatch, and raise ValueError / TypeError whose message names the argument,
+what was expected and what came. Backends never re-validate user input.
+
+Two kinds of checks:
+- metadata checks (ndim, shape, dtype, device): always run, cost nothing;
+- value checks (index ranges, monotone prefix sums): need the tensor's values, i.e. a device-to-host sync.
+  They run in eager mode unless `GLM5_HAL_CHECK_VALUES=0`, and never while tracing (torch.compile, FakeTensor),
+  where values do not exist.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+
+import torch
+
+ACTIVATION_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+INDEX_DTYPES = (torch.int32,)
+
+Dims = Sequence["int | str | None"]
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def fail(exc: type[Exception], message: str) -> None:
+    raise exc(message)
+
+
+def check(condition: bool, exc: type[Exception], message: Callable[[], str]) -> None:
+    """Raise `exc(message())` unless `condition`; the message is built only on failure."""
+    if not condition:
+        raise exc(message())
+
+
+def check_tensor(
+    name: str,
+    t: object,
+    dims: Dims,
+    dtypes: Sequence[torch.dtype],
+    sizes: dict[str, int] | None = None,
+) -> torch.Tensor:
+    """Check that `t` is a tensor of rank len(dims) with one of `dtypes`.
+
+    `dims` names each dimension: an int is a required size, a str is a symbolic size that must agree with
+    `sizes[str]` if already there (and is recorded in `sizes` otherwise), None accepts any size. Returns `t`.
+    """
+    check(isinstance(t, torch.Tensor), TypeError, lambda: f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    assert isinstance(t, torch.Tensor)
+    shape_doc = "[" + ", ".join("*" if d is None else str(d) for d in dims) + "]"
+    check(
+        t.dtype in dtypes,
+        TypeError,
+        lambda: f"{name}: expected dtype {' or '.join(_dtype_name(d) for d in dtypes)}, got {_dtype_name(t.dtype)}",
+    )
+    check(
+        t.dim() == len(dims),
+        ValueError,
+        lambda: f"{name}: expected a {len(dims)}-D tensor {shape_doc}, got shape {tuple(t.shape)}",
+    )
+    for dim, actual in zip(dims, t.shape):
+        if dim is None:
+            continue
+        if isinstance(dim, int):
+            expected = dim
+        elif sizes is not None and dim in sizes:
+            expected = sizes[dim]
+        else:
+            if sizes is not None:
+                sizes[dim] = int(actual)
+            continue
+        where = f" with {dim} = {expected}" if isinstance(dim, str) else ""
+        check(
+            actual == expected,
+            ValueError,
+            lambda where=where: f"{name}: expected shape {shape_doc}{where}, got {tuple(t.shape)}",
+        )
+    return t
+
+
+def check_optional_tensor(
+    name: str, t: object, dims: Dims, dtypes: Sequence[torch.dtype], sizes: dict[str, int] | None = None
+) -> torch.Tensor | None:
+    return None if t is None else check_tensor(name, t, dims, dtypes, sizes)
+
+
+def check_same_device(**tensors: torch.Tensor | None) -> torch.device:
+    """All tensors on one device; returns it. The message lists every argument's device."""
+    present = {name: t for name, t in tensors.items() if t is not None}
+    devices = {t.device for t in present.values()}
+    check(
+        len(devices) == 1,
+        ValueError,
+        lambda: (
+            "tensors must be on one device, got " + ", ".join(f"{name} on {t.device}" for name, t in present.items())
+        ),
+    )
+    return next(iter(devices))
+
+
+def check_same_dtype(**tensors: torch.Tensor) -> torch.dtype:
+    """All tensors of one dtype; returns it."""
+    dtypes = {t.dtype for t in tensors.values()}
+    check(
+        len(dtypes) == 1,
+        TypeError,
+        lambda: (
+            "expected one activation dtype, got "
+            + ", ".join(f"{name} {_dtype_name(t.dtype)}" for name, t in tensors.items())
+        ),
+    )
+    return next(iter(dtypes))
+
+
+def check_positive_int(name: str, value: object) -> int:
+    check(
+        isinstance(value, int) and not isinstance(value, bool) and value > 0,
+        ValueError if isinstance(value, int) else TypeError,
+        lambda: f"{name}: expected a positive int, got {value!r}",
+    )
+    return int(value)  # type: ignore[arg-type]
+
+
+def check_even(name: str, value: int, what: str) -> None:
+    check(value % 2 == 0, ValueError, lambda: f"{name}: expected an even {what}, got {value}")
+
+
+def value_checks_enabled(*tensors: torch.Tensor) -> bool:
+    """Whether checks that read tensor values may run now (eager, not disabled, real tensors)."""
+    if os.environ.get("GLM5_HAL_CHECK_VALUES", "1") == "0":
+        return False
+    if torch.compiler.is_compiling():
+        return False
+    from torch._subclasses.fake_tensor import is_fake
+
+    return not any(is_fake(t) or t.device.type == "meta" for t in tensors)
+
+
+def check_index_range(name: str, t: torch.Tensor, low: int, high: int, meaning: str) -> None:
+    """Every value of `t` in [low, high) (value check)."""
+    if t.numel() == 0 or not value_checks_enabled(t):
+        return
+    lo, hi = int(t.min()), int(t.max())
+    check(
+        low <= lo and hi < high,
+        ValueError,
+        lambda: f"{name}: expected values in [{low}, {high}) ({meaning}), got values in [{lo}, {hi}]",
+    )
+
+
+def check_ragged_layout(
+    cu_seqlens_q: torch.Tensor,
+    seq_lens_k: torch.Tensor,
+    block_table: torch.Tensor,
+    num_tokens: int,
+    num_blocks: int,
+    block_size: int,
+) -> None:
+    """Values of the token-major ragged batch and its paged KV layout (OPS.md "Conventions").
+
+    cu_seqlens_q starts at 0, never decreases and ends at T; every sequence has at least as many keys as new
+    queries (the queries are its last keys); seq_lens_k fits the block table; every block a sequence uses is a
+    real block of the cache.
+    """
+    if not value_checks_enabled(cu_seqlens_q, seq_lens_k, block_table):
+        return
+    cu = cu_seqlens_q.to("cpu", torch.int64)
+    lens_k = seq_lens_k.to("cpu", torch.int64)
+    check(int(cu[0]) == 0, ValueError, lambda: f"cu_seqlens_q: expected cu_seqlens_q[0] == 0, got {int(cu[0])}")
+    q_lens = cu[1:] - cu[:-1]
+    check(
+        bool((q_lens >= 0).all()),
+        ValueError,
+        lambda: f"cu_seqlens_q: expected a non-decreasing prefix sum, got {cu.tolist()}",
+    )
+    check(
+        int(cu[-1]) == num_tokens,
+        ValueError,
+        lambda: f"cu_seqlens_q: expected cu_seqlens_q[-1] == T = {num_tokens}, got {int(cu[-1])}",
+    )
+    capacity = block_table.shape[1] * block_size
+    check(
+        bool((lens_k >= q_lens).all()) and bool((lens_k <= capacity).all()),
+        ValueError,
+        lambda: (
+            f"seq_lens_k: expected q_len[b] <= seq_lens_k[b] <= max_blocks * block_size = {capacity}, "
+            f"got seq_lens_k = {lens_k.tolist()} with q_len = {q_lens.tolist()}"
+        ),
+    )
+    # Only the blocks a sequence actually uses must be valid; the rest of its row is padding.
+    blocks_used = (lens_k + block_size - 1) // block_size  # [B]
+    columns = torch.arange(block_table.shape[1])
+    used = columns[None, :] < blocks_used[:, None]  # [B, max_blocks]
+    used_ids = block_table.to("cpu", torch.int64)[used]
+    if used_ids.numel():
+        lo, hi = int(used_ids.min()), int(used_ids.max())
+        check(
+            lo >= 0 and hi < num_blocks,
+            ValueError,
+            lambda: (
+                f"block_table: expected block ids in [0, {num_blocks}) for the blocks each sequence uses, "
+                f"got ids in [{lo}, {hi}]"
+            ),
+        )

@@ -1,0 +1,5 @@
+import sys
+
+from glm5_hal.cli import main
+
+sys.exit(main())

@@ -1,0 +1,117 @@
+"""`glm5-hal info`: the hardware torch sees, every backend (available or why not) and who runs each op."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+
+import torch
+
+from glm5_hal.registry import OP_NAMES, registry
+from glm5_hal.selection import BackendError, requested_backend, resolve
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("info", help="hardware, backends and per-op implementation")
+    parser.add_argument("--json", action="store_true", help="print machine-readable JSON instead of text")
+    parser.set_defaults(func=run)
+
+
+def hardware() -> dict[str, object]:
+    """What torch itself reports; vendor devices are reported by their backends' probes, not here."""
+    info: dict[str, object] = {
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "torch": torch.__version__,
+        "cpu_threads": torch.get_num_threads(),
+        "cuda_available": torch.cuda.is_available(),
+        "hip": torch.version.hip,
+    }
+    if torch.cuda.is_available():
+        info["cuda_devices"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    return info
+
+
+def op_table(name: str) -> dict[str, str]:
+    """Per op: 'native', 'via <backend>' (a declared delegate) or 'fallback to torch'; empty if unavailable."""
+    reg = registry()
+    backend = reg.get(name)
+    if backend is None or not reg.availability(name).available:
+        return {}
+    ops = reg.ops(name)
+    table = {}
+    for op in OP_NAMES:
+        if op in ops:
+            table[op] = "native"
+        elif op in backend.delegates:
+            table[op] = f"via {backend.delegates[op]}"
+        else:
+            table[op] = "fallback to torch"
+    return table
+
+
+def collect() -> dict[str, object]:
+    reg = registry()
+    backends = []
+    for name in reg.names():
+        backend = reg.get(name)
+        avail = reg.availability(name)
+        backends.append(
+            {
+                "name": name,
+                "summary": backend.summary if backend else "",
+                "available": avail.available,
+                "reason": avail.reason,
+                "device_types": list(avail.device_types),
+                "auto_priority": backend.auto_priority if backend else None,
+                "ops": op_table(name),
+                "notes": list(backend.notes) if backend else [],
+            }
+        )
+    selection = {}
+    for op in OP_NAMES:
+        try:
+            res = resolve(op, "cpu")
+            selection[op] = {"backend": res.backend, "reason": res.reason}
+        except BackendError as exc:
+            selection[op] = {"backend": None, "reason": str(exc)}
+    requested, strict = requested_backend(OP_NAMES[0])
+    return {
+        "hardware": hardware(),
+        "requested": requested,
+        "strict": strict,
+        "backends": backends,
+        "cpu_selection": selection,
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    data = collect()
+    if args.json:
+        print(json.dumps(data, indent=2))
+        return 0
+    hw = data["hardware"]
+    print("hardware")
+    for key, value in hw.items():
+        print(f"  {key}: {value}")
+    print(f"\nselection: GLM5_HAL_BACKEND={data['requested']} strict={data['strict']}")
+    print("\nbackends")
+    for b in data["backends"]:
+        state = "available" if b["available"] else "UNAVAILABLE"
+        where = f" on {', '.join(b['device_types'])}" if b["available"] else ""
+        print(f"  {b['name']:<10} {state}{where}: {b['reason']}")
+        if b["summary"]:
+            print(f"  {'':<10} {b['summary']}")
+        for note in b["notes"]:
+            print(f"  {'':<10} note: {note}")
+        if b["ops"]:
+            native = [op for op, how in b["ops"].items() if how == "native"]
+            other = {op: how for op, how in b["ops"].items() if how != "native"}
+            print(f"  {'':<10} native: {', '.join(native) or 'none'}")
+            for op, how in other.items():
+                print(f"  {'':<10} {op}: {how}")
+    print("\nwho runs each op on cpu tensors now")
+    for op, sel in data["cpu_selection"].items():
+        print(f"  {op:<24} {sel['backend'] or '-'}  ({sel['reason'].splitlines()[0]})")
+    return 0

@@ -1,0 +1,139 @@
+"""MLA prolog ("MLAPO" on Ascend): norms, down/up projections, RoPE and the latent KV-cache write, fused."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from glm5_hal.checks import (
+    ACTIVATION_DTYPES,
+    check,
+    check_same_device,
+    check_tensor,
+)
+from glm5_hal.ops.common import NAMESPACE, check_cache_write, dispatch
+
+
+def check_rope_tables(cos: Tensor, sin: Tensor, num_tokens: int, sizes: dict[str, int]) -> int:
+    """cos, sin: [T, rope/2] fp32 per-token RoPE tables. Returns the rope width (2 * cos.shape[1])."""
+    check_tensor("cos", cos, [num_tokens, "half_rope"], (torch.float32,), sizes)
+    check_tensor("sin", sin, [num_tokens, "half_rope"], (torch.float32,), sizes)
+    return 2 * sizes["half_rope"]
+
+
+@torch.library.custom_op(f"{NAMESPACE}::mla_prolog", mutates_args=("kv_cache",))
+def _mla_prolog_op(
+    x: Tensor,
+    w_dq: Tensor,
+    gamma_cq: Tensor,
+    w_uq_qr: Tensor,
+    w_uk: Tensor,
+    w_dkv_kr: Tensor,
+    gamma_ckv: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    kv_cache: Tensor,
+    slot_mapping: Tensor,
+    eps: float,
+) -> tuple[Tensor, Tensor, Tensor]:
+    return dispatch(
+        "mla_prolog",
+        x.device,
+        x,
+        w_dq,
+        gamma_cq,
+        w_uq_qr,
+        w_uk,
+        w_dkv_kr,
+        gamma_ckv,
+        cos,
+        sin,
+        kv_cache,
+        slot_mapping,
+        eps,
+    )
+
+
+@_mla_prolog_op.register_fake
+def _(x, w_dq, gamma_cq, w_uq_qr, w_uk, w_dkv_kr, gamma_ckv, cos, sin, kv_cache, slot_mapping, eps):
+    num_tokens = x.shape[0]
+    num_heads, _, kv_lora = w_uk.shape
+    return (
+        x.new_empty(num_tokens, num_heads, kv_lora),
+        x.new_empty(num_tokens, num_heads, 2 * cos.shape[1]),
+        x.new_empty(num_tokens, w_dq.shape[0]),
+    )
+
+
+def mla_prolog(
+    x: Tensor,
+    w_dq: Tensor,
+    gamma_cq: Tensor,
+    w_uq_qr: Tensor,
+    w_uk: Tensor,
+    w_dkv_kr: Tensor,
+    gamma_ckv: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    kv_cache: Tensor,
+    slot_mapping: Tensor,
+    eps: float,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Everything MLA does before attention, for T new tokens; writes their latent KV rows into the cache.
+
+    Args:
+        x: [T, hidden], bf16/fp16/fp32. Normed hidden states (the layer's input_layernorm already applied).
+        w_dq: [q_lora, hidden]. q_a_proj. gamma_cq: [q_lora]. q_a_layernorm weight.
+        w_uq_qr: [H * (nope + rope), q_lora]. q_b_proj; per head the rows are [q_nope | q_pe].
+        w_uk: [H, nope, kv_lora]. The K half of kv_b_proj, absorbed into the query.
+        w_dkv_kr: [kv_lora + rope, hidden]. kv_a_proj_with_mqa; rows [c_kv | k_pe].
+        gamma_ckv: [kv_lora]. kv_a_layernorm weight.
+        cos, sin: [T, rope / 2], fp32. RoPE tables at each token's position (MLA RoPE is interleaved).
+        kv_cache: [num_blocks, block_size, kv_lora + rope], x's dtype. Written in place at `slot_mapping`.
+        slot_mapping: [T], int64. Cache slot of each token (block * block_size + offset); -1 = do not write.
+        eps: RMSNorm epsilon of both norms (GLM-5 1e-5, DeepSeek-V3.2 1e-6).
+        All weights have x's dtype and device.
+
+    Returns:
+        q_lat: [T, H, kv_lora]. q_nope[t, h] @ w_uk[h], the absorbed no-RoPE query.
+        q_pe: [T, H, rope]. RoPE(q_pe). The attention query is cat([q_lat, q_pe], -1) (576 wide).
+        q_norm: [T, q_lora]. RMSNorm(x @ w_dq^T, gamma_cq); the lightning indexer's input.
+        The cache row of token t becomes [RMSNorm(c_kv, gamma_ckv) | RoPE(k_pe)].
+
+    Reference: ops_reference/mla_prolog.py
+    """
+    sizes: dict[str, int] = {}
+    check_tensor("x", x, ["T", "hidden"], ACTIVATION_DTYPES, sizes)
+    dtype = x.dtype
+    check_tensor("w_dq", w_dq, ["q_lora", "hidden"], (dtype,), sizes)
+    check_tensor("gamma_cq", gamma_cq, ["q_lora"], (dtype,), sizes)
+    check_tensor("w_uk", w_uk, ["H", "nope", "kv_lora"], (dtype,), sizes)
+    rope = check_rope_tables(cos, sin, "T", sizes)
+    sizes["H*(nope+rope)"] = sizes["H"] * (sizes["nope"] + rope)
+    sizes["kv_lora+rope"] = sizes["kv_lora"] + rope
+    check_tensor("w_uq_qr", w_uq_qr, ["H*(nope+rope)", "q_lora"], (dtype,), sizes)
+    check_tensor("w_dkv_kr", w_dkv_kr, ["kv_lora+rope", "hidden"], (dtype,), sizes)
+    check_tensor("gamma_ckv", gamma_ckv, ["kv_lora"], (dtype,), sizes)
+    check_tensor("kv_cache", kv_cache, [None, None, "kv_lora+rope"], (dtype,), sizes)
+    check_cache_write("kv_cache", kv_cache, slot_mapping, sizes["T"], sizes)
+    check(
+        isinstance(eps, (int, float)) and float(eps) > 0.0,
+        ValueError,
+        lambda: f"eps: expected a positive float, got {eps!r}",
+    )
+    check_same_device(
+        x=x,
+        w_dq=w_dq,
+        gamma_cq=gamma_cq,
+        w_uq_qr=w_uq_qr,
+        w_uk=w_uk,
+        w_dkv_kr=w_dkv_kr,
+        gamma_ckv=gamma_ckv,
+        cos=cos,
+        sin=sin,
+        kv_cache=kv_cache,
+        slot_mapping=slot_mapping,
+    )
+    return _mla_prolog_op(
+        x, w_dq, gamma_cq, w_uq_qr, w_uk, w_dkv_kr, gamma_ckv, cos, sin, kv_cache, slot_mapping, float(eps)
+    )

@@ -1,0 +1,404 @@
+"""The parity cases: every op at mini and real model dims, plus the ragged and corner cases DESIGN.md lists.
+
+Cases are grouped `regular` (plain shapes), `irregular` (ragged batches, shuffled blocks, odd sizes) and `corner`
+(empty rows, zero-token experts, all tokens on one expert, skipped cache writes). `build(gen, dtype)` returns
+fresh inputs keyed by the public op's argument names; nothing is zero unless the case is about zeros.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from glm5_hal.config import DEEPSEEK_V32, GLM5, GLM5_MINI, ModelConfig
+from glm5_hal.parity.inputs import (
+    SeqSpec,
+    mla_weights,
+    paged_batch,
+    randn,
+    random_topk_indices,
+    rope_tables,
+)
+
+FP32_BF16 = (torch.float32, torch.bfloat16)
+FP32_ONLY = (torch.float32,)
+Build = Callable[[torch.Generator, torch.dtype], dict]
+
+
+@dataclass(frozen=True)
+class Case:
+    """One parity case of one op. `exact`: every output must match the reference exactly (integer results)."""
+
+    op: str
+    name: str
+    group: str
+    build: Build
+    dtypes: tuple[torch.dtype, ...] = FP32_BF16
+    exact: bool = False
+    slow: bool = False  # real model dims: skipped by `--quick`
+
+    @property
+    def id(self) -> str:
+        return f"{self.op}/{self.name}"
+
+
+# Ragged layouts: (q_len, k_len) per sequence.
+PREFILL = [SeqSpec(12, 12)]
+RAGGED = [SeqSpec(5, 21), SeqSpec(1, 40), SeqSpec(9, 9), SeqSpec(3, 70)]  # chunked prefill, decode, prefill
+DECODE = [SeqSpec(1, 33), SeqSpec(1, 7), SeqSpec(1, 64), SeqSpec(1, 1)]
+MTP_DECODE = [SeqSpec(2, 50), SeqSpec(2, 2)]  # two new tokens each (multi-token decode)
+
+
+# ---------------------------------------------------------------------------------------------------- prologs
+def _mla_prolog(cfg: ModelConfig, seqs: list[SeqSpec], block_size: int, pad: tuple[int, ...] = ()) -> Build:
+    def build(gen: torch.Generator, dtype: torch.dtype) -> dict:
+        batch = paged_batch(seqs, block_size, gen, pad_slots=pad)
+        w = mla_weights(cfg, gen, dtype)
+        cos, sin = rope_tables(batch.positions, cfg.qk_rope_head_dim, cfg.rope_theta)
+        return {
+            "x": randn((batch.num_tokens, cfg.hidden_size), gen, dtype=dtype),
+            **{k: w[k] for k in ("w_dq", "gamma_cq", "w_uq_qr", "w_uk", "w_dkv_kr", "gamma_ckv")},
+            "cos": cos,
+            "sin": sin,
+            "kv_cache": randn((batch.num_blocks, block_size, cfg.latent_dim), gen, dtype=dtype),
+            "slot_mapping": batch.slot_mapping,
+            "eps": cfg.rms_norm_eps,
+        }
+
+    return build
+
+
+def _indexer_prolog(cfg: ModelConfig, seqs: list[SeqSpec], block_size: int, pad: tuple[int, ...] = ()) -> Build:
+    def build(gen: torch.Generator, dtype: torch.dtype) -> dict:
+        batch = paged_batch(seqs, block_size, gen, pad_slots=pad)
+        w = mla_weights(cfg, gen, dtype)
+        cos, sin = rope_tables(batch.positions, cfg.qk_rope_head_dim, cfg.rope_theta)
+        return {
+            "x": randn((batch.num_tokens, cfg.hidden_size), gen, dtype=dtype),
+            "q_norm": randn((batch.num_tokens, cfg.q_lora_rank), gen, dtype=dtype),
+            **{k: w[k] for k in ("w_iq", "w_ik", "k_norm_weight", "k_norm_bias", "w_iw")},
+            "cos": cos,
+            "sin": sin,
+            "index_k_cache": randn((batch.num_blocks, block_size, cfg.index_head_dim), gen, dtype=dtype),
+            "slot_mapping": batch.slot_mapping,
+            "rope_interleaved": cfg.indexer_rope_interleaved,
+        }
+
+    return build
+
+
+# ---------------------------------------------------------------------------------------------------- indexer
+def _indexer(cfg: ModelConfig, seqs: list[SeqSpec], block_size: int, topk: int | None = None) -> Build:
+    def build(gen: torch.Generator, dtype: torch.dtype) -> dict:
+        batch = paged_batch(seqs, block_size, gen)
+        inputs = {
+            "q_idx": randn((batch.num_tokens, cfg.index_n_heads, cfg.index_head_dim), gen, dtype=dtype),
+            # Mixed-sign head weights, as weights_proj produces: ReLU and the signs both matter.
+            "weights": randn((batch.num_tokens, cfg.index_n_heads), gen, std=cfg.indexer_weight_scale),
+            "index_k_cache": randn((batch.num_blocks, block_size, cfg.index_head_dim), gen, dtype=dtype),
+            "block_table": batch.block_table,
+            "seq_lens_k": batch.seq_lens_k,
+            "cu_seqlens_q": batch.cu_seqlens_q,
+        }
+        if topk is not None:
+            inputs.update(topk=topk, return_scores=True)
+        return inputs
+
+    return build
+
+
+# ---------------------------------------------------------------------------------------------- sparse attention
+def _sparse_attention(
+    cfg: ModelConfig,
+    seqs: list[SeqSpec],
+    block_size: int,
+    topk: int,
+    invalid_fraction: float = 0.0,
+    empty_rows: tuple[int, ...] = (),
+) -> Build:
+    def build(gen: torch.Generator, dtype: torch.dtype) -> dict:
+        batch = paged_batch(seqs, block_size, gen)
+        indices = random_topk_indices(batch, topk, gen, invalid_fraction=invalid_fraction)
+        for t in empty_rows:
+            indices[t] = -1
+        return {
+            "q": randn((batch.num_tokens, cfg.num_attention_heads, cfg.latent_dim), gen, dtype=dtype),
+            "kv_cache": randn((batch.num_blocks, block_size, cfg.latent_dim), gen, dtype=dtype),
+            "indices": indices,
+            "block_table": batch.block_table,
+            "seq_lens_k": batch.seq_lens_k,
+            "cu_seqlens_q": batch.cu_seqlens_q,
+            "sm_scale": cfg.sm_scale,
+            "d_v": cfg.kv_lora_rank,
+        }
+
+    return build
+
+
+# -------------------------------------------------------------------------------------------------------- MoE
+def _moe_gate(
+    cfg: ModelConfig, tokens: int, *, scoring: str | None = None, bias: bool = True, norm: bool | None = None
+) -> Build:
+    def build(gen: torch.Generator, dtype: torch.dtype) -> dict:
+        return {
+            "router_logits": randn((tokens, cfg.n_routed_experts), gen, std=2.0),
+            "bias": randn((cfg.n_routed_experts,), gen, std=0.1) if bias else None,
+            "top_k": cfg.num_experts_per_tok,
+            "n_group": cfg.n_group,
+            "topk_group": cfg.topk_group,
+            "routed_scaling_factor": cfg.routed_scaling_factor,
+            "norm_topk_prob": cfg.norm_topk_prob if norm is None else norm,
+            "scoring": scoring or cfg.scoring_func,
+        }
+
+    return build
+
+
+def _topk_ids(tokens: int, k: int, num_experts: int, gen: torch.Generator, used_experts: int | None) -> torch.Tensor:
+    """[T, k] int32 distinct expert ids per token, drawn from the first `used_experts` experts only."""
+    pool = num_experts if used_experts is None else used_experts
+    return torch.stack([torch.randperm(pool, generator=gen)[:k] for _ in range(tokens)]).to(torch.int32)
+
+
+def _routing(tokens: int, k: int, num_experts: int, gen: torch.Generator, used_experts: int | None):
+    ids = _topk_ids(tokens, k, num_experts, gen, used_experts)
+    weights = torch.rand((tokens, k), generator=gen) + 0.1
+    return weights, ids
+
+
+def _moe_dispatch(tokens: int, width: int, k: int, num_experts: int, used_experts: int | None = None) -> Build:
+    def build(gen: torch.Generator, dtype: torch.dtype) -> dict:
+        return {
+            "x": randn((tokens, width), gen, dtype=dtype),
+            "topk_ids": _topk_ids(tokens, k, num_experts, gen, used_experts),
+            "num_experts": num_experts,
+        }
+
+    return build
+
+
+def _grouped_matmul(group_sizes: list[int], n: int, k: int) -> Build:
+    def build(gen: torch.Generator, dtype: torch.dtype) -> dict:
+        offsets = torch.zeros(len(group_sizes) + 1, dtype=torch.int64)
+        offsets[1:] = torch.cumsum(torch.tensor(group_sizes), 0)
+        return {
+            "x_sorted": randn((int(offsets[-1]), k), gen, dtype=dtype),
+            "w": randn((len(group_sizes), n, k), gen, std=k**-0.5, dtype=dtype),
+            "expert_offsets": offsets,
+        }
+
+    return build
+
+
+def _moe_combine(tokens: int, k: int, width: int) -> Build:
+    def build(gen: torch.Generator, dtype: torch.dtype) -> dict:
+        return {
+            "y_sorted": randn((tokens * k, width), gen, dtype=dtype),
+            "src_index": torch.randperm(tokens * k, generator=gen),
+            "topk_weights": torch.rand((tokens, k), generator=gen) + 0.1,
+        }
+
+    return build
+
+
+def _fused_moe(tokens: int, width: int, inter: int, k: int, num_experts: int, used_experts: int | None = None) -> Build:
+    def build(gen: torch.Generator, dtype: torch.dtype) -> dict:
+        weights, ids = _routing(tokens, k, num_experts, gen, used_experts)
+        return {
+            "x": randn((tokens, width), gen, dtype=dtype),
+            "topk_weights": weights,
+            "topk_ids": ids,
+            "w13": randn((num_experts, 2 * inter, width), gen, std=width**-0.5, dtype=dtype),
+            "w2": randn((num_experts, width, inter), gen, std=inter**-0.5, dtype=dtype),
+        }
+
+    return build
+
+
+# ------------------------------------------------------------------------------------------------ quantization
+def _dynamic_quant(shape: tuple[int, ...], zero_rows: tuple[int, ...] = ()) -> Build:
+    def build(gen: torch.Generator, dtype: torch.dtype) -> dict:
+        x = randn(shape, gen, std=3.0, dtype=dtype)
+        for r in zero_rows:
+            x.view(-1, shape[-1])[r] = 0
+        return {"x": x}
+
+    return build
+
+
+def _int8(shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
+    return torch.randint(-127, 128, shape, generator=gen, dtype=torch.int8)
+
+
+def _scales(n: int, gen: torch.Generator, unit: bool) -> torch.Tensor:
+    return torch.ones(n) if unit else torch.rand(n, generator=gen) * 0.02 + 1e-3
+
+
+def _quant_matmul(m: int, n: int, k: int, *, bias: bool = False, unit_scales: bool = False) -> Build:
+    def build(gen: torch.Generator, dtype: torch.dtype) -> dict:
+        return {
+            "x_q": _int8((m, k), gen),
+            "x_scale": _scales(m, gen, unit_scales),
+            "w_q": _int8((n, k), gen),
+            "w_scale": _scales(n, gen, unit_scales),
+            "bias": randn((n,), gen) if bias else None,
+            "out_dtype": dtype,
+        }
+
+    return build
+
+
+def _w4a8_matmul(m: int, n: int, k: int, group_size: int | None, unit_scales: bool = False) -> Build:
+    def build(gen: torch.Generator, dtype: torch.dtype) -> dict:
+        nibbles = torch.randint(0, 256, (n, k // 2), generator=gen, dtype=torch.uint8)  # every int4 pair
+        scale_shape = n if group_size is None else n * (k // group_size)
+        w_scale = _scales(scale_shape, gen, unit_scales)
+        return {
+            "x_q": _int8((m, k), gen),
+            "x_scale": _scales(m, gen, unit_scales),
+            "w_packed": nibbles,
+            "w_scale": w_scale if group_size is None else w_scale.reshape(n, k // group_size),
+            "group_size": group_size,
+            "out_dtype": dtype,
+        }
+
+    return build
+
+
+def _hadamard(shape: tuple[int, ...], scale: float | None = None) -> Build:
+    def build(gen: torch.Generator, dtype: torch.dtype) -> dict:
+        return {"x": randn(shape, gen, dtype=dtype), "scale": scale}
+
+    return build
+
+
+MINI, G5, DS = GLM5_MINI, GLM5, DEEPSEEK_V32
+MINI_HALF_SPLIT = GLM5_MINI.with_overrides(name="glm5-mini-halfsplit", indexer_rope_interleaved=False)
+MINI_GROUPS = GLM5_MINI.with_overrides(name="glm5-mini-groups", n_group=4, topk_group=2)
+
+CASES: list[Case] = [
+    # mla_prolog
+    Case("mla_prolog", "mini_prefill", "regular", _mla_prolog(MINI, PREFILL, 8)),
+    Case("mla_prolog", "mini_ragged_shuffled", "irregular", _mla_prolog(MINI, RAGGED, 16)),
+    Case("mla_prolog", "mini_decode", "regular", _mla_prolog(MINI, DECODE, 16)),
+    Case("mla_prolog", "padding_slots_skipped", "corner", _mla_prolog(MINI, RAGGED, 16, pad=(0, 7, 17))),
+    Case("mla_prolog", "glm5_dims", "regular", _mla_prolog(G5, [SeqSpec(3, 40)], 64), slow=True),
+    Case("mla_prolog", "deepseek_v32_dims", "regular", _mla_prolog(DS, [SeqSpec(2, 9)], 64), slow=True),
+    # indexer_prolog
+    Case("indexer_prolog", "mini_interleaved", "regular", _indexer_prolog(MINI, PREFILL, 8)),
+    Case("indexer_prolog", "mini_half_split", "regular", _indexer_prolog(MINI_HALF_SPLIT, RAGGED, 16)),
+    Case("indexer_prolog", "padding_slots_skipped", "corner", _indexer_prolog(MINI, RAGGED, 16, pad=(1, 20))),
+    Case("indexer_prolog", "glm5_dims", "regular", _indexer_prolog(G5, [SeqSpec(3, 40)], 64), slow=True),
+    Case("indexer_prolog", "deepseek_v32_dims", "regular", _indexer_prolog(DS, [SeqSpec(2, 9)], 64), slow=True),
+    # indexer_logits
+    Case("indexer_logits", "mini_prefill", "regular", _indexer(MINI, PREFILL, 8)),
+    Case("indexer_logits", "mini_ragged_shuffled", "irregular", _indexer(MINI, RAGGED, 16)),
+    Case("indexer_logits", "decode_mtp", "irregular", _indexer(MINI, MTP_DECODE, 16)),
+    # lightning_indexer
+    Case("lightning_indexer", "fewer_visible_than_topk", "corner", _indexer(MINI, PREFILL, 8, topk=16)),
+    Case("lightning_indexer", "mini_ragged_shuffled", "irregular", _indexer(MINI, RAGGED, 16, topk=8)),
+    Case("lightning_indexer", "mini_decode", "regular", _indexer(MINI, DECODE, 16, topk=16)),
+    Case("lightning_indexer", "decode_mtp", "irregular", _indexer(MINI, MTP_DECODE, 16, topk=24)),
+    Case("lightning_indexer", "topk_1", "corner", _indexer(MINI, RAGGED, 16, topk=1)),
+    Case(
+        "lightning_indexer",
+        "glm5_dims_topk2048",
+        "regular",
+        _indexer(G5, [SeqSpec(3, 3000), SeqSpec(1, 2100)], 64, topk=2048),
+        slow=True,
+    ),
+    # sparse_flash_attention
+    Case("sparse_flash_attention", "mini_prefill", "regular", _sparse_attention(MINI, PREFILL, 8, topk=16)),
+    Case(
+        "sparse_flash_attention",
+        "ragged_with_invalid",
+        "irregular",
+        _sparse_attention(MINI, RAGGED, 16, topk=24, invalid_fraction=0.2),
+    ),
+    Case("sparse_flash_attention", "decode", "regular", _sparse_attention(MINI, DECODE, 16, topk=32)),
+    Case(
+        "sparse_flash_attention",
+        "empty_rows",
+        "corner",
+        _sparse_attention(MINI, RAGGED, 16, topk=8, empty_rows=(0, 5, 17)),
+    ),
+    Case(
+        "sparse_flash_attention",
+        "glm5_dims_topk2048",
+        "regular",
+        _sparse_attention(G5, [SeqSpec(2, 4000), SeqSpec(1, 1500)], 64, topk=2048, invalid_fraction=0.05),
+        slow=True,
+    ),
+    Case(
+        "sparse_flash_attention",
+        "deepseek_v32_heads",
+        "regular",
+        _sparse_attention(DS, [SeqSpec(1, 3000)], 64, topk=2048),
+        slow=True,
+    ),
+    # moe_gate (router logits are fp32 in every model)
+    Case("moe_gate", "glm5_sigmoid", "regular", _moe_gate(G5, 37), dtypes=FP32_ONLY),
+    Case("moe_gate", "deepseek_v32_groups", "regular", _moe_gate(DS, 37), dtypes=FP32_ONLY),
+    Case(
+        "moe_gate", "mini_groups_softmax", "irregular", _moe_gate(MINI_GROUPS, 19, scoring="softmax"), dtypes=FP32_ONLY
+    ),
+    Case("moe_gate", "no_bias_unnormalised", "corner", _moe_gate(MINI, 19, bias=False, norm=False), dtypes=FP32_ONLY),
+    # moe_dispatch
+    Case("moe_dispatch", "mini", "regular", _moe_dispatch(23, 64, 4, 16)),
+    Case("moe_dispatch", "zero_token_experts", "corner", _moe_dispatch(23, 64, 3, 16, used_experts=5)),
+    Case("moe_dispatch", "all_tokens_one_expert", "corner", _moe_dispatch(23, 64, 1, 16, used_experts=1)),
+    # grouped_matmul
+    Case("grouped_matmul", "mini", "regular", _grouped_matmul([5, 9, 3, 7], 48, 64)),
+    Case("grouped_matmul", "zero_token_experts", "corner", _grouped_matmul([0, 6, 0, 0, 11, 0], 40, 32)),
+    Case("grouped_matmul", "all_rows_one_expert", "corner", _grouped_matmul([0, 0, 17, 0], 24, 40)),
+    Case("grouped_matmul", "glm5_expert_dims", "regular", _grouped_matmul([3, 0, 5], 2048, 6144), slow=True),
+    # moe_combine
+    Case("moe_combine", "mini", "regular", _moe_combine(23, 4, 64)),
+    Case("moe_combine", "top1", "corner", _moe_combine(9, 1, 48)),
+    # fused_moe
+    Case("fused_moe", "mini", "regular", _fused_moe(21, 256, 64, 4, 16)),
+    Case("fused_moe", "zero_token_experts", "corner", _fused_moe(21, 256, 64, 4, 16, used_experts=6)),
+    Case("fused_moe", "all_tokens_one_expert", "corner", _fused_moe(9, 128, 32, 1, 8, used_experts=1)),
+    # dynamic_quant
+    Case("dynamic_quant", "tokens", "regular", _dynamic_quant((37, 256))),
+    Case("dynamic_quant", "zero_row_3d", "corner", _dynamic_quant((3, 5, 96), zero_rows=(4, 11))),
+    # quant_matmul
+    Case("quant_matmul", "mini", "regular", _quant_matmul(17, 48, 256, bias=True)),
+    Case(
+        "quant_matmul",
+        "unit_scales_exact",
+        "corner",
+        _quant_matmul(9, 40, 512, unit_scales=True),
+        dtypes=FP32_ONLY,
+        exact=True,
+    ),
+    Case("quant_matmul", "glm5_q_a_proj_dims", "regular", _quant_matmul(4, 2048, 6144), slow=True),
+    # w4a8_matmul
+    Case("w4a8_matmul", "per_channel", "regular", _w4a8_matmul(17, 48, 256, None)),
+    Case("w4a8_matmul", "group_64", "irregular", _w4a8_matmul(13, 40, 256, 64)),
+    Case(
+        "w4a8_matmul",
+        "unit_scales_exact",
+        "corner",
+        _w4a8_matmul(9, 24, 512, None, unit_scales=True),
+        dtypes=FP32_ONLY,
+        exact=True,
+    ),
+    Case("w4a8_matmul", "glm5_expert_dims_g128", "regular", _w4a8_matmul(4, 2048, 6144, 128), slow=True),
+    # hadamard_transform
+    Case("hadamard_transform", "pow2_128", "regular", _hadamard((9, 128))),
+    Case("hadamard_transform", "k_sizes", "irregular", _hadamard((3, 12 * 4))),
+    *(
+        Case("hadamard_transform", f"k{k}", "irregular", _hadamard((2, k * 2)))
+        for k in (20, 28, 36, 40, 52, 60, 108, 140, 156, 172)
+    ),
+    Case("hadamard_transform", "explicit_scale", "corner", _hadamard((4, 64), scale=0.5)),
+    Case("hadamard_transform", "glm5_hidden_6144", "regular", _hadamard((3, 6144)), slow=True),
+    Case("hadamard_transform", "deepseek_hidden_7168", "regular", _hadamard((3, 7168)), slow=True),
+]
+
+
+def cases_for(op: str | None = None, *, quick: bool = False) -> list[Case]:
+    return [c for c in CASES if (op is None or c.op == op) and not (quick and c.slow)]

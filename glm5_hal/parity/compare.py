@@ -1,0 +1,126 @@
+"""How a backend's output is judged against the float64 reference (DESIGN.md "Correctness policy").
+
+- Floating outputs: inf/nan positions must match exactly first; then the norm-relative error
+  ||out - ref|| / ||ref|| and every element's error |out - ref| <= tol * (|ref| + max|ref|) must be within the
+  tolerance of the case's activation dtype (fp32 1e-5, bf16 1.6e-2, fp16 1e-3: FlagGems' resolutions).
+- Integer outputs (ids, offsets, int32 accumulators): exactly equal.
+- Top-k index sets: checked for validity exactly (range, causality, uniqueness, -1 tail of the right length)
+  and compared as sets through the reference scores, so any correct top-k set passes ties.
+- Per-token int8 codes: exact, except where x / scale lies within a hair of a rounding boundary in float64
+  (a backend computing in fp32 may round the other way there, by one).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+TOLERANCE: dict[torch.dtype, float] = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2, torch.float16: 1e-3}
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The judgement of one output: passed, the worst relative error seen (0 for exact), and why if not."""
+
+    output: str
+    passed: bool
+    rel_err: float
+    detail: str = ""
+
+
+def to_numpy(t: torch.Tensor | np.ndarray) -> np.ndarray:
+    if isinstance(t, np.ndarray):
+        return t
+    t = t.detach().cpu()
+    return (t.to(torch.float64) if t.is_floating_point() else t).numpy()
+
+
+def compare_float(name: str, out: torch.Tensor, ref: np.ndarray, dtype: torch.dtype) -> Verdict:
+    tol = TOLERANCE[dtype]
+    got = to_numpy(out).astype(np.float64)
+    want = np.asarray(ref, dtype=np.float64)
+    if got.shape != want.shape:
+        return Verdict(name, False, float("inf"), f"shape {got.shape} != reference {want.shape}")
+    special = ~np.isfinite(want)
+    if not np.array_equal(np.isnan(got), np.isnan(want)) or not np.array_equal(
+        got[special & ~np.isnan(want)], want[special & ~np.isnan(want)]
+    ):
+        bad = int(((np.isnan(got) != np.isnan(want)) | (special & (got != want) & ~np.isnan(want))).sum())
+        return Verdict(name, False, float("inf"), f"{bad} inf/nan positions differ from the reference")
+    if not np.isfinite(got[~special]).all():
+        return Verdict(name, False, float("inf"), "inf/nan where the reference is finite")
+    diff = np.abs(got[~special] - want[~special])
+    ref_abs = np.abs(want[~special])
+    ref_norm = float(np.linalg.norm(want[~special]))
+    rel = float(np.linalg.norm(diff)) / ref_norm if ref_norm > 0 else float(np.linalg.norm(diff))
+    scale = float(ref_abs.max()) if ref_abs.size else 0.0
+    elem_ok = diff <= tol * (ref_abs + scale)
+    if rel > tol:
+        return Verdict(name, False, rel, f"relative error {rel:.3g} > {tol:g}")
+    if not elem_ok.all():
+        worst = float((diff / (ref_abs + scale + 1e-300)).max())
+        return Verdict(name, False, rel, f"{int((~elem_ok).sum())} elements off by up to {worst:.3g} x tolerance scale")
+    return Verdict(name, True, rel)
+
+
+def compare_exact(name: str, out: torch.Tensor, ref: np.ndarray) -> Verdict:
+    got = to_numpy(out)
+    want = np.asarray(ref)
+    if got.shape != want.shape:
+        return Verdict(name, False, float("inf"), f"shape {got.shape} != reference {want.shape}")
+    mismatched = int((got.astype(np.float64) != want.astype(np.float64)).sum())
+    if mismatched:
+        return Verdict(name, False, float("inf"), f"{mismatched} of {got.size} values differ (exact comparison)")
+    return Verdict(name, True, 0.0)
+
+
+def compare_topk(name: str, indices: torch.Tensor, ref_logits: np.ndarray, topk: int, dtype: torch.dtype) -> Verdict:
+    """Indices [T, topk] against the reference logits [T, S] (-inf = not visible)."""
+    got = to_numpy(indices).astype(np.int64)
+    if got.shape != (ref_logits.shape[0], topk):
+        return Verdict(name, False, float("inf"), f"shape {got.shape} != ({ref_logits.shape[0]}, {topk})")
+    tol = TOLERANCE[dtype]
+    worst = 0.0
+    for t, row in enumerate(got):
+        scores = ref_logits[t]
+        visible = np.flatnonzero(np.isfinite(scores))
+        n_valid = min(topk, visible.size)
+        head, tail = row[:n_valid], row[n_valid:]
+        if (tail != -1).any():
+            return Verdict(name, False, float("inf"), f"row {t}: expected -1 after the first {n_valid} entries")
+        if ((head < 0) | (head >= scores.size)).any() or not np.isfinite(scores[np.clip(head, 0, None)]).all():
+            return Verdict(name, False, float("inf"), f"row {t}: an index is -1, out of range or not visible")
+        if np.unique(head).size != head.size:
+            return Verdict(name, False, float("inf"), f"row {t}: duplicate indices")
+        if n_valid == 0:
+            continue
+        # Any set whose weakest member is at least the true k-th best score (up to rounding) is a top-k set.
+        kth_best = np.sort(scores[visible])[::-1][n_valid - 1]
+        weakest = scores[head].min()
+        row_scale = np.abs(scores[visible]).max() or 1.0
+        shortfall = (kth_best - weakest) / row_scale
+        worst = max(worst, float(shortfall))
+        if shortfall > tol:
+            return Verdict(
+                name,
+                False,
+                worst,
+                f"row {t}: selected score {weakest:.6g} below the k-th best {kth_best:.6g} beyond tolerance",
+            )
+    return Verdict(name, True, worst)
+
+
+def compare_int8_codes(name: str, q: torch.Tensor, ref_q: np.ndarray, x: np.ndarray, ref_scale: np.ndarray) -> Verdict:
+    got = to_numpy(q).astype(np.int64)
+    want = np.asarray(ref_q, dtype=np.int64)
+    if got.shape != want.shape:
+        return Verdict(name, False, float("inf"), f"shape {got.shape} != reference {want.shape}")
+    ratio = x / ref_scale[..., None]
+    near_boundary = np.abs(np.abs(ratio - np.floor(ratio)) - 0.5) < 1e-4
+    diff = np.abs(got - want)
+    bad = (diff > 1) | ((diff == 1) & ~near_boundary)
+    if bad.any():
+        return Verdict(name, False, float("inf"), f"{int(bad.sum())} int8 codes differ away from rounding ties")
+    return Verdict(name, True, 0.0)

@@ -1,0 +1,189 @@
+"""For every op: how to call it, and how to judge its outputs against ops_reference.
+
+An `OpSpec` turns one case's inputs (a dict keyed by the public op's argument names) into named outputs, and
+judges those outputs with glm5_hal.parity.compare against the reference run on the same (pre-call) inputs.
+Cache-writing ops report the cache after the call as an output, so the write itself is checked.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+import glm5_hal
+import ops_reference as ref
+from glm5_hal.parity.compare import Verdict, compare_exact, compare_float, compare_int8_codes, compare_topk, to_numpy
+
+Inputs = dict[str, object]
+Outputs = dict[str, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class OpSpec:
+    """run(inputs) -> outputs through the public API; judge(inputs, outputs, dtype) -> verdicts."""
+
+    name: str
+    output_names: tuple[str, ...]
+    mutated: tuple[str, ...] = ()
+    exact_outputs: tuple[str, ...] = ()
+
+    def run(self, inputs: Inputs) -> Outputs:
+        result = getattr(glm5_hal, self.name)(**inputs)
+        result = result if isinstance(result, tuple) else (result,)
+        outputs = dict(zip(self.output_names, result))
+        outputs.update({name: inputs[name] for name in self.mutated})  # type: ignore[misc]
+        return outputs
+
+    def reference(self, inputs: Inputs) -> dict[str, np.ndarray]:
+        args = {k: (to_numpy(v) if isinstance(v, torch.Tensor) else v) for k, v in inputs.items()}
+        result = _REFERENCE_CALLS[self.name](args)
+        return dict(zip(self.output_names + self.mutated, result))
+
+    def judge(self, inputs: Inputs, outputs: Outputs, dtype: torch.dtype) -> list[Verdict]:
+        if self.name in _CUSTOM_JUDGES:
+            return _CUSTOM_JUDGES[self.name](self, inputs, outputs, dtype)
+        want = self.reference(inputs)
+        verdicts = []
+        for name, value in outputs.items():
+            if name in self.exact_outputs or not value.is_floating_point():
+                verdicts.append(compare_exact(name, value, want[name]))
+            else:
+                verdicts.append(compare_float(name, value, want[name], dtype))
+        return verdicts
+
+
+def _ref_call(fn: Callable, *names: str, **kw_names: str) -> Callable[[dict], tuple]:
+    """Call `fn` with the named inputs positionally, then the keyword ones."""
+    return lambda a: _as_tuple(fn(*(a[n] for n in names), **{k: a[v] for k, v in kw_names.items()}))
+
+
+def _as_tuple(result: object) -> tuple:
+    return result if isinstance(result, tuple) else (result,)
+
+
+_PAGED = ("block_table", "seq_lens_k", "cu_seqlens_q")
+_REFERENCE_CALLS: dict[str, Callable[[dict], tuple]] = {
+    "mla_prolog": _ref_call(
+        ref.mla_prolog,
+        "x",
+        "w_dq",
+        "gamma_cq",
+        "w_uq_qr",
+        "w_uk",
+        "w_dkv_kr",
+        "gamma_ckv",
+        "cos",
+        "sin",
+        "kv_cache",
+        "slot_mapping",
+        "eps",
+    ),
+    "indexer_prolog": _ref_call(
+        ref.indexer_prolog,
+        "x",
+        "q_norm",
+        "w_iq",
+        "w_ik",
+        "k_norm_weight",
+        "k_norm_bias",
+        "w_iw",
+        "cos",
+        "sin",
+        "index_k_cache",
+        "slot_mapping",
+        rope_interleaved="rope_interleaved",
+    ),
+    "indexer_logits": _ref_call(ref.indexer_logits, "q_idx", "weights", "index_k_cache", *_PAGED),
+    "lightning_indexer": _ref_call(ref.lightning_indexer, "q_idx", "weights", "index_k_cache", *_PAGED, "topk"),
+    "sparse_flash_attention": _ref_call(
+        ref.sparse_flash_attention, "q", "kv_cache", "indices", *_PAGED, "sm_scale", "d_v"
+    ),
+    "moe_gate": _ref_call(
+        ref.moe_gate,
+        "router_logits",
+        "bias",
+        top_k="top_k",
+        n_group="n_group",
+        topk_group="topk_group",
+        routed_scaling_factor="routed_scaling_factor",
+        norm_topk_prob="norm_topk_prob",
+        scoring="scoring",
+    ),
+    "moe_dispatch": _ref_call(ref.moe_dispatch, "x", "topk_ids", "num_experts"),
+    "grouped_matmul": _ref_call(ref.grouped_matmul, "x_sorted", "w", "expert_offsets"),
+    "moe_combine": _ref_call(ref.moe_combine, "y_sorted", "src_index", "topk_weights"),
+    "fused_moe": _ref_call(ref.fused_moe, "x", "topk_weights", "topk_ids", "w13", "w2"),
+    "dynamic_quant": _ref_call(ref.dynamic_quant, "x"),
+    "quant_matmul": _ref_call(ref.quant_matmul, "x_q", "x_scale", "w_q", "w_scale", "bias"),
+    "w4a8_matmul": _ref_call(ref.w4a8_matmul, "x_q", "x_scale", "w_packed", "w_scale", "group_size"),
+    "hadamard_transform": _ref_call(ref.hadamard_transform, "x", scale="scale"),
+}
+
+
+def _judge_lightning_indexer(spec: OpSpec, inputs: Inputs, outputs: Outputs, dtype: torch.dtype) -> list[Verdict]:
+    args = {k: (to_numpy(v) if isinstance(v, torch.Tensor) else v) for k, v in inputs.items()}
+    logits = ref.indexer_logits(*(args[n] for n in ("q_idx", "weights", "index_k_cache", *_PAGED)))
+    indices = outputs["indices"]
+    verdicts = [compare_topk("indices", indices, logits, int(inputs["topk"]), dtype)]
+    if "scores" in outputs:
+        # The scores a backend returns are the reference scores of the keys it picked.
+        idx = to_numpy(indices).astype(np.int64)
+        picked = np.where(idx >= 0, np.take_along_axis(logits, np.clip(idx, 0, None), axis=1), -np.inf)
+        verdicts.append(compare_float("scores", outputs["scores"], picked, dtype))
+    return verdicts
+
+
+def _judge_moe_gate(spec: OpSpec, inputs: Inputs, outputs: Outputs, dtype: torch.dtype) -> list[Verdict]:
+    want = spec.reference(inputs)
+    # The picked experts form a set; compare ids and weights after sorting each row by id.
+    got_ids, want_ids = to_numpy(outputs["topk_ids"]), want["topk_ids"]
+    got_order, want_order = np.argsort(got_ids, axis=1), np.argsort(want_ids, axis=1)
+    got_w = np.take_along_axis(to_numpy(outputs["topk_weights"]), got_order, axis=1)
+    want_w = np.take_along_axis(want["topk_weights"], want_order, axis=1)
+    return [
+        compare_exact(
+            "topk_ids",
+            torch.from_numpy(np.take_along_axis(got_ids, got_order, 1)),
+            np.take_along_axis(want_ids, want_order, 1),
+        ),
+        compare_float("topk_weights", torch.from_numpy(got_w), want_w, torch.float32 if dtype is None else dtype),
+    ]
+
+
+def _judge_dynamic_quant(spec: OpSpec, inputs: Inputs, outputs: Outputs, dtype: torch.dtype) -> list[Verdict]:
+    want = spec.reference(inputs)
+    x = to_numpy(inputs["x"])  # type: ignore[arg-type]
+    return [
+        compare_int8_codes("q", outputs["q"], want["q"], x, want["scale"]),
+        compare_float("scale", outputs["scale"], want["scale"], torch.float32),
+    ]
+
+
+_CUSTOM_JUDGES = {
+    "lightning_indexer": _judge_lightning_indexer,
+    "moe_gate": _judge_moe_gate,
+    "dynamic_quant": _judge_dynamic_quant,
+}
+
+SPECS: dict[str, OpSpec] = {
+    spec.name: spec
+    for spec in (
+        OpSpec("mla_prolog", ("q_lat", "q_pe", "q_norm"), mutated=("kv_cache",)),
+        OpSpec("indexer_prolog", ("q_idx", "weights"), mutated=("index_k_cache",)),
+        OpSpec("indexer_logits", ("logits",)),
+        OpSpec("lightning_indexer", ("indices", "scores")),
+        OpSpec("sparse_flash_attention", ("out", "lse")),
+        OpSpec("moe_gate", ("topk_weights", "topk_ids")),
+        OpSpec("moe_dispatch", ("x_sorted", "expert_offsets", "src_index"), exact_outputs=("x_sorted",)),
+        OpSpec("grouped_matmul", ("y",)),
+        OpSpec("moe_combine", ("out",)),
+        OpSpec("fused_moe", ("out",)),
+        OpSpec("dynamic_quant", ("q", "scale")),
+        OpSpec("quant_matmul", ("y",)),
+        OpSpec("w4a8_matmul", ("y",)),
+        OpSpec("hadamard_transform", ("y",)),
+    )
+}

@@ -1,0 +1,60 @@
+"""pytest plumbing of the parity suite: backend parametrisation, the --quick switch and the summary table.
+
+pytest                                   every op x every available backend x dtype x case
+pytest --quick                           skip the cases at real model dims
+GLM5_HAL_BACKEND=torch pytest            parity of that backend only
+pytest --parity-json r.json --parity-markdown r.md
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from glm5_hal.parity.runner import Result, format_table, session_seed, summarise, write_report
+from glm5_hal.registry import registry
+from glm5_hal.selection import ENV_BACKEND
+
+_RESULTS: list[Result] = []
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("glm5-hal parity")
+    group.addoption("--quick", action="store_true", help="skip parity cases at real GLM-5 / DeepSeek-V3.2 dims")
+    group.addoption("--parity-json", metavar="FILE", help="write the parity results as JSON")
+    group.addoption("--parity-markdown", metavar="FILE", help="write the parity summary table as Markdown")
+
+
+def parity_backends() -> list[str]:
+    """GLM5_HAL_BACKEND if it names a backend, else every registered backend (unavailable ones are skipped)."""
+    requested = os.environ.get(ENV_BACKEND, "auto").strip()
+    if requested and requested != "auto":
+        return [requested]
+    return registry().names()
+
+
+@pytest.fixture
+def available_backend(request: pytest.FixtureRequest) -> str:
+    name = request.param
+    avail = registry().availability(name)
+    if not avail.available:
+        pytest.skip(f"backend {name} unavailable: {avail.reason}")
+    return name
+
+
+@pytest.fixture
+def record_parity():
+    return _RESULTS.append
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:  # noqa: ARG001
+    if not _RESULTS:
+        return
+    terminalreporter.section(f"glm5-hal parity (seed {session_seed()}; rerun with GLM5_HAL_PARITY_SEED)")
+    terminalreporter.write_line(format_table(summarise(_RESULTS)))
+    write_report(
+        _RESULTS,
+        json_path=config.getoption("--parity-json"),
+        markdown_path=config.getoption("--parity-markdown"),
+    )
