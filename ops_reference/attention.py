@@ -1,0 +1,42 @@
+"""Sparse flash attention over absorbed MLA (OPS.md section 3), and dense MLA attention for comparison."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ops_reference.paged_cache import gather_keys, token_positions, token_sequences
+
+
+def _attend(q: np.ndarray, keys: np.ndarray, sm_scale: float, d_v: int) -> tuple[np.ndarray, np.ndarray]:
+    """q [H, D] over keys [S, D] (V = first d_v dims) -> (out [H, d_v], natural-log lse [H]); S = 0 -> (0, -inf)."""
+    if keys.shape[0] == 0:
+        return np.zeros((q.shape[0], d_v)), np.full(q.shape[0], -np.inf)
+    scores = sm_scale * (q @ keys.T)  # [H, S]
+    peak = scores.max(axis=1, keepdims=True)
+    p = np.exp(scores - peak)
+    total = p.sum(axis=1, keepdims=True)
+    return (p / total) @ keys[:, :d_v], (peak + np.log(total))[:, 0]
+
+
+def sparse_flash_attention(q, kv_cache, indices, block_table, seq_lens_k, cu_seqlens_q, sm_scale, d_v=512):
+    """-> (out [T,H,d_v], lse [T,H]). Token t attends to the cache rows of its valid indices (>= 0 and
+    < seq_lens_k of its sequence); K = the whole row, V = its first d_v dims."""
+    q = np.asarray(q, np.float64)
+    seqs, seq_lens_k = token_sequences(cu_seqlens_q), np.asarray(seq_lens_k, np.int64)
+    out, lse = np.zeros((q.shape[0], q.shape[1], d_v)), np.zeros(q.shape[:2])
+    for t in range(q.shape[0]):
+        idx = np.asarray(indices[t], np.int64)
+        idx = idx[(idx >= 0) & (idx < seq_lens_k[seqs[t]])]
+        out[t], lse[t] = _attend(q[t], gather_keys(kv_cache, block_table, seqs[t], idx), sm_scale, d_v)
+    return out, lse
+
+
+def dense_mla_attention(q, kv_cache, block_table, seq_lens_k, cu_seqlens_q, sm_scale, d_v=512):
+    """Causal attention over every visible key (what sparse attention equals when topk covers the context)."""
+    q = np.asarray(q, np.float64)
+    seqs, positions = token_sequences(cu_seqlens_q), token_positions(seq_lens_k, cu_seqlens_q)
+    out, lse = np.zeros((q.shape[0], q.shape[1], d_v)), np.zeros(q.shape[:2])
+    for t in range(q.shape[0]):
+        keys = gather_keys(kv_cache, block_table, seqs[t], np.arange(positions[t] + 1))
+        out[t], lse[t] = _attend(q[t], keys, sm_scale, d_v)
+    return out, lse

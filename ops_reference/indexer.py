@@ -1,0 +1,68 @@
+"""Lightning indexer (OPS.md section 2): per-token key scores and the top-k key selection of DSA."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ops_reference.norms import layer_norm
+from ops_reference.paged_cache import gather_keys, token_positions, token_sequences, write_cache
+from ops_reference.rope import rope
+
+
+def indexer_prolog(
+    x,
+    q_norm,
+    w_iq,
+    w_ik,
+    k_norm_weight,
+    k_norm_bias,
+    w_iw,
+    cos,
+    sin,
+    index_k_cache,
+    slot_mapping,
+    *,
+    rope_interleaved,
+    eps=1e-6,
+):
+    """-> (q_idx [T,HI,DI], weights [T,HI], new index_k_cache).
+
+    q_idx = q_norm @ w_iq^T per head; k = LayerNorm(x @ w_ik^T); RoPE on the FIRST rope dims of both (the
+    model's indexer layout); weights = (x @ w_iw^T) * HI^-0.5 * DI^-0.5. The k rows go to the cache.
+    """
+    num_heads, head_dim = w_iw.shape[0], index_k_cache.shape[-1]
+    rope_dim = 2 * cos.shape[1]
+    q = (np.asarray(q_norm, np.float64) @ w_iq.T).reshape(-1, num_heads, head_dim)
+    k = layer_norm(np.asarray(x, np.float64) @ w_ik.T, k_norm_weight, k_norm_bias, eps)
+    q[..., :rope_dim] = rope(q[..., :rope_dim], cos, sin, interleaved=rope_interleaved)
+    k[..., :rope_dim] = rope(k[..., :rope_dim], cos, sin, interleaved=rope_interleaved)
+    weights = (np.asarray(x, np.float64) @ w_iw.T) * num_heads**-0.5 * head_dim**-0.5
+    return q, weights, write_cache(index_k_cache, slot_mapping, k)
+
+
+def indexer_logits(q_idx, weights, index_k_cache, block_table, seq_lens_k, cu_seqlens_q):
+    """-> [T, max_blocks * block_size] scores I[t,s] = sum_j w[t,j] * ReLU(q[t,j] . k[s]); -inf where s is not
+    visible to token t (s > its position)."""
+    num_tokens, width = q_idx.shape[0], block_table.shape[1] * index_k_cache.shape[1]
+    seqs, positions = token_sequences(cu_seqlens_q), token_positions(seq_lens_k, cu_seqlens_q)
+    logits = np.full((num_tokens, width), -np.inf)
+    for t in range(num_tokens):
+        visible = np.arange(positions[t] + 1)
+        keys = gather_keys(index_k_cache, block_table, seqs[t], visible)  # [S, DI]
+        relu_dots = np.maximum(np.asarray(q_idx[t], np.float64) @ keys.T, 0.0)  # [HI, S]
+        logits[t, visible] = np.asarray(weights[t], np.float64) @ relu_dots
+    return logits
+
+
+def lightning_indexer(q_idx, weights, index_k_cache, block_table, seq_lens_k, cu_seqlens_q, topk):
+    """-> (indices int32 [T,topk], scores [T,topk]): a top-topk set of visible key positions per token, best
+    first; when fewer keys are visible, all of them and then -1 (score -inf)."""
+    logits = indexer_logits(q_idx, weights, index_k_cache, block_table, seq_lens_k, cu_seqlens_q)
+    order = np.argsort(-logits, axis=1, kind="stable")[:, :topk]
+    scores = np.take_along_axis(logits, order, axis=1)
+    if order.shape[1] < topk:  # a cache narrower than topk: pad the columns
+        pad = topk - order.shape[1]
+        order = np.pad(order, ((0, 0), (0, pad)))
+        scores = np.pad(scores, ((0, 0), (0, pad)), constant_values=-np.inf)
+    indices = np.where(np.isfinite(scores), order, -1).astype(np.int32)
+    return indices, scores

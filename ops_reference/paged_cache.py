@@ -1,0 +1,43 @@
+"""The paged ragged batch of OPS.md "Conventions": token positions, key slots, cache writes.
+
+Sequence b owns query tokens cu_seqlens_q[b] : cu_seqlens_q[b+1] and keys 0 .. seq_lens_k[b]-1. Query token i of
+sequence b (q_len new tokens) sits at position seq_lens_k[b] - q_len + i and sees the keys at positions <= it.
+Key position p of sequence b lives in slot block_table[b, p // block_size] * block_size + p % block_size.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def token_sequences(cu_seqlens_q: np.ndarray) -> np.ndarray:
+    """[T] the sequence each query token belongs to."""
+    q_lens = np.diff(np.asarray(cu_seqlens_q, np.int64))
+    return np.repeat(np.arange(len(q_lens)), q_lens)
+
+
+def token_positions(seq_lens_k: np.ndarray, cu_seqlens_q: np.ndarray) -> np.ndarray:
+    """[T] the position of each query token in its sequence."""
+    cu = np.asarray(cu_seqlens_q, np.int64)
+    seq = token_sequences(cu)
+    offset_in_seq = np.arange(cu[-1]) - cu[seq]
+    q_lens = np.diff(cu)
+    return np.asarray(seq_lens_k, np.int64)[seq] - q_lens[seq] + offset_in_seq
+
+
+def gather_keys(cache: np.ndarray, block_table: np.ndarray, b: int, positions: np.ndarray) -> np.ndarray:
+    """The cache rows [len(positions), D] of key `positions` (request-local) of sequence `b`."""
+    block_size = cache.shape[1]
+    positions = np.asarray(positions, np.int64)
+    blocks = np.asarray(block_table, np.int64)[b, positions // block_size]
+    return np.asarray(cache, np.float64)[blocks, positions % block_size]
+
+
+def write_cache(cache: np.ndarray, slot_mapping: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """A copy of `cache` with rows[t] written to flat slot slot_mapping[t]; slot -1 is not written."""
+    new = np.array(cache, np.float64, copy=True)
+    flat = new.reshape(-1, new.shape[-1])
+    slots = np.asarray(slot_mapping, np.int64)
+    keep = slots >= 0
+    flat[slots[keep]] = np.asarray(rows, np.float64)[keep]
+    return new
