@@ -175,10 +175,10 @@ def _resolve_auto(op: str, device_type: str) -> Resolution:
     for name in reg.names():
         backend = reg.get(name)
         avail = reg.availability(name)
-        if backend is None or backend.auto_priority is None:
-            skipped.append(f"{name}: only when named explicitly" if backend else f"{name}: {avail.reason}")
-        elif not avail.available:
+        if backend is None or not avail.available:
             skipped.append(f"{name}: {avail.reason}")
+        elif backend.auto_priority is None:
+            skipped.append(f"{name}: only when named explicitly")
         elif not avail.auto_eligible:
             skipped.append(f"{name}: only when named explicitly here ({avail.reason})")
         elif not avail.runs_on(device_type):

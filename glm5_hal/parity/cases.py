@@ -289,7 +289,7 @@ CASES: list[Case] = [
     # indexer_prolog
     Case("indexer_prolog", "mini_interleaved", "regular", _indexer_prolog(MINI, PREFILL, 8)),
     Case("indexer_prolog", "mini_half_split", "regular", _indexer_prolog(MINI_HALF_SPLIT, RAGGED, 16)),
-    Case("indexer_prolog", "padding_slots_skipped", "corner", _indexer_prolog(MINI, RAGGED, 16, pad=(1, 20))),
+    Case("indexer_prolog", "padding_slots_skipped", "corner", _indexer_prolog(MINI, RAGGED, 16, pad=(1, 17))),
     Case("indexer_prolog", "glm5_dims", "regular", _indexer_prolog(G5, [SeqSpec(3, 40)], 64), slow=True),
     Case("indexer_prolog", "deepseek_v32_dims", "regular", _indexer_prolog(DS, [SeqSpec(2, 9)], 64), slow=True),
     # indexer_logits
