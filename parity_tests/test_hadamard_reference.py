@@ -31,7 +31,7 @@ def test_base_size_selection(n, k):
     assert ref.hadamard_base_size(n) == k
 
 
-@pytest.mark.parametrize("n", [7, 24 * 3, 0, 100])
+@pytest.mark.parametrize("n", [7, 44, 0, 100])
 def test_unsupported_sizes_name_n(n):
     assert ref.hadamard_base_size(n) is None
     with pytest.raises(ValueError, match=f"n: expected .* got {n}"):
