@@ -1,0 +1,153 @@
+"""Lightning indexer: [q/k projections -> LayerNorm -> RoPE on the leading dims -> cache write] (the prolog), then
+per token I[t, s] = sum_j w[t, j] * ReLU(q[t, j] . k[s]) over the visible keys (the logits), then top-k.
+
+The scores are computed tile by tile: a tile of tokens against a chunk of key positions, with the head
+reduction done inside the tile, so the [T, HI, S] product never exists (only [tokens, HI, chunk]).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from backends.torch_eager.paged import key_slots, slot_rows, token_positions, token_sequences, write_cache
+from backends.torch_eager.primitives import COMPUTE_DTYPE, layer_norm, linear, rope_leading, rows_per_tile
+
+# Key positions scored per step; the token tile is then sized so that the gathered keys and the per-head dot
+# products of one step stay within the tile budget.
+KEY_CHUNK = 2048
+
+
+def indexer_prolog(
+    x: Tensor,
+    q_norm: Tensor,
+    w_iq: Tensor,
+    w_ik: Tensor,
+    k_norm_weight: Tensor,
+    k_norm_bias: Tensor,
+    w_iw: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    index_k_cache: Tensor,
+    slot_mapping: Tensor,
+    *,
+    rope_interleaved: bool,
+    eps: float = 1e-6,
+) -> tuple[Tensor, Tensor]:
+    """Indexer queries and head weights of T new tokens; writes their keys (validated by glm5_hal.indexer_prolog).
+
+    x: [T, hidden]. q_norm: [T, q_lora]. w_iq: [HI * DI, q_lora]. w_ik: [DI, hidden]. k_norm_weight, k_norm_bias:
+    [DI]. w_iw: [HI, hidden]. cos, sin: [T, rope / 2] fp32 (RoPE on the FIRST rope dims). index_k_cache:
+    [num_blocks, block_size, DI], written in place at slot_mapping [T] int64 (-1 = skip).
+
+    Returns (q_idx [T, HI, DI] in x's dtype, weights [T, HI] fp32 = (x @ w_iw^T) * HI^-0.5 * DI^-0.5).
+    """
+    num_heads, head_dim = w_iw.shape[0], index_k_cache.shape[-1]
+    x32 = x.to(COMPUTE_DTYPE)
+    q = linear(q_norm.to(COMPUTE_DTYPE), w_iq).view(x.shape[0], num_heads, head_dim)  # [T, HI, DI]
+    k = layer_norm(linear(x32, w_ik), k_norm_weight, k_norm_bias, eps)  # [T, DI]
+    q = rope_leading(q, cos, sin, interleaved=rope_interleaved)
+    k = rope_leading(k, cos, sin, interleaved=rope_interleaved)
+    weights = linear(x32, w_iw) * (num_heads**-0.5 * head_dim**-0.5)  # [T, HI]
+    write_cache(index_k_cache, slot_mapping, k)
+    return q.to(x.dtype), weights
+
+
+class _ScoringBatch:
+    """What every tile of one scoring call shares: queries, fp32 head weights, token sequences and positions, and
+    the cache as rows of flat slots."""
+
+    def __init__(
+        self,
+        q_idx: Tensor,
+        weights: Tensor,
+        index_k_cache: Tensor,
+        block_table: Tensor,
+        seq_lens_k: Tensor,
+        cu_seqlens_q: Tensor,
+    ) -> None:
+        num_tokens, num_heads, head_dim = q_idx.shape
+        self.q = q_idx  # upcast per tile, so a bf16 batch never exists whole in fp32
+        self.weights = weights.to(COMPUTE_DTYPE)  # [T, HI]
+        self.keys = slot_rows(index_k_cache)  # [num_slots, DI]
+        self.block_table = block_table
+        self.block_size = index_k_cache.shape[1]
+        self.width = block_table.shape[1] * self.block_size  # every key position the block table can address
+        self.seqs = token_sequences(cu_seqlens_q, num_tokens)  # [T]
+        self.positions = token_positions(seq_lens_k, cu_seqlens_q, self.seqs)  # [T]
+        self.key_chunk = min(KEY_CHUNK, max(self.width, 1))
+        # Per token of a tile: the gathered key chunk (DI wide) plus the per-head dot products (HI wide).
+        self.token_tile = rows_per_tile(self.key_chunk * (head_dim + num_heads))
+
+    def token_tiles(self) -> range:
+        # A loop over tiles of tokens (not over tokens) that bounds the working set.
+        return range(0, self.q.shape[0], self.token_tile)
+
+    def row_logits(self, start: int, out: Tensor) -> None:
+        """Fill out [tile, width] fp32 with the logits of tokens start : start + tile (-inf where not visible)."""
+        tokens = slice(start, start + out.shape[0])
+        q = self.q[tokens].to(COMPUTE_DTYPE)  # [t, HI, DI]
+        head_weights = self.weights[tokens].unsqueeze(1)  # [t, 1, HI]
+        seqs, positions = self.seqs[tokens], self.positions[tokens]
+        for key_start in range(0, self.width, self.key_chunk):
+            key_pos = torch.arange(key_start, min(key_start + self.key_chunk, self.width), device=q.device)  # [c]
+            slots = key_slots(self.block_table, seqs, key_pos, self.block_size)  # [t, c]
+            keys = self.keys[slots].to(COMPUTE_DTYPE)  # [t, c, DI]
+            relu_dots = torch.bmm(q, keys.transpose(1, 2)).relu_()  # [t, HI, c]
+            scores = torch.bmm(head_weights, relu_dots).squeeze(1)  # head reduction: [t, c]
+            visible = key_pos[None, :] <= positions[:, None]  # causal; also keeps s < seq_lens_k
+            out[:, key_start : key_start + key_pos.shape[0]] = scores.masked_fill_(~visible, float("-inf"))
+
+
+def indexer_logits(
+    q_idx: Tensor,
+    weights: Tensor,
+    index_k_cache: Tensor,
+    block_table: Tensor,
+    seq_lens_k: Tensor,
+    cu_seqlens_q: Tensor,
+) -> Tensor:
+    """The full score matrix (validated by glm5_hal.indexer_logits).
+
+    q_idx: [T, HI, DI]. weights: [T, HI] fp32. index_k_cache: [num_blocks, block_size, DI]. block_table:
+    [B, max_blocks] int32; seq_lens_k: [B] int32; cu_seqlens_q: [B+1] int32.
+
+    Returns logits [T, max_blocks * block_size] fp32, -inf where key position s is not visible to token t.
+    """
+    batch = _ScoringBatch(q_idx, weights, index_k_cache, block_table, seq_lens_k, cu_seqlens_q)
+    logits = torch.empty(q_idx.shape[0], batch.width, dtype=COMPUTE_DTYPE, device=q_idx.device)
+    for start in batch.token_tiles():
+        batch.row_logits(start, logits[start : start + batch.token_tile])
+    return logits
+
+
+def lightning_indexer(
+    q_idx: Tensor,
+    weights: Tensor,
+    index_k_cache: Tensor,
+    block_table: Tensor,
+    seq_lens_k: Tensor,
+    cu_seqlens_q: Tensor,
+    topk: int,
+) -> tuple[Tensor, Tensor]:
+    """Top-`topk` visible keys per token (validated by glm5_hal.lightning_indexer); arguments as `indexer_logits`.
+
+    Returns (indices [T, topk] int32: request-local key positions, best first, -1 after the visible keys run out;
+    scores [T, topk] fp32: their logits, -inf where indices is -1). Only one token tile's logit rows exist at a
+    time.
+    """
+    batch = _ScoringBatch(q_idx, weights, index_k_cache, block_table, seq_lens_k, cu_seqlens_q)
+    num_tokens, device = q_idx.shape[0], q_idx.device
+    # A block table narrower than topk: rank all its columns, the -1 / -inf padding comes from the fill below.
+    ranked = min(topk, batch.width)
+    indices = torch.full((num_tokens, topk), -1, dtype=torch.int32, device=device)
+    scores = torch.full((num_tokens, topk), float("-inf"), dtype=COMPUTE_DTYPE, device=device)
+    row_logits = torch.empty(min(batch.token_tile, num_tokens), batch.width, dtype=COMPUTE_DTYPE, device=device)
+    for start in batch.token_tiles():
+        tile = row_logits[: min(batch.token_tile, num_tokens - start)]
+        batch.row_logits(start, tile)
+        best, columns = torch.topk(tile, ranked, dim=1)  # sorted, so invisible (-inf) keys come last
+        rows = slice(start, start + tile.shape[0])
+        scores[rows, :ranked] = best
+        indices[rows, :ranked] = torch.where(torch.isfinite(best), columns, -1).to(torch.int32)
+    return indices, scores

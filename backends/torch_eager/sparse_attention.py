@@ -1,0 +1,65 @@
+"""Sparse flash attention (DSA over absorbed MLA): per token, gather its top-k latent rows once, then every head
+attends over them: [gather -> scores [tile, H, topk] -> masked softmax -> @ V].
+
+Tokens are processed in tiles sized to bound the working set; no tensor ever spans the whole context, only the
+topk selected rows of each token.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from backends.torch_eager.paged import key_slots, slot_rows, token_sequences
+from backends.torch_eager.primitives import COMPUTE_DTYPE, rows_per_tile
+
+
+def sparse_flash_attention(
+    q: Tensor,
+    kv_cache: Tensor,
+    indices: Tensor,
+    block_table: Tensor,
+    seq_lens_k: Tensor,
+    cu_seqlens_q: Tensor,
+    sm_scale: float,
+    d_v: int = 512,
+) -> tuple[Tensor, Tensor]:
+    """Attention of each token over its selected keys (validated by glm5_hal.sparse_flash_attention).
+
+    q: [T, H, D]. kv_cache: [num_blocks, block_size, D]; K = the whole row, V = its first d_v dims. indices:
+    [T, topk] int32 request-local key positions; -1 and positions >= seq_lens_k[b] are ignored. block_table:
+    [B, max_blocks] int32; seq_lens_k: [B] int32; cu_seqlens_q: [B+1] int32.
+
+    Returns (out [T, H, d_v] in q's dtype, lse [T, H] fp32 natural log); a row with no valid index gives out = 0
+    and lse = -inf.
+    """
+    num_tokens, num_heads, width = q.shape
+    topk = indices.shape[1]
+    block_size = kv_cache.shape[1]
+    rows = slot_rows(kv_cache)  # [num_slots, D]
+    seqs = token_sequences(cu_seqlens_q, num_tokens)  # [T]
+    key_limit = seq_lens_k.to(torch.int64)[seqs]  # [T]
+
+    out = torch.empty(num_tokens, num_heads, d_v, dtype=q.dtype, device=q.device)
+    lse = torch.empty(num_tokens, num_heads, dtype=COMPUTE_DTYPE, device=q.device)
+    # Per token of a tile: its gathered rows (topk x D) and its scores (H x topk), in fp32.
+    token_tile = rows_per_tile(topk * (width + num_heads))
+    for start in range(0, num_tokens, token_tile):  # tiles of tokens bound memory; tokens are not looped
+        tokens = slice(start, start + token_tile)
+        idx = indices[tokens].to(torch.int64)  # [t, topk]
+        valid = (idx >= 0) & (idx < key_limit[tokens, None])  # [t, topk]
+        slots = key_slots(block_table, seqs[tokens], idx, block_size)  # [t, topk]
+        kv = rows[slots].to(COMPUTE_DTYPE)  # [t, topk, D]: gathered once, shared by all heads
+
+        scores = torch.bmm(q[tokens].to(COMPUTE_DTYPE), kv.transpose(1, 2)).mul_(sm_scale)  # [t, H, topk]
+        scores.masked_fill_(~valid[:, None, :], float("-inf"))
+        peak = scores.amax(dim=-1, keepdim=True)  # [t, H, 1]
+        # A row with no valid key has peak -inf; shifting by 0 instead keeps exp() at exactly 0 and avoids nan.
+        peak = torch.where(torch.isfinite(peak), peak, torch.zeros_like(peak))
+        probs = torch.exp(scores.sub_(peak))  # unnormalised, [t, H, topk]
+        total = probs.sum(dim=-1, keepdim=True)  # [t, H, 1]; 0 for an empty row
+        weighted = torch.bmm(probs, kv[..., :d_v])  # [t, H, d_v]
+        # Empty rows: 0 / tiny = 0 (the contract's out = 0), log(0) = -inf (the contract's lse).
+        out[tokens] = (weighted / total.clamp_min(torch.finfo(COMPUTE_DTYPE).tiny)).to(q.dtype)
+        lse[tokens] = (peak + torch.log(total)).squeeze(-1)
+    return out, lse
