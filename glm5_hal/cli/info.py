@@ -113,5 +113,7 @@ def run(args: argparse.Namespace) -> int:
                 print(f"  {'':<10} {op}: {how}")
     print("\nwho runs each op on cpu tensors now")
     for op, sel in data["cpu_selection"].items():
-        print(f"  {op:<24} {sel['backend'] or '-'}  ({sel['reason'].splitlines()[0]})")
+        # The backends list above already says why the others were not considered; keep one line per op.
+        why = sel["reason"].splitlines()[0].split("; not considered")[0]
+        print(f"  {op:<24} {sel['backend'] or '-'}  ({why})")
     return 0
