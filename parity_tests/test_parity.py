@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from conftest import parity_backends
-from glm5_hal.parity import CASES, run_case
+from glm5_hal.parity import CASES, parity_device, run_case
 
 
 def _params():
@@ -21,7 +21,7 @@ def _params():
 def test_parity(available_backend: str, case, dtype: torch.dtype, request, record_parity) -> None:
     if case.slow and request.config.getoption("--quick"):
         pytest.skip("real-dims case skipped by --quick")
-    result = run_case(case, available_backend, dtype)
+    result = run_case(case, available_backend, dtype, device=parity_device(available_backend))
     record_parity(result)
     if result.status == "not implemented":
         pytest.skip(f"{available_backend} does not implement {case.op} natively: {result.detail}")

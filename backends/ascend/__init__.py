@@ -1,11 +1,48 @@
-"""The `ascend` backend: Huawei Ascend through torch_npu's fused ops.
+"""The `ascend` backend: Huawei Ascend NPUs through torch_npu's fused operators (the ones vllm-ascend runs for
+GLM-5 and DeepSeek-V3.2), with layouts and conventions converted at the edge.
 
-Not built yet (issue #4); registered so selection can say so."""
+[detect: lazy torch_npu import, NPU visibility] -> [ops: mla_prolog, indexer, sparse_attention, moe, quant adapters]
+    adapters use [layouts: pure conversions] and [runtime: torch_npu, portable fallback, weights prepared once]
 
-from glm5_hal.registry import unavailable_backend
+Importing this package imports neither torch_npu nor any adapter: the registry calls `probe` when asked, then
+`load_ops`. docs/ascend.md maps every op to its kernel and says what is validated without hardware.
+"""
 
-BACKEND = unavailable_backend(
-    "ascend",
-    "Huawei Ascend through torch_npu's fused ops",
-    "not implemented yet in this version of glm5-hal (tracked in issue #4)",
+from collections.abc import Callable, Mapping
+
+from backends.ascend.detect import probe
+from glm5_hal.registry import Backend
+
+# Ops no torch_npu kernel expresses; the registry runs them through the `torch` backend on the npu device.
+DELEGATES: dict[str, str] = {
+    "indexer_logits": "torch",  # no kernel returns the full [T, S] score matrix (it is a parity/debug op)
+    "hadamard_transform": "torch",  # torch_npu 2.14 has no Hadamard kernel
+}
+
+NOTES = (
+    "fused kernels take bf16/fp16: fp32 activations (and fp32 outputs of quant_matmul / w4a8_matmul) run the "
+    "portable torch path on the npu",
+    "mla_prolog uses npu_mla_prolog_v3 at DeepSeek-V3.2 dims (its documented shape range), the unfused "
+    "npu_kv_rmsnorm_rope_cache path otherwise (GLM-5: q_lora 2048, qk_nope 192)",
+    "shapes outside a kernel's documented range (block size not a multiple of 16, > 64 indexer heads, ...) run the "
+    "portable torch path; see docs/ascend.md",
+    "validated here only against a strict fake of torch_npu 2.14.0's schemas and docs, not on an NPU",
+)
+
+
+def _load_ops() -> Mapping[str, Callable]:
+    from backends.ascend.ops import OPS
+
+    return OPS
+
+
+BACKEND = Backend(
+    name="ascend",
+    summary="Huawei Ascend through torch_npu's fused ops (the ones vllm-ascend runs for GLM-5 / DeepSeek-V3.2)",
+    probe=probe,
+    load_ops=_load_ops,
+    # Ahead of the portable `torch` backend (0) wherever an NPU is visible.
+    auto_priority=30,
+    delegates=DELEGATES,
+    notes=NOTES,
 )

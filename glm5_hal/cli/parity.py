@@ -20,7 +20,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="comma-separated backends (default: GLM5_HAL_BACKEND if it names one, else every available backend)",
     )
     parser.add_argument("--ops", help=f"comma-separated ops (default: all): {', '.join(OP_NAMES)}")
-    parser.add_argument("--device", default="cpu", help="torch device the inputs live on (default cpu)")
+    parser.add_argument(
+        "--device",
+        help="torch device the inputs live on (default: each backend's own device, e.g. npu for ascend, cuda for "
+        "torch on a GPU machine, else cpu; or GLM5_HAL_PARITY_DEVICE)",
+    )
     parser.add_argument("--quick", action="store_true", help="skip the cases at real GLM-5 / DeepSeek-V3.2 dims")
     parser.add_argument("--seed", type=int, help="base seed (default: fresh; printed so a failure can be rerun)")
     parser.add_argument("--json", metavar="FILE", help="write every result and the summary as JSON")
@@ -44,7 +48,7 @@ def default_backends() -> list[str]:
 def run(args: argparse.Namespace) -> int:
     if args.seed is not None:
         os.environ["GLM5_HAL_PARITY_SEED"] = str(args.seed)
-    from glm5_hal.parity import cases_for, format_table, run_all, session_seed, summarise, write_report
+    from glm5_hal.parity import cases_for, format_table, parity_device, run_all, session_seed, summarise, write_report
 
     reg = registry()
     backends = _split(args.backends) or default_backends()
@@ -63,7 +67,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"--ops: unknown {bad_ops}; known: {list(OP_NAMES)}", file=sys.stderr)
         return 2
     cases = [c for c in cases_for(quick=args.quick) if c.op in ops]
-    print(f"parity: backends {', '.join(backends)} on {args.device}, {len(cases)} cases, seed {session_seed()}")
+    where = args.device or ", ".join(f"{b} on {parity_device(b)}" for b in backends)
+    print(f"parity: {where}; {len(cases)} cases, seed {session_seed()}")
     bar = ProgressBar(enabled=False if args.no_progress else None)
     results = run_all(cases, backends, device=args.device, progress=bar)
     print(format_table(summarise(results)))

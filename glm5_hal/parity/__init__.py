@@ -6,7 +6,16 @@
 
 from glm5_hal.parity.cases import CASES, Case, cases_for
 from glm5_hal.parity.compare import TOLERANCE, Verdict
-from glm5_hal.parity.runner import Result, format_table, run_all, run_case, session_seed, summarise, write_report
+from glm5_hal.parity.runner import (
+    Result,
+    format_table,
+    parity_device,
+    run_all,
+    run_case,
+    session_seed,
+    summarise,
+    write_report,
+)
 
 __all__ = [
     "CASES",
@@ -16,6 +25,7 @@ __all__ = [
     "Verdict",
     "Result",
     "run_case",
+    "parity_device",
     "run_all",
     "summarise",
     "format_table",

@@ -14,10 +14,32 @@ import torch
 from glm5_hal.parity.cases import Case
 from glm5_hal.parity.compare import Verdict
 from glm5_hal.parity.specs import SPECS
-from glm5_hal.registry import OP_NAMES
+from glm5_hal.registry import ANY_DEVICE, OP_NAMES, registry
 from glm5_hal.selection import OpNotImplementedError, use_backend
 
 ENV_SEED = "GLM5_HAL_PARITY_SEED"
+ENV_DEVICE = "GLM5_HAL_PARITY_DEVICE"
+
+
+def _device_usable(device_type: str) -> bool:
+    try:
+        torch.empty(0, device=device_type)
+    except Exception:  # RuntimeError (unknown type), AssertionError (torch built without it), vendor errors
+        return False
+    return True
+
+
+def parity_device(backend: str) -> str:
+    """The torch device a backend's parity cases run on: `GLM5_HAL_PARITY_DEVICE` if set; else the first device
+    type the backend names that this process can allocate on (npu for ascend on an Ascend machine, cpu for a
+    CPU stand-in); for a run-anywhere backend, cuda when present, else cpu."""
+    if os.environ.get(ENV_DEVICE):
+        return os.environ[ENV_DEVICE]
+    device_types = registry().availability(backend).device_types
+    for device_type in device_types:
+        if device_type != ANY_DEVICE and _device_usable(device_type):
+            return device_type
+    return "cuda" if ANY_DEVICE in device_types and torch.cuda.is_available() else "cpu"
 
 
 def session_seed() -> int:
@@ -84,15 +106,16 @@ def run_all(
     cases: Iterable[Case],
     backends: Iterable[str],
     *,
-    device: str = "cpu",
+    device: str | None = None,
     progress: Callable[[int, int, str], None] | None = None,
 ) -> list[Result]:
+    """Every case x dtype on every backend; device None = each backend's parity_device."""
     jobs = [(c, b, d) for b in backends for c in cases for d in c.dtypes]
     results = []
     for i, (case, backend, dtype) in enumerate(jobs):
         if progress is not None:
             progress(i, len(jobs), f"{backend} {case.id} {str(dtype).removeprefix('torch.')}")
-        results.append(run_case(case, backend, dtype, device=device))
+        results.append(run_case(case, backend, dtype, device=device or parity_device(backend)))
     if progress is not None:
         progress(len(jobs), len(jobs), "done")
     return results

@@ -1,0 +1,138 @@
+"""Layout conversions between the glm5-hal contract (docs/ops.md) and torch_npu's fused operators.
+
+Pure functions of tensors: no torch_npu call, no host sync unless stated. Each is tested directly against
+ops_reference in parity_tests/test_ascend_adapters.py.
+
+    glm5-hal                                        torch_npu
+    cu_seqlens_q [B+1] = (0, ..., T)            ->  actual_seq_lengths_query [B]: TND prefix sums, no leading 0
+    cos, sin [T, R/2] fp32                      ->  [T, R] in the activation dtype, halves repeated (the
+                                                    InterleaveRope kernels) or pairs repeated (npu_rotary_mul)
+    RoPE output, pairs interleaved (x0, x1)     <-  InterleaveRope output [a_0..a_{R/2-1}, b_0..b_{R/2-1}]
+    indices [T, topk], invalid anywhere         ->  valid-first rows, -1 tail (npu_sparse_flash_attention)
+    request-local key position + block_table    ->  flat cache slot
+    expert_offsets [E+1]                       <->  group_list [E]: cumulative counts, or counts
+    src_index (row r came from assignment a)   <->  sorted_indices (assignment a sits in row r): the inverse
+    softmax_max, softmax_sum [N2, T, H/N2]      ->  natural-log lse [T, H], -inf for a row with no valid key
+    w_packed uint8 [N, K/2] (even k low nibble) ->  int4 values as int32 [N, K] (npu_convert_weight_to_int4pack)
+    dynamic-quant scale 0 (all-zero row)        ->  scale 1, codes 0
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+# ------------------------------------------------------------------------------------------------ ragged batches
+def tnd_prefix_sums(cu_seqlens_q: Tensor) -> Tensor:
+    """[B+1] int32 cumulative token counts (0, ..., T) -> [B] int32, what TND layouts call actual_seq_lengths."""
+    return cu_seqlens_q[1:].to(torch.int32).contiguous()
+
+
+def uniform_prefix_sums(batches: int, length: int, device: torch.device) -> Tensor:
+    """[batches] int32 prefix sums of `batches` sequences of `length` tokens each: length, 2*length, ..."""
+    return torch.arange(1, batches + 1, dtype=torch.int32, device=device) * length
+
+
+def token_sequences(cu_seqlens_q: Tensor, num_tokens: int) -> Tensor:
+    """[T] int64: the sequence each query token belongs to (cu_seqlens_q: [B+1] prefix sums ending at T)."""
+    tokens = torch.arange(num_tokens, device=cu_seqlens_q.device)
+    # right=True skips sequences without new tokens (equal consecutive prefix sums).
+    return torch.searchsorted(cu_seqlens_q[1:].to(torch.int64), tokens, right=True)
+
+
+def key_slots(block_table: Tensor, seqs: Tensor, positions: Tensor, valid: Tensor, block_size: int) -> Tensor:
+    """Flat cache slots of request-local key positions; -1 where `valid` is False.
+
+    block_table: [B, max_blocks] int32. seqs: [N] int64 sequence of each row. positions, valid: [N, S].
+    Returns [N, S] int64: block_table[seq, p // block_size] * block_size + p % block_size.
+    """
+    pos = torch.where(valid, positions.to(torch.int64), 0)  # invalid entries look up block 0, then are masked
+    blocks = block_table.to(torch.int64)[seqs[:, None], pos // block_size]  # [N, S]
+    return torch.where(valid, blocks * block_size + pos % block_size, -1)
+
+
+# --------------------------------------------------------------------------------------------------------- RoPE
+def rope_table_halves(table: Tensor, dtype: torch.dtype) -> Tensor:
+    """[T, R/2] -> [T, R] = [t_0 .. t_{R/2-1}, t_0 .. t_{R/2-1}] in `dtype`.
+
+    The cos/sin layout of torch_npu's InterleaveRope-style kernels (npu_interleave_rope, npu_kv_rmsnorm_rope_cache,
+    npu_mla_prolog_v3) and of npu_rotary_mul's "half" mode.
+    """
+    return torch.cat([table, table], dim=-1).to(dtype)
+
+
+def rope_table_pairs(table: Tensor, dtype: torch.dtype) -> Tensor:
+    """[T, R/2] -> [T, R] = [t_0, t_0, t_1, t_1, ...] in `dtype`: npu_rotary_mul's "interleave" mode."""
+    return torch.repeat_interleave(table, 2, dim=-1).to(dtype)
+
+
+def interleave_rope_pairs(x: Tensor) -> Tensor:
+    """[..., R] pairs stored as halves [a_0 .. a_{R/2-1}, b_0 .. b_{R/2-1}] -> interleaved [a_0, b_0, a_1, b_1, ...].
+
+    InterleaveRope kernels read pairs (x[2i], x[2i+1]) but write the rotated pair i to positions i and i + R/2
+    (DeepSeek's reference code does the same); the contract keeps the interleaved layout.
+    """
+    return x.unflatten(-1, (2, x.shape[-1] // 2)).transpose(-1, -2).flatten(-2)
+
+
+def halve_rope_pairs(x: Tensor) -> Tensor:
+    """Inverse of `interleave_rope_pairs`: [a_0, b_0, a_1, b_1, ...] -> [a_0 .. a_{R/2-1}, b_0 .. b_{R/2-1}]."""
+    return x.unflatten(-1, (x.shape[-1] // 2, 2)).transpose(-1, -2).flatten(-2)
+
+
+# ------------------------------------------------------------------------------------------------ sparse indices
+def valid_first(indices: Tensor, valid: Tensor) -> Tensor:
+    """[T, k] indices with `valid` [T, k] -> the valid entries of each row first (in their order), then -1."""
+    order = torch.sort((~valid).to(torch.int8), dim=1, stable=True).indices
+    moved = indices.gather(1, order)
+    return torch.where(valid.gather(1, order), moved, torch.full_like(moved, -1))
+
+
+def natural_lse(softmax_max: Tensor, softmax_sum: Tensor) -> Tensor:
+    """[N2, T, G] row max and sum of exp(score - max) -> [T, N2 * G] fp32 natural-log logsumexp.
+
+    A row whose sum is 0 (no valid key) gets -inf, the log of an empty sum, whatever the kernel left in its max.
+    """
+    lse = softmax_max.to(torch.float32) + torch.log(softmax_sum.to(torch.float32))
+    lse = torch.where(softmax_sum > 0, lse, torch.full_like(lse, float("-inf")))
+    return lse.permute(1, 0, 2).reshape(lse.shape[1], -1)
+
+
+# -------------------------------------------------------------------------------------------------------- MoE
+def group_list(expert_offsets: Tensor, *, cumulative: bool) -> Tensor:
+    """[E+1] int64 row offsets -> [E] int64: offsets[1:] (group_list_type 0) or per-expert counts (type 1)."""
+    offsets = expert_offsets.to(torch.int64)
+    return offsets[1:].contiguous() if cumulative else (offsets[1:] - offsets[:-1])
+
+
+def offsets_from_counts(counts: Tensor) -> Tensor:
+    """[E] per-expert row counts -> [E+1] int64 row offsets starting at 0."""
+    counts = counts.to(torch.int64)
+    return torch.cat([counts.new_zeros(1), torch.cumsum(counts, 0)])
+
+
+def invert_permutation(perm: Tensor) -> Tensor:
+    """[M] permutation of 0..M-1 -> its inverse (same dtype): inverse[perm[r]] = r."""
+    inverse = torch.empty_like(perm)
+    inverse[perm.to(torch.int64)] = torch.arange(perm.shape[0], dtype=perm.dtype, device=perm.device)
+    return inverse
+
+
+# ------------------------------------------------------------------------------------------------ quantization
+def int4_values(w_packed: Tensor) -> Tensor:
+    """[N, K/2] uint8, two's complement nibbles packed along K with even k in the low nibble -> [N, K] int32."""
+    packed = w_packed.to(torch.int32)
+    low, high = packed & 0xF, packed >> 4
+    nibbles = torch.stack([low, high], dim=-1).flatten(-2)  # [N, K]: k = 2j (low), 2j + 1 (high)
+    return torch.where(nibbles >= 8, nibbles - 16, nibbles)
+
+
+def contract_quant_scale(q: Tensor, scale: Tensor) -> tuple[Tensor, Tensor]:
+    """Per-token int8 codes and scales from npu_dynamic_quant -> the contract's zero-row rule.
+
+    The kernel computes scale = max|x| / 127, which is 0 for an all-zero row (its codes are then undefined); the
+    contract gives such a row scale 1 and codes 0. q: [..., K] int8; scale: [...] fp32.
+    """
+    zero = scale == 0
+    return q.masked_fill(zero[..., None], 0), torch.where(zero, torch.ones_like(scale), scale)

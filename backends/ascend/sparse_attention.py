@@ -1,0 +1,108 @@
+"""Sparse flash attention on Ascend: npu_sparse_flash_attention in absorbed-MLA mode (attention_mode=2) over the
+selected latent rows, with its softmax max/sum turned into the contract's natural-log lse.
+
+    indices [T, topk] (invalid: -1 or >= seq_lens_k, anywhere in the row)
+      -> valid-first rows + flat slots through the block table                      (layouts)
+      -> gather the selected 576-wide rows: key = value = latent [T*topk, 1, 512], key_rope [T*topk, 1, 64]
+      -> npu_sparse_flash_attention(query [T,H,512], query_rope [T,H,64], layout TND/TND, one batch per token
+         with actual_seq_lengths_kv = topk, 2*topk, ..., sparse_indices 0..n_t-1 then -1, return_softmax_lse)
+      -> out [T, H, 512]; lse = max + log(sum); a token with no valid index: out = 0, lse = -inf
+
+Why gather instead of passing the paged cache (PA_BSND) as vllm-ascend does: the kernel reads key, value and
+key_rope as separate contiguous tensors, which the contract's combined [blocks, bs, 576] cache cannot provide
+without copying all of it, and CANN refuses return_softmax_lse together with a PA_BSND key layout. Gathering only
+the selected rows moves exactly the bytes the kernel would read anyway, and the TND key layout keeps the LSE.
+Tokens are processed in tiles so the gathered rows stay bounded at real dims (topk 2048).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from backends.ascend.layouts import key_slots, natural_lse, token_sequences, uniform_prefix_sums, valid_first
+from backends.ascend.runtime import half_or_bf16, npu, portable
+
+LATENT = 512  # npu_sparse_flash_attention in attention_mode 2: query/key/value D = 512, rope D = 64
+ROPE = 64
+QUERY_HEADS = (1, 2, 4, 8, 16, 32, 64, 128)
+GATHER_BUDGET = 1 << 26  # elements of gathered latent rows held at once (128 MiB in bf16)
+
+
+def sparse_flash_attention_unsupported(q: Tensor, d_v: int) -> str | None:
+    """Why npu_sparse_flash_attention cannot take these inputs, or None if it can."""
+    num_tokens, num_heads, width = q.shape
+    if not half_or_bf16(q):
+        return f"npu_sparse_flash_attention takes bf16/fp16, got {q.dtype}"
+    if width != LATENT + ROPE or d_v != LATENT:
+        return (
+            f"npu_sparse_flash_attention (attention_mode 2) takes rows of {LATENT}+{ROPE} with V = the first {LATENT}"
+        )
+    if num_heads not in QUERY_HEADS:
+        return f"npu_sparse_flash_attention takes {QUERY_HEADS} query heads, got {num_heads}"
+    if num_tokens == 0:
+        return "no tokens"
+    return None
+
+
+def _attend_tile(q: Tensor, rows: Tensor, local: Tensor, sm_scale: float) -> tuple[Tensor, Tensor]:
+    """One tile of t tokens: q [t, H, 576], rows [t, topk, 576] gathered, local [t, topk] int32 valid-first
+    positions into each token's own rows. Returns (out [t, H, 512], lse [t, H] fp32)."""
+    tokens, topk = local.shape
+    flat = rows.reshape(tokens * topk, 1, LATENT + ROPE)
+    latent = flat[..., :LATENT].contiguous()  # key and value: the same tensor, as attention_mode 2 requires
+    out, softmax_max, softmax_sum = npu().npu_sparse_flash_attention(
+        q[..., :LATENT].contiguous(),
+        latent,
+        latent,
+        local.view(tokens, 1, topk).contiguous(),
+        sm_scale,
+        actual_seq_lengths_query=uniform_prefix_sums(tokens, 1, q.device),
+        actual_seq_lengths_kv=uniform_prefix_sums(tokens, topk, q.device),
+        query_rope=q[..., LATENT:].contiguous(),
+        key_rope=flat[..., LATENT:].contiguous(),
+        sparse_block_size=1,
+        layout_query="TND",
+        layout_kv="TND",
+        sparse_mode=3,
+        attention_mode=2,
+        return_softmax_lse=True,
+    )
+    return out, natural_lse(softmax_max, softmax_sum)
+
+
+def sparse_flash_attention(q, kv_cache, indices, block_table, seq_lens_k, cu_seqlens_q, sm_scale, d_v=512):
+    """glm5_hal.sparse_flash_attention on torch_npu: -> (out [T, H, d_v] in q's dtype, lse [T, H] fp32).
+
+    q [T, H, 576]; kv_cache [blocks, bs, 576]; indices [T, topk] int32 request-local positions (-1 and positions
+    >= seq_lens_k[b] are invalid); block_table [B, max_blocks] int32; seq_lens_k [B] int32; cu_seqlens_q [B+1].
+    """
+    unsupported = sparse_flash_attention_unsupported(q, d_v)
+    if unsupported is not None:
+        return portable("sparse_flash_attention", unsupported)(
+            q, kv_cache, indices, block_table, seq_lens_k, cu_seqlens_q, sm_scale, d_v
+        )
+    num_tokens, num_heads, width = q.shape
+    topk = indices.shape[1]
+    seqs = token_sequences(cu_seqlens_q, num_tokens)
+    idx = indices.to(torch.int64)
+    valid = (idx >= 0) & (idx < seq_lens_k.to(torch.int64)[seqs, None])  # [T, topk]
+    count = valid.sum(dim=1)  # [T]
+    idx = valid_first(idx, valid)
+    ordered_valid = idx >= 0
+    rows_of = kv_cache.reshape(-1, width)
+    local = torch.where(ordered_valid, torch.arange(topk, device=q.device), -1).to(torch.int32)
+
+    out = torch.empty(num_tokens, num_heads, LATENT, dtype=q.dtype, device=q.device)
+    lse = torch.empty(num_tokens, num_heads, dtype=torch.float32, device=q.device)
+    tile = max(1, GATHER_BUDGET // (topk * width))
+    for start in range(0, num_tokens, tile):  # tiles bound the gathered rows, not a loop over tokens
+        part = slice(start, start + tile)
+        slots = key_slots(block_table, seqs[part], idx[part], ordered_valid[part], kv_cache.shape[1])
+        rows = rows_of[slots.clamp(min=0)]  # [t, topk, 576]; rows of invalid entries are never referenced
+        out[part], lse[part] = _attend_tile(q[part], rows, local[part], float(sm_scale))
+    # The kernel leaves a row without any valid index undefined; the contract says out = 0 and lse = -inf.
+    empty = count == 0
+    out = out.masked_fill(empty[:, None, None], 0)
+    lse = lse.masked_fill(empty[:, None], float("-inf"))
+    return out, lse
