@@ -20,7 +20,7 @@ import importlib.metadata
 import sys
 from collections.abc import Sequence
 
-SUBCOMMANDS = ("info", "parity")
+SUBCOMMANDS = ("info", "parity", "export-onnx")
 COMMAND_ENTRY_POINT_GROUP = "glm5_hal.commands"
 
 

@@ -298,6 +298,7 @@ CASES: list[Case] = [
     Case("indexer_logits", "decode_mtp", "irregular", _indexer(MINI, MTP_DECODE, 16)),
     # lightning_indexer
     Case("lightning_indexer", "fewer_visible_than_topk", "corner", _indexer(MINI, PREFILL, 8, topk=16)),
+    Case("lightning_indexer", "topk_wider_than_cache", "corner", _indexer(MINI, PREFILL, 8, topk=32)),
     Case("lightning_indexer", "mini_ragged_shuffled", "irregular", _indexer(MINI, RAGGED, 16, topk=8)),
     Case("lightning_indexer", "mini_decode", "regular", _indexer(MINI, DECODE, 16, topk=16)),
     Case("lightning_indexer", "decode_mtp", "irregular", _indexer(MINI, MTP_DECODE, 16, topk=24)),
