@@ -50,13 +50,15 @@ class Availability:
 
     available: whether its ops can run here. reason: why (or why not), in words a user can act on, e.g.
     "torch_npu import failed: libhccl.so not found; is CANN installed?". device_types: the torch device types
-    it runs on here ("*" = any device torch has). auto_eligible: whether `auto` may pick it here.
+    it runs on here ("*" = any device torch has). auto_eligible: whether `auto` may pick it here. emulated: the
+    kernels run under an emulator (Triton's CPU interpreter), so the parity suite skips the real-dims cases.
     """
 
     available: bool
     reason: str
     device_types: tuple[str, ...] = ()
     auto_eligible: bool = True  # False: runs when named, but `auto` never picks it here (Triton's CPU interpreter)
+    emulated: bool = False
 
     def runs_on(self, device_type: str) -> bool:
         return self.available and (ANY_DEVICE in self.device_types or device_type in self.device_types)

@@ -12,9 +12,14 @@ import os
 
 import pytest
 
+from backends.triton.runtime import use_interpreter_if_no_gpu
 from glm5_hal.parity.runner import Result, format_table, session_seed, summarise, write_report
 from glm5_hal.registry import registry
 from glm5_hal.selection import ENV_BACKEND
+
+# Without a GPU the triton backend runs under Triton's CPU interpreter, which must be chosen before anything
+# imports triton (torch.compile does, in test_custom_ops.py).
+use_interpreter_if_no_gpu()
 
 _RESULTS: list[Result] = []
 
