@@ -1,11 +1,19 @@
-"""The `cambricon` backend: Cambricon MLU (torch_mlu).
+"""The `cambricon` backend: Cambricon MLU, through the portable paths (glm5_hal.vendors).
 
-Not built yet (issue #4); registered so selection can say so."""
+torch_mlu adds the `mlu` device; FlagTree ships a Cambricon Triton.
+"""
 
-from glm5_hal.registry import unavailable_backend
+from glm5_hal.vendors import VendorSpec, vendor_backend
 
-BACKEND = unavailable_backend(
-    "cambricon",
-    "Cambricon MLU (torch_mlu)",
-    "not implemented yet in this version of glm5-hal (tracked in issue #4)",
+SPEC = VendorSpec(
+    name="cambricon",
+    vendor="Cambricon MLU",
+    device_type="mlu",
+    torch_module="torch_mlu",
+    torch_attr="mlu",
+    smi="cnmon",
+    triton_module="triton",
+    presents_as_cuda=False,
 )
+
+BACKEND = vendor_backend(SPEC)

@@ -1,11 +1,19 @@
-"""The `enflame` backend: Enflame GCU (torch_gcu).
+"""The `enflame` backend: Enflame GCU, through the portable paths (glm5_hal.vendors).
 
-Not built yet (issue #4); registered so selection can say so."""
+torch_gcu adds the `gcu` device; Enflame's Triton is triton_gcu.
+"""
 
-from glm5_hal.registry import unavailable_backend
+from glm5_hal.vendors import VendorSpec, vendor_backend
 
-BACKEND = unavailable_backend(
-    "enflame",
-    "Enflame GCU (torch_gcu)",
-    "not implemented yet in this version of glm5-hal (tracked in issue #4)",
+SPEC = VendorSpec(
+    name="enflame",
+    vendor="Enflame GCU",
+    device_type="gcu",
+    torch_module="torch_gcu",
+    torch_attr="gcu",
+    smi=None,  # FlagGems has no query command for Enflame and vllm-gcu uses the pyefml library instead
+    triton_module="triton_gcu",
+    presents_as_cuda=False,
 )
+
+BACKEND = vendor_backend(SPEC)

@@ -1,11 +1,19 @@
-"""The `hygon` backend: Hygon DCU (DTK / ROCm).
+"""The `hygon` backend: Hygon DCU, through the portable paths (glm5_hal.vendors).
 
-Not built yet (issue #4); registered so selection can say so."""
+Hygon's DTK torch is a ROCm/HIP build that presents the DCU as `cuda` (torch.version.hip set, torch.__hcu_version__).
+"""
 
-from glm5_hal.registry import unavailable_backend
+from glm5_hal.vendors import VendorSpec, vendor_backend
 
-BACKEND = unavailable_backend(
-    "hygon",
-    "Hygon DCU (DTK / ROCm)",
-    "not implemented yet in this version of glm5-hal (tracked in issue #4)",
+SPEC = VendorSpec(
+    name="hygon",
+    vendor="Hygon DCU",
+    device_type="cuda",
+    torch_module=None,
+    torch_attr="__hcu_version__",
+    smi="hy-smi",
+    triton_module="triton",
+    presents_as_cuda=True,
 )
+
+BACKEND = vendor_backend(SPEC)

@@ -1,11 +1,19 @@
-"""The `kunlun` backend: Kunlunxin XPU.
+"""The `kunlun` backend: Kunlunxin XPU, through the portable paths (glm5_hal.vendors).
 
-Not built yet (issue #4); registered so selection can say so."""
+Kunlunxin's own torch build presents the XPU as `cuda`; its vendor Triton wheel imports as `triton`.
+"""
 
-from glm5_hal.registry import unavailable_backend
+from glm5_hal.vendors import VendorSpec, vendor_backend
 
-BACKEND = unavailable_backend(
-    "kunlun",
-    "Kunlunxin XPU",
-    "not implemented yet in this version of glm5-hal (tracked in issue #4)",
+SPEC = VendorSpec(
+    name="kunlun",
+    vendor="Kunlunxin XPU",
+    device_type="cuda",
+    torch_module=None,
+    torch_attr=None,
+    smi="xpu-smi",
+    triton_module="triton",
+    presents_as_cuda=True,
 )
+
+BACKEND = vendor_backend(SPEC)

@@ -1,11 +1,19 @@
-"""The `metax` backend: MetaX (MACA).
+"""The `metax` backend: MetaX, through the portable paths (glm5_hal.vendors).
 
-Not built yet (issue #4); registered so selection can say so."""
+MetaX's MACA torch presents the GPU as `cuda`; only the mx-smi command tells it apart.
+"""
 
-from glm5_hal.registry import unavailable_backend
+from glm5_hal.vendors import VendorSpec, vendor_backend
 
-BACKEND = unavailable_backend(
-    "metax",
-    "MetaX (MACA)",
-    "not implemented yet in this version of glm5-hal (tracked in issue #4)",
+SPEC = VendorSpec(
+    name="metax",
+    vendor="MetaX",
+    device_type="cuda",
+    torch_module=None,
+    torch_attr=None,
+    smi="mx-smi",
+    triton_module="triton",
+    presents_as_cuda=True,
 )
+
+BACKEND = vendor_backend(SPEC)

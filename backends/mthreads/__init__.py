@@ -1,11 +1,19 @@
-"""The `mthreads` backend: Moore Threads MUSA (torch_musa).
+"""The `mthreads` backend: Moore Threads MUSA, through the portable paths (glm5_hal.vendors).
 
-Not built yet (issue #4); registered so selection can say so."""
+torch_musa adds the `musa` device; FlagTree ships a Moore Threads Triton.
+"""
 
-from glm5_hal.registry import unavailable_backend
+from glm5_hal.vendors import VendorSpec, vendor_backend
 
-BACKEND = unavailable_backend(
-    "mthreads",
-    "Moore Threads MUSA (torch_musa)",
-    "not implemented yet in this version of glm5-hal (tracked in issue #4)",
+SPEC = VendorSpec(
+    name="mthreads",
+    vendor="Moore Threads MUSA",
+    device_type="musa",
+    torch_module="torch_musa",
+    torch_attr="musa",
+    smi="mthreads-gmi",
+    triton_module="triton",
+    presents_as_cuda=False,
 )
+
+BACKEND = vendor_backend(SPEC)

@@ -42,10 +42,10 @@ def op_table(name: str) -> dict[str, str]:
     ops = reg.ops(name)
     table = {}
     for op in OP_NAMES:
-        if op in ops:
-            table[op] = "native"
-        elif op in backend.delegates:
+        if op in backend.delegates:  # checked first: a delegating backend's table holds the delegate's function
             table[op] = f"via {backend.delegates[op]}"
+        elif op in ops:
+            table[op] = "native"
         else:
             table[op] = "fallback to torch"
     return table

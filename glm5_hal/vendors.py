@@ -1,0 +1,195 @@
+"""Portable backends for accelerators that run the `torch` (and, where the vendor ships one, `triton`) paths.
+
+Each vendor folder under backends/ holds one `VendorSpec` and calls `vendor_backend(spec)`; everything else,
+detection included, lives here once (the FlagGems `runtime/backend/_<vendor>/` and vLLM platform-plugin
+pattern). Detection, in FlagGems' order:
+
+1. environment: `GLM5_HAL_VENDOR=<backend name>` says which vendor this machine is (and rules the others out);
+2. torch: the vendor's extension module imported (lazily, here, never at `import glm5_hal`) and its attribute
+   on `torch` (`torch.mlu`, `torch.musa`, ...), or the build marker of a torch that presents as `cuda`
+   (`torch.version.hip` plus `torch.__hcu_version__` for Hygon DTK); a CUDA device whose name says NVIDIA is
+   never taken for a vendor presenting as `cuda`;
+3. the vendor's SMI command (`cnmon`, `xpu-smi`, `mthreads-gmi`, `hy-smi`, `mx-smi`) found on PATH and exiting 0.
+
+A detected vendor is available when torch can use its device. Testing without the hardware: a fake extension
+module carrying `GLM5_HAL_STAND_IN_DEVICE = "cpu"`, or the environment variable `GLM5_HAL_STAND_IN_DEVICE=cpu`
+next to a detection signal, makes the backend accept CPU tensors and says so in its reason.
+
+No vendor-tuned kernels exist yet: every op runs the portable `torch` implementation on the vendor's device, or
+the `triton` one where the vendor's Triton toolchain imports. `glm5-hal info` shows which, per op.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import shutil
+import subprocess
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import torch
+
+from glm5_hal.registry import OP_NAMES, Availability, Backend, registry
+
+ENV_VENDOR = "GLM5_HAL_VENDOR"
+ENV_STAND_IN = "GLM5_HAL_STAND_IN_DEVICE"
+STAND_IN_ATTR = "GLM5_HAL_STAND_IN_DEVICE"
+SMI_TIMEOUT_S = 10.0
+
+
+@dataclass(frozen=True)
+class VendorSpec:
+    """What glm5-hal needs to know about one vendor.
+
+    name: the backend name (`GLM5_HAL_BACKEND=<name>`). vendor: who makes the device, for messages.
+    device_type: the torch device type its tensors live on ("mlu", "musa", "gcu", or "cuda" for devices that
+        present as CUDA). torch_module: the PyTorch extension to import, or None when the vendor ships a whole
+        torch build instead. torch_attr: the attribute that extension (or build) adds to `torch`, or None.
+    smi: the device-query command, or None where no command is known to work.
+    triton_module: the import name of the vendor's Triton toolchain, or None.
+    presents_as_cuda: its tensors are on "cuda", so an NVIDIA device name rules it out.
+    """
+
+    name: str
+    vendor: str
+    device_type: str
+    torch_module: str | None
+    torch_attr: str | None
+    smi: str | None
+    triton_module: str | None = None
+    presents_as_cuda: bool = False
+
+    @property
+    def summary(self) -> str:
+        return f"{self.vendor} ({self.device_type}): portable torch/triton paths on the device; no tuned kernels yet"
+
+
+@dataclass(frozen=True)
+class Detection:
+    found: bool
+    how: str  # what said so (or why not), for the availability reason
+    stand_in: bool = False  # a fake on the CPU stand-in device
+
+
+def _import_extension(spec: VendorSpec) -> tuple[object | None, str | None]:
+    """(module, None) or (None, why not); an import that raises is a reason, never an exception."""
+    if spec.torch_module is None:
+        return None, None
+    if importlib.util.find_spec(spec.torch_module) is None:
+        return None, f"{spec.torch_module} is not installed"
+    try:
+        return importlib.import_module(spec.torch_module), None
+    except Exception as exc:  # a broken vendor install must not break glm5_hal
+        return None, f"{spec.torch_module} import failed: {type(exc).__name__}: {exc}"
+
+
+def _is_nvidia() -> bool:
+    try:
+        return torch.cuda.is_available() and "NVIDIA" in torch.cuda.get_device_name().upper()
+    except Exception:
+        return False
+
+
+def _torch_marker(spec: VendorSpec) -> bool:
+    if spec.torch_attr is None:
+        return False
+    if spec.presents_as_cuda and _is_nvidia():
+        return False
+    return hasattr(torch, spec.torch_attr)
+
+
+def _smi_succeeds(command: str | None) -> bool:
+    path = shutil.which(command) if command else None
+    if path is None:
+        return False
+    try:
+        return subprocess.run([path], capture_output=True, timeout=SMI_TIMEOUT_S).returncode == 0
+    except (OSError, subprocess.SubprocessError):
+        return False
+
+
+def detect(spec: VendorSpec) -> Detection:
+    """Is this machine's accelerator `spec`'s? Environment first, then torch, then the SMI command."""
+    named = os.environ.get(ENV_VENDOR, "").strip().lower()
+    if named and named != spec.name:
+        return Detection(False, f"{ENV_VENDOR}={named} names another vendor")
+    module, import_error = _import_extension(spec)
+    stand_in = getattr(module, STAND_IN_ATTR, None) == "cpu" or os.environ.get(ENV_STAND_IN, "") == "cpu"
+    if named == spec.name:
+        return Detection(True, f"{ENV_VENDOR}={named}", stand_in)
+    if import_error and spec.torch_attr is None:
+        return Detection(False, import_error)
+    if module is not None or _torch_marker(spec):
+        marker = spec.torch_module if module is not None else f"torch.{spec.torch_attr}"
+        return Detection(True, f"{marker} found", stand_in)
+    if _smi_succeeds(spec.smi):
+        return Detection(True, f"{spec.smi} found on PATH", stand_in)
+    why = import_error or (f"no torch.{spec.torch_attr}" if spec.torch_attr else "nothing in torch tells it apart")
+    smi = f"{spec.smi} not on PATH" if spec.smi else "no device-query command known"
+    return Detection(False, f"no {spec.vendor} device found ({why}; {smi})")
+
+
+def _device_usable(device_type: str) -> bool:
+    module = getattr(torch, device_type, None)
+    try:
+        return bool(module is not None and module.is_available())
+    except Exception:
+        return False
+
+
+def probe(spec: VendorSpec) -> Availability:
+    found = detect(spec)
+    if not found.found:
+        return Availability(False, found.how)
+    if found.stand_in:
+        return Availability(
+            True,
+            f"{found.how}; a fake for testing: runs on the CPU stand-in device, not on a {spec.vendor} device",
+            (spec.device_type, "cpu"),
+            auto_eligible=True,
+        )
+    if spec.presents_as_cuda and _is_nvidia():
+        return Availability(False, f"{found.how}, but the CUDA device is NVIDIA's: use the triton or torch backend")
+    if not _device_usable(spec.device_type):
+        return Availability(False, f"{found.how}, but torch.{spec.device_type}.is_available() is False")
+    return Availability(True, f"{found.how}; {spec.device_type} device available", (spec.device_type,))
+
+
+def vendor_triton_usable(spec: VendorSpec) -> bool:
+    if spec.triton_module is None or importlib.util.find_spec(spec.triton_module) is None:
+        return False
+    return registry().availability("triton").available
+
+
+def vendor_backend(spec: VendorSpec) -> Backend:
+    """The Backend of a portable vendor: every op runs `triton` where the vendor's Triton works, else `torch`.
+
+    The delegate of each op is decided when the ops load (it depends on what imports on this machine), so the
+    `delegates` mapping is filled then; `glm5-hal info` shows it per op.
+    """
+    delegates: dict[str, str] = {}
+
+    def load_ops() -> Mapping[str, Callable]:
+        reg = registry()
+        triton_ops = reg.ops("triton") if vendor_triton_usable(spec) else {}
+        torch_ops = reg.ops("torch")
+        delegates.clear()
+        delegates.update({op: "triton" if op in triton_ops else "torch" for op in OP_NAMES})
+        return {op: (triton_ops.get(op) or torch_ops[op]) for op in OP_NAMES}
+
+    return Backend(
+        name=spec.name,
+        summary=spec.summary,
+        probe=lambda: probe(spec),
+        load_ops=load_ops,
+        # Above the plain torch backend (the same code, but this one knows the device), below tuned backends.
+        auto_priority=10,
+        delegates=delegates,
+        notes=(
+            f"no {spec.vendor}-tuned kernels yet: ops run the portable torch path"
+            + (f" or the vendor's Triton (`{spec.triton_module}`) where it imports" if spec.triton_module else "")
+            + f" on {spec.device_type}",
+        ),
+    )

@@ -1,0 +1,171 @@
+"""The six portable vendor backends (glm5_hal.vendors): detection by environment, torch marker and SMI command,
+NVIDIA never confused with a vendor that presents as cuda, a broken vendor install reported, selection by
+`auto` and by name, and parity on the CPU stand-in device.
+
+Fakes: an extension module in sys.modules carrying GLM5_HAL_STAND_IN_DEVICE = "cpu" (cambricon, mthreads,
+enflame), a torch attribute (hygon), an SMI executable on PATH (kunlun, metax), each with the CPU stand-in.
+"""
+
+from __future__ import annotations
+
+import importlib.machinery
+import os
+import stat
+import sys
+import types
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from glm5_hal.cli.info import op_table
+from glm5_hal.parity import CASES, run_case
+from glm5_hal.registry import OP_NAMES, registry
+from glm5_hal.selection import resolve, use_backend
+from glm5_hal.vendors import ENV_STAND_IN, ENV_VENDOR, STAND_IN_ATTR, VendorSpec, vendor_triton_usable
+
+VENDORS = ("cambricon", "kunlun", "mthreads", "hygon", "metax", "enflame")
+
+
+def _spec(name: str) -> VendorSpec:
+    return sys.modules[f"backends.{name}"].SPEC if f"backends.{name}" in sys.modules else _load_spec(name)
+
+
+def _load_spec(name: str) -> VendorSpec:
+    import importlib
+
+    return importlib.import_module(f"backends.{name}").SPEC
+
+
+@pytest.fixture
+def fresh_registry() -> Iterator[None]:
+    registry().refresh()
+    yield
+    registry().refresh()
+
+
+def _fake_module(monkeypatch: pytest.MonkeyPatch, name: str, stand_in: bool = True) -> None:
+    module = types.ModuleType(name)
+    module.__spec__ = importlib.machinery.ModuleSpec(name, loader=None)
+    if stand_in:
+        setattr(module, STAND_IN_ATTR, "cpu")
+    monkeypatch.setitem(sys.modules, name, module)
+
+
+def _fake_smi(monkeypatch: pytest.MonkeyPatch, tmp_path, command: str, exit_code: int = 0) -> None:
+    script = tmp_path / command
+    script.write_text(f"#!/bin/sh\necho fake {command}\nexit {exit_code}\n")
+    script.chmod(script.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ.get('PATH', '')}")
+
+
+def _fake_vendor(name: str, monkeypatch: pytest.MonkeyPatch, tmp_path) -> str:
+    """Make `name` detectable the way its real device would be; returns the signal the reason must name."""
+    spec = _load_spec(name)
+    if spec.torch_module is not None:
+        _fake_module(monkeypatch, spec.torch_module)
+        return spec.torch_module
+    monkeypatch.setenv(ENV_STAND_IN, "cpu")
+    if spec.torch_attr is not None:
+        monkeypatch.setattr(torch, spec.torch_attr, "fake-1.0", raising=False)
+        return f"torch.{spec.torch_attr}"
+    _fake_smi(monkeypatch, tmp_path, spec.smi)
+    return spec.smi
+
+
+@pytest.mark.parametrize("name", VENDORS)
+def test_not_detected_without_any_signal(name, fresh_registry):
+    avail = registry().availability(name)
+    assert not avail.available
+    assert "no " in avail.reason and "found" in avail.reason, avail.reason
+
+
+@pytest.mark.parametrize("name", VENDORS)
+def test_detected_by_its_own_signal_and_picked_by_auto(name, monkeypatch, tmp_path, fresh_registry):
+    signal = _fake_vendor(name, monkeypatch, tmp_path)
+    avail = registry().availability(name)
+    assert avail.available, avail.reason
+    assert signal in avail.reason and "CPU stand-in" in avail.reason
+    assert _load_spec(name).device_type in avail.device_types
+    for op in OP_NAMES:
+        assert resolve(op, "cpu").backend == name  # auto prefers the vendor over plain torch on its device
+    with use_backend(name):
+        assert resolve("sparse_flash_attention", "cpu").requested == name
+
+
+@pytest.mark.parametrize("name", VENDORS)
+def test_environment_variable_names_the_vendor_and_rules_out_the_others(name, monkeypatch, fresh_registry):
+    monkeypatch.setenv(ENV_VENDOR, name)
+    monkeypatch.setenv(ENV_STAND_IN, "cpu")
+    assert registry().availability(name).available
+    assert f"{ENV_VENDOR}={name}" in registry().availability(name).reason
+    for other in VENDORS:
+        if other != name:
+            assert not registry().availability(other).available
+            assert "names another vendor" in registry().availability(other).reason
+
+
+@pytest.mark.parametrize("name", ["kunlun", "hygon", "metax"])
+def test_nvidia_is_not_taken_for_a_vendor_presenting_as_cuda(name, monkeypatch, tmp_path, fresh_registry):
+    spec = _load_spec(name)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H100 80GB HBM3")
+    if spec.torch_attr is not None:
+        monkeypatch.setattr(torch, spec.torch_attr, "fake-1.0", raising=False)
+        assert not registry().availability(name).available  # the marker alone does not override NVIDIA
+        registry().refresh()
+    _fake_smi(monkeypatch, tmp_path, spec.smi)
+    avail = registry().availability(name)
+    assert not avail.available and "NVIDIA" in avail.reason, avail.reason
+
+
+def test_a_vendor_smi_that_fails_is_not_a_detection(monkeypatch, tmp_path, fresh_registry):
+    _fake_smi(monkeypatch, tmp_path, "mx-smi", exit_code=1)
+    assert not registry().availability("metax").available
+
+
+def test_a_broken_vendor_module_is_reported_not_fatal(monkeypatch, tmp_path, fresh_registry):
+    (tmp_path / "torch_mlu.py").write_text("raise ImportError('libcnrt.so: cannot open shared object file')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "torch_mlu", raising=False)
+    avail = registry().availability("cambricon")
+    assert not avail.available
+    assert "torch_mlu import failed" in avail.reason and "libcnrt.so" in avail.reason
+    assert resolve("moe_gate", "cpu").backend == "torch"  # everything else still works
+
+
+def test_without_the_stand_in_a_detected_vendor_needs_its_device(monkeypatch, fresh_registry):
+    _fake_module(monkeypatch, "torch_musa", stand_in=False)
+    avail = registry().availability("mthreads")
+    assert not avail.available and "torch.musa.is_available() is False" in avail.reason
+
+
+@pytest.mark.parametrize("name", VENDORS)
+def test_info_shows_which_portable_backend_runs_each_op(name, monkeypatch, tmp_path, fresh_registry):
+    _fake_vendor(name, monkeypatch, tmp_path)
+    table = op_table(name)
+    assert set(table) == set(OP_NAMES)
+    assert set(table.values()) <= {"via torch", "via triton"}
+    triton_ok = vendor_triton_usable(_load_spec(name))
+    assert (table["moe_gate"] == "via triton") == (triton_ok and "moe_gate" in registry().ops("triton"))
+    assert table["sparse_flash_attention"] == (
+        "via triton" if triton_ok and "sparse_flash_attention" in registry().ops("triton") else "via torch"
+    )
+
+
+# One case of every op, in both dtypes: the vendor backends run the same torch / triton functions that the full
+# suite already checks case by case, so here the point is that they run, through the vendor, on its device.
+_REPRESENTATIVE = {}
+for _case in CASES:
+    if not _case.slow:
+        _REPRESENTATIVE.setdefault(_case.op, _case)
+
+
+@pytest.mark.parametrize("name", VENDORS)
+@pytest.mark.parametrize("case", list(_REPRESENTATIVE.values()), ids=lambda c: c.id)
+def test_parity_on_the_cpu_stand_in(name, case, monkeypatch, tmp_path, fresh_registry, record_parity):
+    _fake_vendor(name, monkeypatch, tmp_path)
+    for dtype in case.dtypes:
+        result = run_case(case, name, dtype, device="cpu")
+        record_parity(result)
+        assert result.passed, f"{result.status}: {result.detail}"
