@@ -62,22 +62,22 @@ def op_inputs(op: str, sc: Scenario, gen: torch.Generator) -> dict:
     experts = min(cfg.n_routed_experts, BENCH_EXPERTS) if cfg.hidden_size >= 4096 else cfg.n_routed_experts
     rows = tokens * k
     make: dict[str, Callable[[], Callable]] = {
-        "mla_prolog": lambda: builders._mla_prolog(cfg, seqs, BLOCK_SIZE),
-        "indexer_prolog": lambda: builders._indexer_prolog(cfg, seqs, BLOCK_SIZE),
-        "indexer_logits": lambda: builders._indexer(cfg, seqs, BLOCK_SIZE),
-        "lightning_indexer": lambda: builders._indexer(cfg, seqs, BLOCK_SIZE, topk=cfg.index_topk),
-        "sparse_flash_attention": lambda: builders._sparse_attention(cfg, seqs, BLOCK_SIZE, topk=cfg.index_topk),
-        "moe_gate": lambda: builders._moe_gate(cfg, tokens),
-        "moe_dispatch": lambda: builders._moe_dispatch(tokens, hidden, k, cfg.n_routed_experts),
-        "grouped_matmul": lambda: builders._grouped_matmul(
+        "mla_prolog": lambda: builders.mla_prolog_inputs(cfg, seqs, BLOCK_SIZE),
+        "indexer_prolog": lambda: builders.indexer_prolog_inputs(cfg, seqs, BLOCK_SIZE),
+        "indexer_logits": lambda: builders.indexer_inputs(cfg, seqs, BLOCK_SIZE),
+        "lightning_indexer": lambda: builders.indexer_inputs(cfg, seqs, BLOCK_SIZE, topk=cfg.index_topk),
+        "sparse_flash_attention": lambda: builders.sparse_attention_inputs(cfg, seqs, BLOCK_SIZE, topk=cfg.index_topk),
+        "moe_gate": lambda: builders.moe_gate_inputs(cfg, tokens),
+        "moe_dispatch": lambda: builders.moe_dispatch_inputs(tokens, hidden, k, cfg.n_routed_experts),
+        "grouped_matmul": lambda: builders.grouped_matmul_inputs(
             [rows // experts + (e < rows % experts) for e in range(experts)], 2 * inter, hidden
         ),
-        "moe_combine": lambda: builders._moe_combine(tokens, k, hidden),
-        "fused_moe": lambda: builders._fused_moe(tokens, hidden, inter, min(k, experts), experts),
-        "dynamic_quant": lambda: builders._dynamic_quant((tokens, hidden)),
-        "quant_matmul": lambda: builders._quant_matmul(tokens, cfg.q_lora_rank, hidden),
-        "w4a8_matmul": lambda: builders._w4a8_matmul(tokens, 2 * inter, hidden, 128),
-        "hadamard_transform": lambda: builders._hadamard((tokens, hidden)),
+        "moe_combine": lambda: builders.moe_combine_inputs(tokens, k, hidden),
+        "fused_moe": lambda: builders.fused_moe_inputs(tokens, hidden, inter, min(k, experts), experts),
+        "dynamic_quant": lambda: builders.dynamic_quant_inputs((tokens, hidden)),
+        "quant_matmul": lambda: builders.quant_matmul_inputs(tokens, cfg.q_lora_rank, hidden),
+        "w4a8_matmul": lambda: builders.w4a8_matmul_inputs(tokens, 2 * inter, hidden, 128),
+        "hadamard_transform": lambda: builders.hadamard_inputs((tokens, hidden)),
     }
     inputs = make[op]()(gen, torch.float32)
     if "out_dtype" in inputs:

@@ -52,7 +52,7 @@ MTP_DECODE = [SeqSpec(2, 50), SeqSpec(2, 2)]  # two new tokens each (multi-token
 
 
 # ---------------------------------------------------------------------------------------------------- prologs
-def _mla_prolog(cfg: ModelConfig, seqs: list[SeqSpec], block_size: int, pad: tuple[int, ...] = ()) -> Build:
+def mla_prolog_inputs(cfg: ModelConfig, seqs: list[SeqSpec], block_size: int, pad: tuple[int, ...] = ()) -> Build:
     def build(gen: torch.Generator, dtype: torch.dtype) -> dict:
         batch = paged_batch(seqs, block_size, gen, pad_slots=pad)
         w = mla_weights(cfg, gen, dtype)
@@ -70,7 +70,7 @@ def _mla_prolog(cfg: ModelConfig, seqs: list[SeqSpec], block_size: int, pad: tup
     return build
 
 
-def _indexer_prolog(cfg: ModelConfig, seqs: list[SeqSpec], block_size: int, pad: tuple[int, ...] = ()) -> Build:
+def indexer_prolog_inputs(cfg: ModelConfig, seqs: list[SeqSpec], block_size: int, pad: tuple[int, ...] = ()) -> Build:
     def build(gen: torch.Generator, dtype: torch.dtype) -> dict:
         batch = paged_batch(seqs, block_size, gen, pad_slots=pad)
         w = mla_weights(cfg, gen, dtype)
@@ -90,7 +90,7 @@ def _indexer_prolog(cfg: ModelConfig, seqs: list[SeqSpec], block_size: int, pad:
 
 
 # ---------------------------------------------------------------------------------------------------- indexer
-def _indexer(cfg: ModelConfig, seqs: list[SeqSpec], block_size: int, topk: int | None = None) -> Build:
+def indexer_inputs(cfg: ModelConfig, seqs: list[SeqSpec], block_size: int, topk: int | None = None) -> Build:
     def build(gen: torch.Generator, dtype: torch.dtype) -> dict:
         batch = paged_batch(seqs, block_size, gen)
         inputs = {
@@ -110,7 +110,7 @@ def _indexer(cfg: ModelConfig, seqs: list[SeqSpec], block_size: int, topk: int |
 
 
 # ---------------------------------------------------------------------------------------------- sparse attention
-def _sparse_attention(
+def sparse_attention_inputs(
     cfg: ModelConfig,
     seqs: list[SeqSpec],
     block_size: int,
@@ -138,7 +138,7 @@ def _sparse_attention(
 
 
 # -------------------------------------------------------------------------------------------------------- MoE
-def _moe_gate(
+def moe_gate_inputs(
     cfg: ModelConfig, tokens: int, *, scoring: str | None = None, bias: bool = True, norm: bool | None = None
 ) -> Build:
     def build(gen: torch.Generator, dtype: torch.dtype) -> dict:
@@ -168,7 +168,7 @@ def _routing(tokens: int, k: int, num_experts: int, gen: torch.Generator, used_e
     return weights, ids
 
 
-def _moe_dispatch(tokens: int, width: int, k: int, num_experts: int, used_experts: int | None = None) -> Build:
+def moe_dispatch_inputs(tokens: int, width: int, k: int, num_experts: int, used_experts: int | None = None) -> Build:
     def build(gen: torch.Generator, dtype: torch.dtype) -> dict:
         return {
             "x": randn((tokens, width), gen, dtype=dtype),
@@ -179,7 +179,7 @@ def _moe_dispatch(tokens: int, width: int, k: int, num_experts: int, used_expert
     return build
 
 
-def _grouped_matmul(group_sizes: list[int], n: int, k: int) -> Build:
+def grouped_matmul_inputs(group_sizes: list[int], n: int, k: int) -> Build:
     def build(gen: torch.Generator, dtype: torch.dtype) -> dict:
         offsets = torch.zeros(len(group_sizes) + 1, dtype=torch.int64)
         offsets[1:] = torch.cumsum(torch.tensor(group_sizes), 0)
@@ -192,7 +192,7 @@ def _grouped_matmul(group_sizes: list[int], n: int, k: int) -> Build:
     return build
 
 
-def _moe_combine(tokens: int, k: int, width: int) -> Build:
+def moe_combine_inputs(tokens: int, k: int, width: int) -> Build:
     def build(gen: torch.Generator, dtype: torch.dtype) -> dict:
         return {
             "y_sorted": randn((tokens * k, width), gen, dtype=dtype),
@@ -203,7 +203,9 @@ def _moe_combine(tokens: int, k: int, width: int) -> Build:
     return build
 
 
-def _fused_moe(tokens: int, width: int, inter: int, k: int, num_experts: int, used_experts: int | None = None) -> Build:
+def fused_moe_inputs(
+    tokens: int, width: int, inter: int, k: int, num_experts: int, used_experts: int | None = None
+) -> Build:
     def build(gen: torch.Generator, dtype: torch.dtype) -> dict:
         weights, ids = _routing(tokens, k, num_experts, gen, used_experts)
         return {
@@ -218,7 +220,7 @@ def _fused_moe(tokens: int, width: int, inter: int, k: int, num_experts: int, us
 
 
 # ------------------------------------------------------------------------------------------------ quantization
-def _dynamic_quant(shape: tuple[int, ...], zero_rows: tuple[int, ...] = ()) -> Build:
+def dynamic_quant_inputs(shape: tuple[int, ...], zero_rows: tuple[int, ...] = ()) -> Build:
     def build(gen: torch.Generator, dtype: torch.dtype) -> dict:
         x = randn(shape, gen, std=3.0, dtype=dtype)
         for r in zero_rows:
@@ -236,7 +238,7 @@ def _scales(n: int, gen: torch.Generator, unit: bool) -> torch.Tensor:
     return torch.ones(n) if unit else torch.rand(n, generator=gen) * 0.02 + 1e-3
 
 
-def _quant_matmul(m: int, n: int, k: int, *, bias: bool = False, unit_scales: bool = False) -> Build:
+def quant_matmul_inputs(m: int, n: int, k: int, *, bias: bool = False, unit_scales: bool = False) -> Build:
     def build(gen: torch.Generator, dtype: torch.dtype) -> dict:
         return {
             "x_q": _int8((m, k), gen),
@@ -250,7 +252,7 @@ def _quant_matmul(m: int, n: int, k: int, *, bias: bool = False, unit_scales: bo
     return build
 
 
-def _w4a8_matmul(m: int, n: int, k: int, group_size: int | None, unit_scales: bool = False) -> Build:
+def w4a8_matmul_inputs(m: int, n: int, k: int, group_size: int | None, unit_scales: bool = False) -> Build:
     def build(gen: torch.Generator, dtype: torch.dtype) -> dict:
         nibbles = torch.randint(0, 256, (n, k // 2), generator=gen, dtype=torch.uint8)  # every int4 pair
         scale_shape = n if group_size is None else n * (k // group_size)
@@ -267,7 +269,7 @@ def _w4a8_matmul(m: int, n: int, k: int, group_size: int | None, unit_scales: bo
     return build
 
 
-def _hadamard(shape: tuple[int, ...], scale: float | None = None) -> Build:
+def hadamard_inputs(shape: tuple[int, ...], scale: float | None = None) -> Build:
     def build(gen: torch.Generator, dtype: torch.dtype) -> dict:
         return {"x": randn(shape, gen, dtype=dtype), "scale": scale}
 
@@ -280,124 +282,134 @@ MINI_GROUPS = GLM5_MINI.with_overrides(name="glm5-mini-groups", n_group=4, topk_
 
 CASES: list[Case] = [
     # mla_prolog
-    Case("mla_prolog", "mini_prefill", "regular", _mla_prolog(MINI, PREFILL, 8)),
-    Case("mla_prolog", "mini_ragged_shuffled", "irregular", _mla_prolog(MINI, RAGGED, 16)),
-    Case("mla_prolog", "mini_decode", "regular", _mla_prolog(MINI, DECODE, 16)),
-    Case("mla_prolog", "padding_slots_skipped", "corner", _mla_prolog(MINI, RAGGED, 16, pad=(0, 7, 17))),
-    Case("mla_prolog", "glm5_dims", "regular", _mla_prolog(G5, [SeqSpec(3, 40)], 64), slow=True),
-    Case("mla_prolog", "deepseek_v32_dims", "regular", _mla_prolog(DS, [SeqSpec(2, 9)], 64), slow=True),
+    Case("mla_prolog", "mini_prefill", "regular", mla_prolog_inputs(MINI, PREFILL, 8)),
+    Case("mla_prolog", "mini_ragged_shuffled", "irregular", mla_prolog_inputs(MINI, RAGGED, 16)),
+    Case("mla_prolog", "mini_decode", "regular", mla_prolog_inputs(MINI, DECODE, 16)),
+    Case("mla_prolog", "padding_slots_skipped", "corner", mla_prolog_inputs(MINI, RAGGED, 16, pad=(0, 7, 17))),
+    Case("mla_prolog", "glm5_dims", "regular", mla_prolog_inputs(G5, [SeqSpec(3, 40)], 64), slow=True),
+    Case("mla_prolog", "deepseek_v32_dims", "regular", mla_prolog_inputs(DS, [SeqSpec(2, 9)], 64), slow=True),
     # indexer_prolog
-    Case("indexer_prolog", "mini_interleaved", "regular", _indexer_prolog(MINI, PREFILL, 8)),
-    Case("indexer_prolog", "mini_half_split", "regular", _indexer_prolog(MINI_HALF_SPLIT, RAGGED, 16)),
-    Case("indexer_prolog", "padding_slots_skipped", "corner", _indexer_prolog(MINI, RAGGED, 16, pad=(1, 17))),
-    Case("indexer_prolog", "glm5_dims", "regular", _indexer_prolog(G5, [SeqSpec(3, 40)], 64), slow=True),
-    Case("indexer_prolog", "deepseek_v32_dims", "regular", _indexer_prolog(DS, [SeqSpec(2, 9)], 64), slow=True),
+    Case("indexer_prolog", "mini_interleaved", "regular", indexer_prolog_inputs(MINI, PREFILL, 8)),
+    Case("indexer_prolog", "mini_half_split", "regular", indexer_prolog_inputs(MINI_HALF_SPLIT, RAGGED, 16)),
+    Case("indexer_prolog", "padding_slots_skipped", "corner", indexer_prolog_inputs(MINI, RAGGED, 16, pad=(1, 17))),
+    Case("indexer_prolog", "glm5_dims", "regular", indexer_prolog_inputs(G5, [SeqSpec(3, 40)], 64), slow=True),
+    Case("indexer_prolog", "deepseek_v32_dims", "regular", indexer_prolog_inputs(DS, [SeqSpec(2, 9)], 64), slow=True),
     # indexer_logits
-    Case("indexer_logits", "mini_prefill", "regular", _indexer(MINI, PREFILL, 8)),
-    Case("indexer_logits", "mini_ragged_shuffled", "irregular", _indexer(MINI, RAGGED, 16)),
-    Case("indexer_logits", "decode_mtp", "irregular", _indexer(MINI, MTP_DECODE, 16)),
+    Case("indexer_logits", "mini_prefill", "regular", indexer_inputs(MINI, PREFILL, 8)),
+    Case("indexer_logits", "mini_ragged_shuffled", "irregular", indexer_inputs(MINI, RAGGED, 16)),
+    Case("indexer_logits", "decode_mtp", "irregular", indexer_inputs(MINI, MTP_DECODE, 16)),
     # lightning_indexer
-    Case("lightning_indexer", "fewer_visible_than_topk", "corner", _indexer(MINI, PREFILL, 8, topk=16)),
-    Case("lightning_indexer", "topk_wider_than_cache", "corner", _indexer(MINI, PREFILL, 8, topk=32)),
-    Case("lightning_indexer", "mini_ragged_shuffled", "irregular", _indexer(MINI, RAGGED, 16, topk=8)),
-    Case("lightning_indexer", "mini_decode", "regular", _indexer(MINI, DECODE, 16, topk=16)),
-    Case("lightning_indexer", "decode_mtp", "irregular", _indexer(MINI, MTP_DECODE, 16, topk=24)),
-    Case("lightning_indexer", "topk_1", "corner", _indexer(MINI, RAGGED, 16, topk=1)),
+    Case("lightning_indexer", "fewer_visible_than_topk", "corner", indexer_inputs(MINI, PREFILL, 8, topk=16)),
+    Case("lightning_indexer", "topk_wider_than_cache", "corner", indexer_inputs(MINI, PREFILL, 8, topk=32)),
+    Case("lightning_indexer", "mini_ragged_shuffled", "irregular", indexer_inputs(MINI, RAGGED, 16, topk=8)),
+    Case("lightning_indexer", "mini_decode", "regular", indexer_inputs(MINI, DECODE, 16, topk=16)),
+    Case("lightning_indexer", "decode_mtp", "irregular", indexer_inputs(MINI, MTP_DECODE, 16, topk=24)),
+    Case("lightning_indexer", "topk_1", "corner", indexer_inputs(MINI, RAGGED, 16, topk=1)),
     Case(
         "lightning_indexer",
         "glm5_dims_topk2048",
         "regular",
-        _indexer(G5, [SeqSpec(3, 3000), SeqSpec(1, 2100)], 64, topk=2048),
+        indexer_inputs(G5, [SeqSpec(3, 3000), SeqSpec(1, 2100)], 64, topk=2048),
         slow=True,
     ),
     # sparse_flash_attention
-    Case("sparse_flash_attention", "mini_prefill", "regular", _sparse_attention(MINI, PREFILL, 8, topk=16)),
+    Case("sparse_flash_attention", "mini_prefill", "regular", sparse_attention_inputs(MINI, PREFILL, 8, topk=16)),
     Case(
         "sparse_flash_attention",
         "ragged_with_invalid",
         "irregular",
-        _sparse_attention(MINI, RAGGED, 16, topk=24, invalid_fraction=0.2),
+        sparse_attention_inputs(MINI, RAGGED, 16, topk=24, invalid_fraction=0.2),
     ),
-    Case("sparse_flash_attention", "decode", "regular", _sparse_attention(MINI, DECODE, 16, topk=32)),
+    Case("sparse_flash_attention", "decode", "regular", sparse_attention_inputs(MINI, DECODE, 16, topk=32)),
     Case(
         "sparse_flash_attention",
         "empty_rows",
         "corner",
-        _sparse_attention(MINI, RAGGED, 16, topk=8, empty_rows=(0, 5, 17)),
+        sparse_attention_inputs(MINI, RAGGED, 16, topk=8, empty_rows=(0, 5, 17)),
     ),
     Case(
         "sparse_flash_attention",
         "glm5_dims_topk2048",
         "regular",
-        _sparse_attention(G5, [SeqSpec(2, 4000), SeqSpec(1, 1500)], 64, topk=2048, invalid_fraction=0.05),
+        sparse_attention_inputs(G5, [SeqSpec(2, 4000), SeqSpec(1, 1500)], 64, topk=2048, invalid_fraction=0.05),
         slow=True,
     ),
     Case(
         "sparse_flash_attention",
         "deepseek_v32_heads",
         "regular",
-        _sparse_attention(DS, [SeqSpec(1, 3000)], 64, topk=2048),
+        sparse_attention_inputs(DS, [SeqSpec(1, 3000)], 64, topk=2048),
         slow=True,
     ),
     # moe_gate (router logits are fp32 in every model)
-    Case("moe_gate", "glm5_sigmoid", "regular", _moe_gate(G5, 37), dtypes=FP32_ONLY),
-    Case("moe_gate", "deepseek_v32_groups", "regular", _moe_gate(DS, 37), dtypes=FP32_ONLY),
+    Case("moe_gate", "glm5_sigmoid", "regular", moe_gate_inputs(G5, 37), dtypes=FP32_ONLY),
+    Case("moe_gate", "deepseek_v32_groups", "regular", moe_gate_inputs(DS, 37), dtypes=FP32_ONLY),
     Case(
-        "moe_gate", "mini_groups_softmax", "irregular", _moe_gate(MINI_GROUPS, 19, scoring="softmax"), dtypes=FP32_ONLY
+        "moe_gate",
+        "mini_groups_softmax",
+        "irregular",
+        moe_gate_inputs(MINI_GROUPS, 19, scoring="softmax"),
+        dtypes=FP32_ONLY,
     ),
-    Case("moe_gate", "no_bias_unnormalised", "corner", _moe_gate(MINI, 19, bias=False, norm=False), dtypes=FP32_ONLY),
+    Case(
+        "moe_gate",
+        "no_bias_unnormalised",
+        "corner",
+        moe_gate_inputs(MINI, 19, bias=False, norm=False),
+        dtypes=FP32_ONLY,
+    ),
     # moe_dispatch
-    Case("moe_dispatch", "mini", "regular", _moe_dispatch(23, 64, 4, 16)),
-    Case("moe_dispatch", "zero_token_experts", "corner", _moe_dispatch(23, 64, 3, 16, used_experts=5)),
-    Case("moe_dispatch", "all_tokens_one_expert", "corner", _moe_dispatch(23, 64, 1, 16, used_experts=1)),
+    Case("moe_dispatch", "mini", "regular", moe_dispatch_inputs(23, 64, 4, 16)),
+    Case("moe_dispatch", "zero_token_experts", "corner", moe_dispatch_inputs(23, 64, 3, 16, used_experts=5)),
+    Case("moe_dispatch", "all_tokens_one_expert", "corner", moe_dispatch_inputs(23, 64, 1, 16, used_experts=1)),
     # grouped_matmul
-    Case("grouped_matmul", "mini", "regular", _grouped_matmul([5, 9, 3, 7], 48, 64)),
-    Case("grouped_matmul", "zero_token_experts", "corner", _grouped_matmul([0, 6, 0, 0, 11, 0], 40, 32)),
-    Case("grouped_matmul", "all_rows_one_expert", "corner", _grouped_matmul([0, 0, 17, 0], 24, 40)),
-    Case("grouped_matmul", "glm5_expert_dims", "regular", _grouped_matmul([3, 0, 5], 2048, 6144), slow=True),
+    Case("grouped_matmul", "mini", "regular", grouped_matmul_inputs([5, 9, 3, 7], 48, 64)),
+    Case("grouped_matmul", "zero_token_experts", "corner", grouped_matmul_inputs([0, 6, 0, 0, 11, 0], 40, 32)),
+    Case("grouped_matmul", "all_rows_one_expert", "corner", grouped_matmul_inputs([0, 0, 17, 0], 24, 40)),
+    Case("grouped_matmul", "glm5_expert_dims", "regular", grouped_matmul_inputs([3, 0, 5], 2048, 6144), slow=True),
     # moe_combine
-    Case("moe_combine", "mini", "regular", _moe_combine(23, 4, 64)),
-    Case("moe_combine", "top1", "corner", _moe_combine(9, 1, 48)),
+    Case("moe_combine", "mini", "regular", moe_combine_inputs(23, 4, 64)),
+    Case("moe_combine", "top1", "corner", moe_combine_inputs(9, 1, 48)),
     # fused_moe
-    Case("fused_moe", "mini", "regular", _fused_moe(21, 256, 64, 4, 16)),
-    Case("fused_moe", "zero_token_experts", "corner", _fused_moe(21, 256, 64, 4, 16, used_experts=6)),
-    Case("fused_moe", "all_tokens_one_expert", "corner", _fused_moe(9, 128, 32, 1, 8, used_experts=1)),
+    Case("fused_moe", "mini", "regular", fused_moe_inputs(21, 256, 64, 4, 16)),
+    Case("fused_moe", "zero_token_experts", "corner", fused_moe_inputs(21, 256, 64, 4, 16, used_experts=6)),
+    Case("fused_moe", "all_tokens_one_expert", "corner", fused_moe_inputs(9, 128, 32, 1, 8, used_experts=1)),
     # dynamic_quant
-    Case("dynamic_quant", "tokens", "regular", _dynamic_quant((37, 256))),
-    Case("dynamic_quant", "zero_row_3d", "corner", _dynamic_quant((3, 5, 96), zero_rows=(4, 11))),
+    Case("dynamic_quant", "tokens", "regular", dynamic_quant_inputs((37, 256))),
+    Case("dynamic_quant", "zero_row_3d", "corner", dynamic_quant_inputs((3, 5, 96), zero_rows=(4, 11))),
     # quant_matmul
-    Case("quant_matmul", "mini", "regular", _quant_matmul(17, 48, 256, bias=True)),
+    Case("quant_matmul", "mini", "regular", quant_matmul_inputs(17, 48, 256, bias=True)),
     Case(
         "quant_matmul",
         "unit_scales_exact",
         "corner",
-        _quant_matmul(9, 40, 512, unit_scales=True),
+        quant_matmul_inputs(9, 40, 512, unit_scales=True),
         dtypes=FP32_ONLY,
         exact=True,
     ),
-    Case("quant_matmul", "glm5_q_a_proj_dims", "regular", _quant_matmul(4, 2048, 6144), slow=True),
+    Case("quant_matmul", "glm5_q_a_proj_dims", "regular", quant_matmul_inputs(4, 2048, 6144), slow=True),
     # w4a8_matmul
-    Case("w4a8_matmul", "per_channel", "regular", _w4a8_matmul(17, 48, 256, None)),
-    Case("w4a8_matmul", "group_64", "irregular", _w4a8_matmul(13, 40, 256, 64)),
+    Case("w4a8_matmul", "per_channel", "regular", w4a8_matmul_inputs(17, 48, 256, None)),
+    Case("w4a8_matmul", "group_64", "irregular", w4a8_matmul_inputs(13, 40, 256, 64)),
     Case(
         "w4a8_matmul",
         "unit_scales_exact",
         "corner",
-        _w4a8_matmul(9, 24, 512, None, unit_scales=True),
+        w4a8_matmul_inputs(9, 24, 512, None, unit_scales=True),
         dtypes=FP32_ONLY,
         exact=True,
     ),
-    Case("w4a8_matmul", "glm5_expert_dims_g128", "regular", _w4a8_matmul(4, 2048, 6144, 128), slow=True),
+    Case("w4a8_matmul", "glm5_expert_dims_g128", "regular", w4a8_matmul_inputs(4, 2048, 6144, 128), slow=True),
     # hadamard_transform
-    Case("hadamard_transform", "pow2_128", "regular", _hadamard((9, 128))),
-    Case("hadamard_transform", "k_sizes", "irregular", _hadamard((3, 12 * 4))),
+    Case("hadamard_transform", "pow2_128", "regular", hadamard_inputs((9, 128))),
+    Case("hadamard_transform", "k_sizes", "irregular", hadamard_inputs((3, 12 * 4))),
     *(
-        Case("hadamard_transform", f"k{k}", "irregular", _hadamard((2, k * 2)))
+        Case("hadamard_transform", f"k{k}", "irregular", hadamard_inputs((2, k * 2)))
         for k in (20, 28, 36, 40, 52, 60, 108, 140, 156, 172)
     ),
-    Case("hadamard_transform", "explicit_scale", "corner", _hadamard((4, 64), scale=0.5)),
-    Case("hadamard_transform", "glm5_hidden_6144", "regular", _hadamard((3, 6144)), slow=True),
-    Case("hadamard_transform", "deepseek_hidden_7168", "regular", _hadamard((3, 7168)), slow=True),
+    Case("hadamard_transform", "explicit_scale", "corner", hadamard_inputs((4, 64), scale=0.5)),
+    Case("hadamard_transform", "glm5_hidden_6144", "regular", hadamard_inputs((3, 6144)), slow=True),
+    Case("hadamard_transform", "deepseek_hidden_7168", "regular", hadamard_inputs((3, 7168)), slow=True),
 ]
 
 
