@@ -15,16 +15,15 @@ Runs natively on a GPU, else under TRITON_INTERPRET=1 on the CPU (shapes chosen 
 
 from __future__ import annotations
 
-import os
 import zlib
 
 import numpy as np
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    # Before triton's first import: it decides at import whether tl's own functions are interpreted.
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+from backends.triton.runtime import use_interpreter_if_no_gpu
+
+use_interpreter_if_no_gpu()  # before triton's first import (the conftest does it too; this file may run alone)
 pytest.importorskip("triton")
 
 import triton  # noqa: E402
