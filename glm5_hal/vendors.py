@@ -7,8 +7,8 @@ pattern). Detection, in FlagGems' order:
 1. environment: `GLM5_HAL_VENDOR=<backend name>` says which vendor this machine is (and rules the others out);
 2. torch: the vendor's extension module imported (lazily, here, never at `import glm5_hal`) and its attribute
    on `torch` (`torch.mlu`, `torch.musa`, ...), or the build marker of a torch that presents as `cuda`
-   (`torch.version.hip` plus `torch.__hcu_version__` for Hygon DTK); a CUDA device whose name says NVIDIA is
-   never taken for a vendor presenting as `cuda`;
+   (`torch.__hcu_version__` for Hygon DTK; `torch.version.hip` alone is any ROCm build, AMD's too, so it is not
+   a Hygon signal); a CUDA device whose name says NVIDIA is never taken for a vendor presenting as `cuda`;
 3. the vendor's SMI command (`cnmon`, `xpu-smi`, `mthreads-gmi`, `hy-smi`, `mx-smi`) found on PATH and exiting 0.
 
 A detected vendor is available when torch can use its device. Testing without the hardware: a fake extension
@@ -16,7 +16,8 @@ module carrying `GLM5_HAL_STAND_IN_DEVICE = "cpu"`, or the environment variable 
 next to a detection signal, makes the backend accept CPU tensors and says so in its reason.
 
 No vendor-tuned kernels exist yet: every op runs the portable `torch` implementation on the vendor's device, or
-the `triton` one where the vendor's Triton toolchain imports. `glm5-hal info` shows which, per op.
+the `triton` one where the vendor's Triton toolchain imports and glm5-hal's triton backend runs compiled kernels
+on that device (never Triton's CPU interpreter on a real device). `glm5-hal info` shows which, per op.
 """
 
 from __future__ import annotations
@@ -139,14 +140,15 @@ def _device_usable(device_type: str) -> bool:
         return False
 
 
-def probe(spec: VendorSpec) -> Availability:
-    found = detect(spec)
+def probe(spec: VendorSpec, found: Detection | None = None) -> Availability:
+    """Availability of `spec` here, from `found` (detected now when not given)."""
+    found = found if found is not None else detect(spec)
     if not found.found:
         return Availability(False, found.how)
     if found.stand_in:
         return Availability(
             True,
-            f"{found.how}; a fake for testing: runs on the CPU stand-in device, not on a {spec.vendor} device",
+            f"{found.how}; a fake for testing: runs on the CPU stand-in device, not on {spec.vendor} hardware",
             (spec.device_type, "cpu"),
             auto_eligible=True,
         )
@@ -157,10 +159,20 @@ def probe(spec: VendorSpec) -> Availability:
     return Availability(True, f"{found.how}; {spec.device_type} device available", (spec.device_type,))
 
 
-def vendor_triton_usable(spec: VendorSpec) -> bool:
+def vendor_triton_usable(spec: VendorSpec, stand_in: bool) -> bool:
+    """Whether `spec`'s ops take the `triton` path here (call after the vendor's probe said available).
+
+    The vendor's Triton toolchain must import, and glm5-hal's triton backend must run on the device the vendor's
+    tensors are on: compiled there on a real device. Triton's CPU interpreter would otherwise be switched on for
+    the whole process and fed device tensors. On the CPU stand-in the device is the CPU, so the interpreter is
+    the stand-in's Triton, and the parity tests exercise the triton path of the vendor backends through it.
+    """
     if spec.triton_module is None or importlib.util.find_spec(spec.triton_module) is None:
         return False
-    return registry().availability("triton").available
+    triton = registry().availability("triton")
+    if stand_in:
+        return triton.runs_on("cpu")
+    return triton.runs_on(spec.device_type) and not triton.emulated
 
 
 def vendor_backend(spec: VendorSpec) -> Backend:
@@ -170,10 +182,16 @@ def vendor_backend(spec: VendorSpec) -> Backend:
     `delegates` mapping is filled then; `glm5-hal info` shows it per op.
     """
     delegates: dict[str, str] = {}
+    detected: list[Detection] = []  # the last probe's detection: load_ops runs right after a successful probe
+
+    def run_probe() -> Availability:
+        detected[:] = [detect(spec)]
+        return probe(spec, detected[0])
 
     def load_ops() -> Mapping[str, Callable]:
         reg = registry()
-        triton_ops = reg.ops("triton") if vendor_triton_usable(spec) else {}
+        stand_in = bool(detected) and detected[0].stand_in
+        triton_ops = reg.ops("triton") if vendor_triton_usable(spec, stand_in) else {}
         torch_ops = reg.ops("torch")
         delegates.clear()
         delegates.update({op: "triton" if op in triton_ops else "torch" for op in OP_NAMES})
@@ -182,14 +200,18 @@ def vendor_backend(spec: VendorSpec) -> Backend:
     return Backend(
         name=spec.name,
         summary=spec.summary,
-        probe=lambda: probe(spec),
+        probe=run_probe,
         load_ops=load_ops,
         # Above the plain torch backend (the same code, but this one knows the device), below tuned backends.
         auto_priority=10,
         delegates=delegates,
         notes=(
-            f"no {spec.vendor}-tuned kernels yet: ops run the portable torch path"
-            + (f" or the vendor's Triton (`{spec.triton_module}`) where it imports" if spec.triton_module else "")
-            + f" on {spec.device_type}",
+            f"no {spec.vendor}-tuned kernels yet: ops run on {spec.device_type} through the portable torch path"
+            + (
+                f", or the triton backend where the vendor's Triton (`{spec.triton_module}`) imports and the triton "
+                f"backend compiles for {spec.device_type}"
+                if spec.triton_module
+                else ""
+            ),
         ),
     )

@@ -7,33 +7,40 @@ here, each by a classical construction (every one is checked against H H^T = K I
 - Paley I, order q + 1 for a prime q = 3 (mod 4): 12, 20, 60, 108, 140;
 - Paley II, order 2(q + 1) for a prime power q = 1 (mod 4): 28 (q=13), 36 (q=17), 52 (q=25, over GF(25));
 - Sylvester doubling: 40 = 2 x 20;
-- Williamson array of four circulants of order n = K/4: 156 (n=39) and 172 (n=43). Their first rows are data,
-  not a construction: the Hadamard matrices had156 and had172 of N. J. A. Sloane's library, as shipped in
-  QuaRot's fake_quant/hadamard_utils.py, are in this form, and the rows below are the four 39- / 43-long
-  segments of one of their rows.
+- Williamson array of four symmetric circulants of order n = K/4: 156 (n=39) and 172 (n=43). Their first rows
+  are data, not a construction (for these two orders they come from computer searches, not from a formula):
+  the four segments of the first row of Sloane's had156 / had172 as QuaRot ships them.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 
 import numpy as np
 
+# A GF(q) element: an int mod q for prime q, a pair (x0, x1) = x0 + x1 a for GF(25).
+Element = int | tuple[int, int]
+
 HADAMARD_BASE_SIZES = (172, 156, 140, 108, 60, 52, 40, 36, 28, 20, 12, 1)
 
+# First rows of the four symmetric circulants A, B, C, D of order n = K / 4 ("Williamson sequences"). They are
+# the four n-long segments of the first row of get_had156() / get_had172() in QuaRot's
+# fake_quant/hadamard_utils.py, which cites N. J. A. Sloane's library of Hadamard matrices (had156.will,
+# had172.will). Each row is symmetric (row[i] == row[n - i]), as the Williamson construction needs.
 _WILLIAMSON_ROWS = {
     39: (
-        "++--++++-+-++-+-++++--++-+++-------+++-",
-        "-----+--++----++--+-----+-+--+++++--+-+",
-        "+-+++++---+--+---+++++-+-+--+++-+++--+-",
-        "+---+-+--+----+--+-+---+-++--+++++--++-",
+        "+++--+-+-----+--++----++--+-----+-+--++",
+        "++++---+--++----+-+--+-+----++--+---+++",
+        "+++--++-+---+-+--+----+--+-+---+-++--++",
+        "+---++-+-+-----+++-++-+++-----+-+-++---",
     ),
     43: (
-        "++----+-++-++--++++++++--++-++-+----+++---+",
-        "+-+--++-+-+----+-++++-+----+-+-++--+-+-----",
-        "++++++----+-+--++-++-++--+-+----++++++-+++-",
-        "-++--++++-+-+++-++--++-+++-+-++++--++---+--",
+        "+---++--++++-+-+++-++--++-+++-+-++++--++---",
+        "++-++++++----+-+--++-++-++--+-+----++++++-+",
+        "+++-+-++--+-+-++++-+----+-++++-+-+--++-+-++",
+        "++---++++-+--+--++--------++--+--+-++++---+",
     ),
 }
 
@@ -54,29 +61,36 @@ def _sylvester(n: int) -> np.ndarray:
     return h
 
 
-def _quadratic_character(elements: list, mul, zero) -> dict:
-    """chi(x) over a finite field given as a list of elements: 0 at zero, 1 on squares, -1 otherwise."""
-    squares = {mul(x, x) for x in elements if x != zero}
-    return {x: 0 if x == zero else (1 if x in squares else -1) for x in elements}
-
-
-def _field(q: int) -> tuple[list, object, object, object]:
-    """GF(q) for q prime or q = 25: (elements, add, sub, mul). GF(25) = GF(5)[a] with a^2 = 2 (2 is not a
-    square mod 5), its elements pairs (x0, x1) = x0 + x1 a."""
+def _field(
+    q: int,
+) -> tuple[list[Element], Callable[[Element, Element], Element], Callable[[Element, Element], Element]]:
+    """GF(q) for q prime or q = 25 as (elements, sub, mul), zero first. GF(25) = GF(5)[a] with a^2 = 2 (2 is not
+    a square mod 5, so the polynomial a^2 - 2 is irreducible); its elements are pairs (x0, x1) = x0 + x1 a."""
     if q == 25:
-        elements = [(a, b) for a in range(5) for b in range(5)]
-        add = lambda x, y: ((x[0] + y[0]) % 5, (x[1] + y[1]) % 5)
-        sub = lambda x, y: ((x[0] - y[0]) % 5, (x[1] - y[1]) % 5)
-        mul = lambda x, y: ((x[0] * y[0] + 2 * x[1] * y[1]) % 5, (x[0] * y[1] + x[1] * y[0]) % 5)
-        return elements, add, sub, mul
-    return list(range(q)), (lambda x, y: (x + y) % q), (lambda x, y: (x - y) % q), (lambda x, y: x * y % q)
+        elements: list[Element] = [(x0, x1) for x0 in range(5) for x1 in range(5)]
+
+        def sub(x: Element, y: Element) -> Element:
+            return ((x[0] - y[0]) % 5, (x[1] - y[1]) % 5)
+
+        def mul(x: Element, y: Element) -> Element:
+            return ((x[0] * y[0] + 2 * x[1] * y[1]) % 5, (x[0] * y[1] + x[1] * y[0]) % 5)
+
+        return elements, sub, mul
+    return list(range(q)), (lambda x, y: (x - y) % q), (lambda x, y: x * y % q)
+
+
+def _quadratic_character(q: int) -> tuple[list[Element], Callable[[Element, Element], int]]:
+    """(elements of GF(q), chi_diff) with chi_diff(x, y) = chi(y - x): 0 if x == y, 1 if y - x is a nonzero
+    square, -1 otherwise."""
+    elements, sub, mul = _field(q)
+    squares = {mul(x, x) for x in elements[1:]}
+    return elements, lambda x, y: 0 if x == y else (1 if sub(y, x) in squares else -1)
 
 
 def _jacobsthal(q: int) -> np.ndarray:
-    """Q[i, j] = chi(e_j - e_i) over GF(q): antisymmetric for q = 3 mod 4, symmetric for q = 1 mod 4."""
-    elements, _, sub, mul = _field(q)
-    chi = _quadratic_character(elements, mul, elements[0])
-    return np.array([[chi[sub(b, a)] for b in elements] for a in elements], dtype=np.float64)
+    """[q, q] with Q[i, j] = chi(e_j - e_i) over GF(q): antisymmetric for q = 3 mod 4, symmetric for q = 1 mod 4."""
+    elements, chi_diff = _quadratic_character(q)
+    return np.array([[chi_diff(a, b) for b in elements] for a in elements], dtype=np.float64)
 
 
 def _paley1(q: int) -> np.ndarray:
@@ -95,7 +109,8 @@ def _paley2(q: int) -> np.ndarray:
 
 
 def _williamson(n: int) -> np.ndarray:
-    """Order 4n from circulants A, B, C, D: [[A, B, C, D], [-B, A, -D, C], [-C, D, A, -B], [-D, -C, B, A]]."""
+    """Order 4n: [[A, B, C, D], [-B, A, -D, C], [-C, D, A, -B], [-D, -C, B, A]]. Circulants commute and these are
+    symmetric, so H H^T is block diagonal with blocks A^2 + B^2 + C^2 + D^2, which the rows make 4n I."""
 
     def circulant(row: str) -> np.ndarray:
         first = np.array([1.0 if ch == "+" else -1.0 for ch in row])
@@ -137,13 +152,17 @@ def _factors(n: int) -> tuple[int, int]:
 
 
 def hadamard_matrix(n: int) -> np.ndarray:
-    """The unnormalised +-1 Hadamard matrix [n, n] = kron(H_K, H_{2^m}) for n = K * 2^m."""
+    """The unnormalised +-1 Hadamard matrix [n, n] float64 = kron(H_K, H_{2^m}) for n = K * 2^m.
+
+    ValueError naming n when n has no such form (see hadamard_base_size)."""
     k, pow2 = _factors(n)
     return np.kron(_base_matrix(k), _sylvester(pow2))
 
 
 def hadamard_transform(x: np.ndarray, *, scale: float | None = None) -> np.ndarray:
-    """x [..., n] @ hadamard_matrix(n)^T * scale (default 1/sqrt(n): orthonormal).
+    """y [..., n] float64 = x [..., n] @ hadamard_matrix(n)^T * scale, over the last dim of x (any leading dims).
+
+    scale: None means 1/sqrt(n), which makes the transform orthonormal (x == y @ hadamard_matrix(n) / sqrt(n)).
 
     Computed as H_K X H_{2^m}^T on x viewed [..., K, 2^m], which is the same product without the n x n matrix.
     """

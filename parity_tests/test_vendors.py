@@ -3,11 +3,14 @@ NVIDIA never confused with a vendor that presents as cuda, a broken vendor insta
 `auto` and by name, and parity on the CPU stand-in device.
 
 Fakes: an extension module in sys.modules carrying GLM5_HAL_STAND_IN_DEVICE = "cpu" (cambricon, mthreads,
-enflame), a torch attribute (hygon), an SMI executable on PATH (kunlun, metax), each with the CPU stand-in.
+enflame), a torch attribute (hygon), an SMI executable on PATH (kunlun, metax); the last three present as cuda,
+so the environment variable GLM5_HAL_STAND_IN_DEVICE=cpu puts them on the CPU stand-in (docs/vendors.md). A
+"real device" is faked by a usable torch device module (or a non-NVIDIA torch.cuda) and no stand-in.
 """
 
 from __future__ import annotations
 
+import importlib
 import importlib.machinery
 import os
 import stat
@@ -20,20 +23,14 @@ import torch
 
 from glm5_hal.cli.info import op_table
 from glm5_hal.parity import CASES, run_case
-from glm5_hal.registry import OP_NAMES, registry
+from glm5_hal.registry import OP_NAMES, Availability, Backend, registry
 from glm5_hal.selection import resolve, use_backend
 from glm5_hal.vendors import ENV_STAND_IN, ENV_VENDOR, STAND_IN_ATTR, VendorSpec, vendor_triton_usable
 
 VENDORS = ("cambricon", "kunlun", "mthreads", "hygon", "metax", "enflame")
 
 
-def _spec(name: str) -> VendorSpec:
-    return sys.modules[f"backends.{name}"].SPEC if f"backends.{name}" in sys.modules else _load_spec(name)
-
-
 def _load_spec(name: str) -> VendorSpec:
-    import importlib
-
     return importlib.import_module(f"backends.{name}").SPEC
 
 
@@ -119,6 +116,16 @@ def test_nvidia_is_not_taken_for_a_vendor_presenting_as_cuda(name, monkeypatch, 
     assert not avail.available and "NVIDIA" in avail.reason, avail.reason
 
 
+def test_an_amd_rocm_build_is_not_taken_for_hygon(monkeypatch, fresh_registry):
+    # torch.version.hip is set by every ROCm build; only DTK's torch.__hcu_version__ (or hy-smi) says Hygon.
+    monkeypatch.setattr(torch.version, "hip", "6.2.41133", raising=False)
+    monkeypatch.delattr(torch, "__hcu_version__", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "AMD Instinct MI300X")
+    avail = registry().availability("hygon")
+    assert not avail.available and "no Hygon DCU device found" in avail.reason, avail.reason
+
+
 def test_a_vendor_smi_that_fails_is_not_a_detection(monkeypatch, tmp_path, fresh_registry):
     _fake_smi(monkeypatch, tmp_path, "mx-smi", exit_code=1)
     assert not registry().availability("metax").available
@@ -146,11 +153,59 @@ def test_info_shows_which_portable_backend_runs_each_op(name, monkeypatch, tmp_p
     table = op_table(name)
     assert set(table) == set(OP_NAMES)
     assert set(table.values()) <= {"via torch", "via triton"}
-    triton_ok = vendor_triton_usable(_load_spec(name))
+    triton_ok = vendor_triton_usable(_load_spec(name), stand_in=True)
     assert (table["moe_gate"] == "via triton") == (triton_ok and "moe_gate" in registry().ops("triton"))
     assert table["sparse_flash_attention"] == (
         "via triton" if triton_ok and "sparse_flash_attention" in registry().ops("triton") else "via torch"
     )
+
+
+def _replace_triton(availability: Availability, ops: dict) -> None:
+    """Swap the triton backend for one that reports `availability` and implements `ops` (fresh_registry undoes it)."""
+    registry().unregister("triton")
+    registry().register(Backend("triton", "stand-in triton", probe=lambda: availability, load_ops=lambda: ops))
+
+
+def _on_a_real_device(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make `name` detected on its own (faked) device, without the CPU stand-in."""
+    spec = _load_spec(name)
+    if spec.torch_module is not None:
+        _fake_module(monkeypatch, spec.torch_module, stand_in=False)
+    else:
+        monkeypatch.setattr(torch, spec.torch_attr, "fake-1.0", raising=False)
+    device = types.SimpleNamespace(is_available=lambda: True)
+    if spec.presents_as_cuda:
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: f"{spec.vendor} fake device")
+    else:
+        monkeypatch.setattr(torch, spec.device_type, device, raising=False)
+
+
+def _compiled_moe_gate(*args, **kwargs):
+    raise AssertionError("only its identity matters here")
+
+
+@pytest.mark.parametrize(
+    ("name", "triton_where", "expected"),
+    [
+        ("hygon", Availability(True, "compiled on the DCU", ("cuda",)), "via triton"),
+        ("mthreads", Availability(True, "compiled on a CUDA GPU", ("cuda",)), "via torch"),
+        ("hygon", Availability(True, "CPU interpreter", ("cpu",), auto_eligible=False, emulated=True), "via torch"),
+        ("hygon", Availability(False, "triton is not installed"), "via torch"),
+    ],
+    ids=["compiled-on-its-device", "compiled-elsewhere", "interpreter-only", "no-triton"],
+)
+def test_on_a_real_device_the_triton_path_needs_compiled_triton_there(
+    name, triton_where, expected, monkeypatch, fresh_registry
+):
+    # Triton's CPU interpreter must never be given device tensors, nor switched on for a process that has them.
+    _on_a_real_device(name, monkeypatch)
+    _replace_triton(triton_where, {"moe_gate": _compiled_moe_gate})
+    avail = registry().availability(name)
+    assert avail.available and "CPU stand-in" not in avail.reason, avail.reason
+    assert op_table(name)["moe_gate"] == expected
+    assert (registry().ops(name)["moe_gate"] is _compiled_moe_gate) == (expected == "via triton")
+    assert op_table(name)["sparse_flash_attention"] == "via torch"  # not in this triton table
 
 
 # One case of every op, in both dtypes: the vendor backends run the same torch / triton functions that the full
