@@ -1,0 +1,188 @@
+"""The decoder layer and the causal LM: embedding -> layers (attention + dense MLP or MoE, pre-norm residuals)
+-> final RMSNorm -> lm_head. Built from a checkpoint-named state dict (weights.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from glm5_hal.config import ModelConfig
+from glm5_hal.model.attention import Indexer, MLAAttention
+from glm5_hal.model.cache import PagedKVCache, StepMetadata
+from glm5_hal.model.linear import Linear, RoutedExperts
+from glm5_hal.model.mlp import MLP, MoE, TopkRouter
+from glm5_hal.model.norms import LayerNorm, RMSNorm
+from glm5_hal.model.rope import rope_cos_sin
+from glm5_hal.model.weights import (
+    check_state_dict,
+    expert_module_names,
+    is_moe_layer,
+    layer_prefix,
+    linear_module_names,
+)
+
+
+class DecoderLayer(nn.Module):
+    """h + attn(input_layernorm(h)), then h + mlp(post_attention_layernorm(h)); h [T, hidden]."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, state: dict[str, Tensor]) -> None:
+        super().__init__()
+        p = layer_prefix(layer)
+        a, i = f"{p}.self_attn", f"{p}.self_attn.indexer"
+        eps = cfg.rms_norm_eps
+        self.layer = layer
+        self.input_layernorm = RMSNorm(state[f"{p}.input_layernorm.weight"], eps)
+        self.post_attention_layernorm = RMSNorm(state[f"{p}.post_attention_layernorm.weight"], eps)
+        indexer = Indexer(
+            cfg,
+            state[f"{i}.wq_b.weight"],
+            state[f"{i}.wk.weight"],
+            LayerNorm(state[f"{i}.k_norm.weight"], state[f"{i}.k_norm.bias"], cfg.indexer_norm_eps),
+            state[f"{i}.weights_proj.weight"],
+        )
+        self.self_attn = MLAAttention(
+            cfg,
+            state[f"{a}.q_a_proj.weight"],
+            RMSNorm(state[f"{a}.q_a_layernorm.weight"], eps),
+            state[f"{a}.q_b_proj.weight"],
+            state[f"{a}.kv_a_proj_with_mqa.weight"],
+            RMSNorm(state[f"{a}.kv_a_layernorm.weight"], eps),
+            state[f"{a}.kv_b_proj.weight"],
+            state[f"{a}.o_proj.weight"],
+            indexer,
+        )
+        m = f"{p}.mlp"
+        if is_moe_layer(cfg, layer):
+            experts = range(cfg.n_routed_experts)
+            self.mlp: nn.Module = MoE(
+                cfg,
+                TopkRouter(state[f"{m}.gate.weight"], state[f"{m}.gate.e_score_correction_bias"]),
+                RoutedExperts.from_expert_weights(
+                    [state[f"{m}.experts.{e}.gate_proj.weight"] for e in experts],
+                    [state[f"{m}.experts.{e}.up_proj.weight"] for e in experts],
+                    [state[f"{m}.experts.{e}.down_proj.weight"] for e in experts],
+                ),
+                _mlp(state, f"{m}.shared_experts"),
+            )
+        else:
+            self.mlp = _mlp(state, m)
+
+    def forward(self, h: Tensor, cos: Tensor, sin: Tensor, cache: PagedKVCache, step: StepMetadata) -> Tensor:
+        kv_cache, index_k_cache = cache.kv[self.layer], cache.index_k[self.layer]
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, kv_cache, index_k_cache, step)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+def _mlp(state: dict[str, Tensor], prefix: str) -> MLP:
+    return MLP(*(state[f"{prefix}.{name}.weight"] for name in ("gate_proj", "up_proj", "down_proj")))
+
+
+class Embedding(nn.Module):
+    """weight [vocab, hidden]; input_ids [T] int -> [T, hidden]."""
+
+    def __init__(self, weight: Tensor) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+
+    def forward(self, input_ids: Tensor) -> Tensor:
+        return self.weight[input_ids]
+
+
+class DecoderStack(nn.Module):
+    """The `model.` part of the checkpoint: embed_tokens, layers, norm."""
+
+    def __init__(self, cfg: ModelConfig, state: dict[str, Tensor]) -> None:
+        super().__init__()
+        self.embed_tokens = Embedding(state["model.embed_tokens.weight"])
+        self.layers = nn.ModuleList(DecoderLayer(cfg, layer, state) for layer in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(state["model.norm.weight"], cfg.rms_norm_eps)
+
+
+@dataclass
+class ModelOutput:
+    """logits: [T, vocab] in the model's dtype. layer_outputs: per decoder layer, the residual stream
+    [T, hidden] after that layer (before the final norm), for per-layer error measurements."""
+
+    logits: Tensor
+    layer_outputs: list[Tensor]
+
+
+class CausalLM(nn.Module):
+    """A GLM-5 / DeepSeek-V3.2 causal LM whose hot paths all run through the glm5_hal ops.
+
+    Module names equal the checkpoint's parameter prefixes (`model.layers.3.self_attn.q_a_proj` holds
+    `model.layers.3.self_attn.q_a_proj.weight`), except that a layer's routed experts are one `RoutedExperts`
+    at `model.layers.N.mlp.experts` (stacked w13 / w2).
+    """
+
+    def __init__(self, cfg: ModelConfig, state_dict: dict[str, Tensor]) -> None:
+        super().__init__()
+        check_state_dict(cfg, state_dict)
+        self.cfg = cfg
+        self.dtype = state_dict["model.embed_tokens.weight"].dtype
+        self.model = DecoderStack(cfg, state_dict)
+        self.lm_head = Linear(state_dict["lm_head.weight"])
+
+    # --- the quantization hook -------------------------------------------------------------------------------
+    def linears(self) -> dict[str, nn.Module]:
+        """Every linear call site by module path (router gates and lm_head included), whatever now sits there
+        (a `Linear`, or the quantized module that replaced it)."""
+        return {name: self.get_submodule(name) for name in linear_module_names(self.cfg)}
+
+    def routed_experts(self) -> dict[str, nn.Module]:
+        """The routed-experts call site of every MoE layer by module path ("model.layers.N.mlp.experts")."""
+        return {name: self.get_submodule(name) for name in expert_module_names(self.cfg)}
+
+    def replace_module(self, name: str, new: nn.Module) -> nn.Module:
+        """Put `new` at module path `name` (e.g. "model.layers.1.mlp.experts"); returns the old module."""
+        parent_name, _, child = name.rpartition(".")
+        parent = self.get_submodule(parent_name) if parent_name else self
+        old = getattr(parent, child)  # AttributeError names the path if it does not exist
+        setattr(parent, child, new)
+        return old
+
+    # --- running ---------------------------------------------------------------------------------------------
+    def new_cache(
+        self,
+        max_tokens: int,
+        *,
+        block_size: int = 16,
+        device: torch.device | str = "cpu",
+        shuffle_seed: int | None = None,
+    ) -> PagedKVCache:
+        """A cache with room for `max_tokens` tokens over all sequences (whole blocks per sequence: leave slack)."""
+        num_blocks = max(1, -(-max_tokens // block_size))
+        return PagedKVCache(self.cfg, num_blocks, block_size, self.dtype, device, shuffle_seed=shuffle_seed)
+
+    @torch.no_grad()
+    def forward(self, input_ids: Tensor, cache: PagedKVCache, step: StepMetadata) -> ModelOutput:
+        """Run the new tokens input_ids [T] int64 (token-major, laid out as `step` says) through the model,
+        writing their cache rows. Returns the logits of every new token and the per-layer outputs."""
+        if input_ids.dim() != 1 or input_ids.shape[0] != step.num_tokens:
+            raise ValueError(
+                f"input_ids: expected shape [T] with T = {step.num_tokens} (the step's tokens), "
+                f"got {tuple(input_ids.shape)}"
+            )
+        cos, sin = rope_cos_sin(self.cfg, step.positions)
+        h = self.model.embed_tokens(input_ids)
+        layer_outputs = []
+        for layer in self.model.layers:
+            h = layer(h, cos, sin, cache, step)
+            layer_outputs.append(h)
+        return ModelOutput(self.lm_head(self.model.norm(h)), layer_outputs)
+
+    def step(self, cache: PagedKVCache, tokens: dict[Hashable, Sequence[int] | Tensor]) -> ModelOutput:
+        """Append tokens to sequences ({seq_id: token ids}); new ids are prefilled, known ones continue (decode
+        or chunked prefill). Logits rows follow the dict's order, token-major."""
+        ids = [torch.as_tensor(t, dtype=torch.int64).reshape(-1) for t in tokens.values()]
+        plan = cache.plan_step(list(tokens), [t.numel() for t in ids])
+        return self.forward(torch.cat(ids).to(cache.device), cache, plan)
+
+    def prefill(self, input_ids: Tensor | Sequence[int], *, block_size: int = 16) -> ModelOutput:
+        """One sequence from scratch in a fresh cache (the common case for quality measurements)."""
+        ids = torch.as_tensor(input_ids, dtype=torch.int64).reshape(-1)
+        cache = self.new_cache(ids.numel(), block_size=block_size, device=self.model.embed_tokens.weight.device)
+        return self.step(cache, {0: ids})
