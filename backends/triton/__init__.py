@@ -48,8 +48,4 @@ BACKEND = Backend(
     probe=_probe,
     load_ops=_load_ops,
     auto_priority=20,
-    notes=(
-        "attention-side kernels (mla_prolog, indexer_prolog, indexer_logits, lightning_indexer, "
-        "sparse_flash_attention) are not written yet: those ops run the torch backend",
-    ),
 )

@@ -9,10 +9,18 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from backends.triton.hadamard import hadamard_transform
+from backends.triton.indexer import indexer_logits, lightning_indexer
 from backends.triton.moe import fused_moe, grouped_matmul, moe_combine, moe_dispatch, moe_gate
+from backends.triton.prolog import indexer_prolog, mla_prolog
 from backends.triton.quant import dynamic_quant, quant_matmul, w4a8_matmul
+from backends.triton.sparse_attention import sparse_flash_attention
 
 OPS: dict[str, Callable] = {
+    "mla_prolog": mla_prolog,
+    "indexer_prolog": indexer_prolog,
+    "indexer_logits": indexer_logits,
+    "lightning_indexer": lightning_indexer,
+    "sparse_flash_attention": sparse_flash_attention,
     "moe_gate": moe_gate,
     "moe_dispatch": moe_dispatch,
     "grouped_matmul": grouped_matmul,

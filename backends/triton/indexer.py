@@ -1,0 +1,220 @@
+"""Lightning indexer of the Triton backend: key scores I[t, s] = sum_j w[t, j] * ReLU(q[t, j] . k[s]) and top-k.
+
+[indexer_logits]     one program per (query token, tile of BLOCK_S key positions): the token's HI queries
+                     [BLOCK_HI, DI] against the tile's gathered keys [DI, BLOCK_S] in one dot, ReLU, then the
+                     head reduction with the token's weights, in registers: [T, HI, S] never exists. Key
+                     positions past the token's own (the causal rule) are -inf; a tile wholly past it is not
+                     read at all.
+[lightning_indexer]  the logits kernel over a tile of tokens at a time, then torch.topk on each row.
+
+Why torch.topk rather than a Triton radix select: a topk of 2048 of 64K+ keys per row is what torch.topk's
+CUDA path (a radix select over the row for large k, then a sort of the k winners) is built for; it reads each
+logit row once or twice, which is small next to the logits kernel's key reads and dot products (HI * DI FMAs per
+key), so a hand-written select could at best shave the smaller of the two costs. perf/triton_gpu.py times the
+split; no GPU was available in the session that wrote this, so the claim is still to be measured.
+Reference: ops_reference/indexer.py
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from backends.triton.runtime import DOT_UPCAST, interpreting
+from backends.triton.sparse_attention import key_slots, token_sequence
+
+# Key positions per program: a [HI, DI] x [DI, 128] tensor-core dot on GPU (64 x 128 x 128 at GLM-5), and few
+# enough programs for the interpreter, whose cost is per program.
+_BLOCK_S = 128
+# Logit rows materialised at once by lightning_indexer (fp32 bytes); bounds its memory at long contexts.
+_LOGIT_TILE_BYTES = 256 * 1024 * 1024
+
+
+@triton.jit
+def _indexer_logits_kernel(
+    # Pointers
+    q_ptr,  # [T, HI, DI]
+    weights_ptr,  # [T, HI] fp32
+    k_ptr,  # [num_blocks, BLOCK_SIZE, DI] viewed as flat slots: row s at k_ptr + s * stride_k_slot
+    block_table_ptr,  # [B, max_blocks] int32
+    seq_lens_k_ptr,  # [B] int32
+    cu_seqlens_q_ptr,  # [B+1] int32
+    logits_ptr,  # [rows, width] fp32, written; row r holds token token_offset + r
+    # Sizes
+    token_offset,
+    num_heads,
+    head_dim,
+    num_seqs,
+    max_blocks,
+    width,
+    # Strides (elements)
+    stride_qt,
+    stride_qh,
+    stride_qd,
+    stride_wt,
+    stride_wh,
+    stride_k_slot,
+    stride_kd,
+    stride_bt_b,
+    stride_lt,
+    stride_ls,
+    # Meta-parameters
+    BLOCK_SIZE: tl.constexpr,  # cache block size
+    BLOCK_B: tl.constexpr,  # >= B
+    BLOCK_HI: tl.constexpr,  # >= HI and >= 16 (tl.dot's minimum)
+    BLOCK_D: tl.constexpr,  # >= DI
+    BLOCK_S: tl.constexpr,  # key positions per program
+    DOT_UPCAST: tl.constexpr,  # the interpreter's bf16 dot is wrong: widen operands to fp32 there
+):
+    row = tl.program_id(0).to(tl.int64)
+    token = token_offset + row
+    key_pos = tl.program_id(1) * BLOCK_S + tl.arange(0, BLOCK_S)
+    seq = token_sequence(cu_seqlens_q_ptr, num_seqs, token, BLOCK_B)
+    # The token's own position: seq_lens_k[b] - (new tokens of b) + (its index among them).
+    position = tl.load(seq_lens_k_ptr + seq) - tl.load(cu_seqlens_q_ptr + seq + 1) + token
+    out_ptrs = logits_ptr + row * stride_lt + key_pos * stride_ls
+    if tl.program_id(1) * BLOCK_S <= position:
+        visible = key_pos <= position
+        heads = tl.arange(0, BLOCK_HI)
+        dims = tl.arange(0, BLOCK_D)
+        head_ok = heads < num_heads
+        dim_ok = dims < head_dim
+        q = tl.load(
+            q_ptr + token * stride_qt + heads[:, None] * stride_qh + dims[None, :] * stride_qd,
+            mask=head_ok[:, None] & dim_ok[None, :],
+            other=0.0,
+        )
+        w = tl.load(weights_ptr + token * stride_wt + heads * stride_wh, mask=head_ok, other=0.0)
+        slots = key_slots(block_table_ptr, stride_bt_b, seq, key_pos, max_blocks, BLOCK_SIZE)
+        keys = tl.load(
+            k_ptr + slots[:, None] * stride_k_slot + dims[None, :] * stride_kd,
+            mask=visible[:, None] & dim_ok[None, :],
+            other=0.0,
+        )
+        if DOT_UPCAST:
+            q = q.to(tl.float32)
+            keys = keys.to(tl.float32)
+        # "ieee": fp32 operands must not be rounded to tf32 (fp32 parity is 1e-5); bf16/fp16 dots are unaffected.
+        dots = tl.dot(q, tl.trans(keys), input_precision="ieee")  # [BLOCK_HI, BLOCK_S]
+        scores = tl.sum(tl.maximum(dots, 0.0) * w[:, None], axis=0)  # head reduction -> [BLOCK_S]
+        tl.store(out_ptrs, tl.where(visible, scores, float("-inf")), mask=key_pos < width)
+    else:  # the whole tile is in the token's future
+        tl.store(out_ptrs, tl.full((BLOCK_S,), float("-inf"), tl.float32), mask=key_pos < width)
+
+
+def _fill_logits(
+    logits: Tensor,
+    token_offset: int,
+    q_idx: Tensor,
+    weights: Tensor,
+    index_k_cache: Tensor,
+    block_table: Tensor,
+    seq_lens_k: Tensor,
+    cu_seqlens_q: Tensor,
+) -> None:
+    """Write the logits of tokens token_offset : token_offset + logits.shape[0] into logits [rows, width] fp32."""
+    num_rows, width = logits.shape
+    if num_rows == 0 or width == 0:
+        return
+    num_heads, head_dim = q_idx.shape[1], q_idx.shape[2]
+    # The kernel reads these with unit element stride (they are tiny: a copy only for odd layouts).
+    block_table, seq_lens_k, cu_seqlens_q = (t.contiguous() for t in (block_table, seq_lens_k, cu_seqlens_q))
+    block_s = _BLOCK_S
+    _indexer_logits_kernel[(num_rows, triton.cdiv(width, block_s))](
+        q_idx,
+        weights,
+        index_k_cache,
+        block_table,
+        seq_lens_k,
+        cu_seqlens_q,
+        logits,
+        token_offset=token_offset,
+        num_heads=num_heads,
+        head_dim=head_dim,
+        num_seqs=seq_lens_k.shape[0],
+        max_blocks=block_table.shape[1],
+        width=width,
+        stride_qt=q_idx.stride(0),
+        stride_qh=q_idx.stride(1),
+        stride_qd=q_idx.stride(2),
+        stride_wt=weights.stride(0),
+        stride_wh=weights.stride(1),
+        stride_k_slot=index_k_cache.stride(1),
+        stride_kd=index_k_cache.stride(2),
+        stride_bt_b=block_table.stride(0),
+        stride_lt=logits.stride(0),
+        stride_ls=logits.stride(1),
+        BLOCK_SIZE=index_k_cache.shape[1],
+        BLOCK_B=max(2, triton.next_power_of_2(seq_lens_k.shape[0])),
+        BLOCK_HI=max(16, triton.next_power_of_2(num_heads)),
+        BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+        BLOCK_S=block_s,
+        DOT_UPCAST=DOT_UPCAST,
+        num_warps=4 if interpreting() else 8,
+    )
+
+
+def _flat_slot_cache(index_k_cache: Tensor) -> Tensor:
+    """The cache with rows addressable as flat slots (slot s at s * stride(1)); a copy only for odd layouts."""
+    if index_k_cache.stride(0) != index_k_cache.shape[1] * index_k_cache.stride(1):
+        return index_k_cache.contiguous()
+    return index_k_cache
+
+
+def indexer_logits(
+    q_idx: Tensor,
+    weights: Tensor,
+    index_k_cache: Tensor,
+    block_table: Tensor,
+    seq_lens_k: Tensor,
+    cu_seqlens_q: Tensor,
+) -> Tensor:
+    """The full score matrix (validated by glm5_hal.indexer_logits).
+
+    q_idx: [T, HI, DI] bf16/fp16/fp32. weights: [T, HI] fp32. index_k_cache: [num_blocks, block_size, DI],
+    q_idx's dtype. block_table: [B, max_blocks] int32; seq_lens_k: [B] int32; cu_seqlens_q: [B+1] int32.
+
+    Returns logits [T, max_blocks * block_size] fp32, -inf where key position s is past token t's position.
+    """
+    width = block_table.shape[1] * index_k_cache.shape[1]
+    logits = torch.empty((q_idx.shape[0], width), dtype=torch.float32, device=q_idx.device)
+    _fill_logits(logits, 0, q_idx, weights, _flat_slot_cache(index_k_cache), block_table, seq_lens_k, cu_seqlens_q)
+    return logits
+
+
+def lightning_indexer(
+    q_idx: Tensor,
+    weights: Tensor,
+    index_k_cache: Tensor,
+    block_table: Tensor,
+    seq_lens_k: Tensor,
+    cu_seqlens_q: Tensor,
+    topk: int,
+) -> tuple[Tensor, Tensor]:
+    """Top-`topk` visible keys per token (validated by glm5_hal.lightning_indexer); arguments as `indexer_logits`.
+
+    Returns (indices [T, topk] int32: request-local key positions, best first, -1 once the visible keys run out
+    (and in the columns past the cache width when topk exceeds it); scores [T, topk] fp32: their logits, -inf
+    where indices is -1).
+    """
+    num_tokens = q_idx.shape[0]
+    width = block_table.shape[1] * index_k_cache.shape[1]
+    device = q_idx.device
+    index_k_cache = _flat_slot_cache(index_k_cache)
+    indices = torch.full((num_tokens, topk), -1, dtype=torch.int32, device=device)
+    scores = torch.full((num_tokens, topk), float("-inf"), dtype=torch.float32, device=device)
+    ranked = min(topk, width)  # columns past the cache width stay -1 / -inf from the fill above
+    if num_tokens == 0 or ranked == 0:
+        return indices, scores
+    token_tile = max(1, min(num_tokens, _LOGIT_TILE_BYTES // (4 * width)))
+    logits = torch.empty((token_tile, width), dtype=torch.float32, device=device)
+    for start in range(0, num_tokens, token_tile):
+        tile = logits[: min(token_tile, num_tokens - start)]
+        _fill_logits(tile, start, q_idx, weights, index_k_cache, block_table, seq_lens_k, cu_seqlens_q)
+        best, columns = torch.topk(tile, ranked, dim=1)  # sorted: invisible (-inf) keys come last
+        rows = slice(start, start + tile.shape[0])
+        scores[rows, :ranked] = best
+        indices[rows, :ranked] = torch.where(torch.isfinite(best), columns, -1).to(torch.int32)
+    return indices, scores

@@ -1,0 +1,263 @@
+"""Sparse flash attention of the Triton backend (DSA over the absorbed MLA latent cache).
+
+One program per (query token, tile of BLOCK_H heads). The program walks the token's topk selected key positions
+in tiles of BLOCK_N:
+  1. block-table lookup of each key position -> flat cache slot (invalid keys: -1, >= seq_lens_k, past topk are
+     masked, never read),
+  2. one gather of the BLOCK_N rows of D = d_v + rope dims, shared by every head of the tile: that reuse is
+     the point of the layout (H heads x one KV head, MQA mode),
+  3. scores = q[BLOCK_H, D] . kv[D, BLOCK_N] as two dots, one over the V dims (512) and one over the rest (64),
+     because D = 576 is not a power of two and Triton blocks must be,
+  4. online softmax in fp32 with a running max / sum per head (base 2 inside, natural-log lse out),
+  5. acc[BLOCK_H, d_v] += p . V with V = the first d_v dims of the same gathered rows.
+A head with no valid key ends with sum 0: out 0 and lse -inf, as the contract says.
+The paged-batch helpers (token -> sequence, key position -> slot) are jit functions shared with the indexer.
+Reference: ops_reference/attention.py
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from backends.triton.quant import cast_for_store
+from backends.triton.runtime import DOT_UPCAST, interpreting
+
+_LOG2E = tl.constexpr(1.4426950408889634)
+_LN2 = tl.constexpr(0.6931471805599453)
+
+
+# ------------------------------------------------------------------------------------------ paged batch helpers
+@triton.jit
+def token_sequence(cu_seqlens_q_ptr, num_seqs, token, BLOCK_B: tl.constexpr):
+    """The sequence of query `token`: the number of sequences whose new tokens all come before it.
+
+    cu_seqlens_q [B+1] int32 prefix sums; BLOCK_B >= B. Sequences with no new tokens are skipped, as they own
+    no token.
+    """
+    b = tl.arange(0, BLOCK_B)
+    ends = tl.load(cu_seqlens_q_ptr + 1 + b, mask=b < num_seqs, other=2147483647)
+    return tl.sum((ends <= token).to(tl.int32), axis=0)
+
+
+@triton.jit
+def key_slots(block_table_ptr, stride_bt_b, seq, positions, max_blocks, BLOCK_SIZE: tl.constexpr):
+    """Flat cache slots (int64) of request-local key `positions` of sequence `seq`.
+
+    Positions the table cannot address (negative, past the table, unallocated -1 blocks) map to slot 0..: the
+    caller masks those keys, this only keeps the address in bounds.
+    """
+    pos = tl.maximum(positions, 0)
+    block_col = tl.minimum(pos // BLOCK_SIZE, max_blocks - 1)
+    block = tl.load(block_table_ptr + seq.to(tl.int64) * stride_bt_b + block_col)
+    return tl.maximum(block, 0).to(tl.int64) * BLOCK_SIZE + (pos % BLOCK_SIZE)
+
+
+# ------------------------------------------------------------------------------------------------------ kernel
+@triton.jit
+def _sparse_attention_kernel(
+    # Pointers
+    q_ptr,  # [T, H, D]
+    kv_ptr,  # [num_blocks, BLOCK_SIZE, D] viewed as flat slots: row s at kv_ptr + s * stride_kv_slot
+    indices_ptr,  # [T, topk] int32 request-local key positions
+    block_table_ptr,  # [B, max_blocks] int32
+    seq_lens_k_ptr,  # [B] int32
+    cu_seqlens_q_ptr,  # [B+1] int32
+    out_ptr,  # [T, H, d_v] q's dtype, written
+    lse_ptr,  # [T, H] fp32, written
+    # Sizes and scalars
+    num_heads,
+    topk,
+    num_seqs,
+    max_blocks,
+    d_v,
+    d_rest,  # D - d_v
+    qk_scale,  # sm_scale * log2(e): the softmax runs in base 2
+    # Strides (elements)
+    stride_qt,
+    stride_qh,
+    stride_qd,
+    stride_kv_slot,
+    stride_kv_d,
+    stride_it,
+    stride_ik,
+    stride_bt_b,
+    stride_ot,
+    stride_oh,
+    stride_od,
+    stride_lt,
+    stride_lh,
+    # Meta-parameters
+    BLOCK_SIZE: tl.constexpr,  # cache block size (keys per block)
+    BLOCK_B: tl.constexpr,  # >= B
+    BLOCK_H: tl.constexpr,  # heads per program (>= 16: tl.dot's minimum)
+    BLOCK_N: tl.constexpr,  # keys per step
+    BLOCK_DV: tl.constexpr,  # >= d_v, power of two
+    BLOCK_DR: tl.constexpr,  # >= D - d_v, power of two
+    DOT_UPCAST: tl.constexpr,  # the interpreter's bf16 dot is wrong: widen operands to fp32 there
+):
+    token = tl.program_id(0).to(tl.int64)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    head_ok = heads < num_heads
+    dv = tl.arange(0, BLOCK_DV)
+    dr = tl.arange(0, BLOCK_DR)
+    dv_ok = dv < d_v
+    dr_ok = dr < d_rest
+
+    seq = token_sequence(cu_seqlens_q_ptr, num_seqs, token, BLOCK_B)
+    key_limit = tl.load(seq_lens_k_ptr + seq)
+
+    q_rows = q_ptr + token * stride_qt + heads[:, None] * stride_qh
+    q_v = tl.load(q_rows + dv[None, :] * stride_qd, mask=head_ok[:, None] & dv_ok[None, :], other=0.0)
+    q_r = tl.load(q_rows + (d_v + dr[None, :]) * stride_qd, mask=head_ok[:, None] & dr_ok[None, :], other=0.0)
+    if DOT_UPCAST:
+        q_v = q_v.to(tl.float32)
+        q_r = q_r.to(tl.float32)
+
+    running_max = tl.full((BLOCK_H,), float("-inf"), tl.float32)
+    running_sum = tl.zeros((BLOCK_H,), tl.float32)
+    acc = tl.zeros((BLOCK_H, BLOCK_DV), tl.float32)
+    for k0 in range(0, topk, BLOCK_N):
+        ks = k0 + tl.arange(0, BLOCK_N)
+        pos = tl.load(indices_ptr + token * stride_it + ks * stride_ik, mask=ks < topk, other=-1)
+        key_ok = (pos >= 0) & (pos < key_limit)
+        slots = key_slots(block_table_ptr, stride_bt_b, seq, pos, max_blocks, BLOCK_SIZE)
+        kv_rows = kv_ptr + slots[:, None] * stride_kv_slot
+        kv_v = tl.load(kv_rows + dv[None, :] * stride_kv_d, mask=key_ok[:, None] & dv_ok[None, :], other=0.0)
+        kv_r = tl.load(kv_rows + (d_v + dr[None, :]) * stride_kv_d, mask=key_ok[:, None] & dr_ok[None, :], other=0.0)
+        if DOT_UPCAST:
+            kv_v = kv_v.to(tl.float32)
+            kv_r = kv_r.to(tl.float32)
+        # "ieee": fp32 operands must not be rounded to tf32 (fp32 parity is 1e-5); bf16/fp16 dots are unaffected.
+        scores = tl.dot(q_v, tl.trans(kv_v), input_precision="ieee")
+        scores = tl.dot(q_r, tl.trans(kv_r), scores, input_precision="ieee")
+        scores = tl.where(key_ok[None, :], scores * qk_scale, float("-inf"))  # [BLOCK_H, BLOCK_N], base-2 units
+
+        new_max = tl.maximum(running_max, tl.max(scores, axis=1))
+        # While a head has seen no valid key its max is -inf; shifting by 0 then keeps exp2 at exactly 0 (no nan).
+        shift = tl.where(new_max == float("-inf"), 0.0, new_max)
+        p = tl.math.exp2(scores - shift[:, None])
+        rescale = tl.math.exp2(running_max - shift)
+        running_sum = running_sum * rescale + tl.sum(p, axis=1)
+        # p goes into the tensor-core dot in V's dtype, as flash attention kernels do (fp32 when upcasting).
+        acc = tl.dot(p.to(kv_v.dtype), kv_v, acc * rescale[:, None], input_precision="ieee")
+        running_max = new_max
+
+    has_keys = running_sum > 0.0
+    out = acc / tl.where(has_keys, running_sum, 1.0)[:, None]
+    lse = tl.where(has_keys, (running_max + tl.math.log2(tl.where(has_keys, running_sum, 1.0))) * _LN2, float("-inf"))
+    tl.store(
+        out_ptr + token * stride_ot + heads[:, None] * stride_oh + dv[None, :] * stride_od,
+        cast_for_store(out, out_ptr.dtype.element_ty),
+        mask=head_ok[:, None] & dv_ok[None, :],
+    )
+    tl.store(lse_ptr + token * stride_lt + heads * stride_lh, lse, mask=head_ok)
+
+
+def _launch_config(num_heads: int, dtype: torch.dtype) -> dict[str, int] | None:
+    """Fixed tile sizes for the interpreter (whose cost is per program and per step, so: large key tiles, few
+    programs); None on a GPU, where `_tuned_kernel` picks them."""
+    if not interpreting():
+        return None
+    return {"BLOCK_H": max(16, min(64, triton.next_power_of_2(num_heads))), "BLOCK_N": 64, "num_warps": 4}
+
+
+@functools.cache
+def _tuned_kernel():
+    """The kernel autotuned over head tiles (all 64 GLM-5 heads sharing a gathered tile, or 32 / 16 with more
+    programs), key tiles and pipelining, per (heads, widths, dtype, topk). Configurations that exceed the
+    device's shared memory or registers (the fp32 ones at 64 heads) fail to compile and are skipped by the
+    autotuner, so every dtype has a working one. Not tuned on hardware yet: no GPU in the writing session."""
+    configs = [
+        triton.Config({"BLOCK_H": h, "BLOCK_N": n}, num_warps=w, num_stages=s)
+        for h, n, w, s in [
+            (64, 32, 8, 2),
+            (64, 32, 8, 1),
+            (64, 16, 8, 1),
+            (32, 32, 8, 2),
+            (32, 32, 4, 1),
+            (16, 32, 4, 2),
+            (16, 16, 4, 1),
+        ]
+    ]
+    return triton.autotune(configs, key=["num_heads", "d_v", "d_rest", "topk"])(_sparse_attention_kernel)
+
+
+def sparse_flash_attention(
+    q: Tensor,
+    kv_cache: Tensor,
+    indices: Tensor,
+    block_table: Tensor,
+    seq_lens_k: Tensor,
+    cu_seqlens_q: Tensor,
+    sm_scale: float,
+    d_v: int = 512,
+) -> tuple[Tensor, Tensor]:
+    """Attention of each token over its selected keys (validated by glm5_hal.sparse_flash_attention).
+
+    q: [T, H, D] bf16/fp16/fp32. kv_cache: [num_blocks, block_size, D], q's dtype; K = the whole row, V = its
+    first d_v dims. indices: [T, topk] int32 request-local key positions (-1 and >= seq_lens_k[b] ignored).
+    block_table: [B, max_blocks] int32; seq_lens_k: [B] int32; cu_seqlens_q: [B+1] int32.
+
+    Returns (out [T, H, d_v] q's dtype, lse [T, H] fp32 natural log); a token with no valid key gives out 0 and
+    lse -inf.
+    """
+    num_tokens, num_heads, width = q.shape
+    topk = indices.shape[1]
+    out = torch.empty((num_tokens, num_heads, d_v), dtype=q.dtype, device=q.device)
+    lse = torch.empty((num_tokens, num_heads), dtype=torch.float32, device=q.device)
+    if num_tokens == 0 or num_heads == 0:
+        return out, lse
+    if kv_cache.stride(0) != kv_cache.shape[1] * kv_cache.stride(1):
+        kv_cache = kv_cache.contiguous()  # the kernel addresses rows as flat slots
+    # The kernel reads these with unit element stride (they are tiny: a copy only for odd layouts).
+    block_table, seq_lens_k, cu_seqlens_q = (t.contiguous() for t in (block_table, seq_lens_k, cu_seqlens_q))
+    config = _launch_config(num_heads, q.dtype)
+    kernel = _sparse_attention_kernel if config is not None else _tuned_kernel()
+    config = config or {}
+
+    def grid(meta: dict) -> tuple[int, int]:
+        return (num_tokens, triton.cdiv(num_heads, meta["BLOCK_H"]))
+
+    kernel[grid](
+        q,
+        kv_cache,
+        indices,
+        block_table,
+        seq_lens_k,
+        cu_seqlens_q,
+        out,
+        lse,
+        num_heads=num_heads,
+        topk=topk,
+        num_seqs=seq_lens_k.shape[0],
+        max_blocks=block_table.shape[1],
+        d_v=d_v,
+        d_rest=width - d_v,
+        qk_scale=float(sm_scale) * math.log2(math.e),
+        stride_qt=q.stride(0),
+        stride_qh=q.stride(1),
+        stride_qd=q.stride(2),
+        stride_kv_slot=kv_cache.stride(1),
+        stride_kv_d=kv_cache.stride(2),
+        stride_it=indices.stride(0),
+        stride_ik=indices.stride(1),
+        stride_bt_b=block_table.stride(0),
+        stride_ot=out.stride(0),
+        stride_oh=out.stride(1),
+        stride_od=out.stride(2),
+        stride_lt=lse.stride(0),
+        stride_lh=lse.stride(1),
+        BLOCK_SIZE=kv_cache.shape[1],
+        BLOCK_B=max(2, triton.next_power_of_2(seq_lens_k.shape[0])),
+        BLOCK_DV=triton.next_power_of_2(max(d_v, 16)),
+        BLOCK_DR=triton.next_power_of_2(max(width - d_v, 16)),
+        DOT_UPCAST=DOT_UPCAST,
+        **config,
+    )
+    return out, lse

@@ -1,0 +1,156 @@
+"""Unit tests of the Triton attention-side kernels, for what the parity cases do not reach.
+
+The parity cases fit in one tile of each kernel; these force the multi-tile and ragged paths:
+- sparse attention with several head tiles and key tiles per token, both ragged (H and topk not multiples of
+  the tile), at the 512 + 64 split of the real latent width and at widths where neither part is a power of two;
+  invalid indices (-1, past seq_lens_k), an all-invalid row, a sequence with no new tokens, strided q and
+  block table;
+- indexer logits over several key tiles, HI and DI not powers of two, the causal edge inside a tile;
+- lightning_indexer over several token tiles of its logit buffer, scores and -1 tail;
+- the fused norm / RoPE / cache-write kernel at odd widths (mla_prolog with non-power-of-two dims).
+
+Runs natively on a GPU, else under TRITON_INTERPRET=1 on the CPU (shapes chosen to take seconds there).
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+import pytest
+import torch
+
+from backends.triton.runtime import use_interpreter_if_no_gpu
+
+use_interpreter_if_no_gpu()  # before triton's first import (the conftest does it too; this file may run alone)
+pytest.importorskip("triton")
+
+import ops_reference as ref  # noqa: E402
+from backends.triton import indexer as triton_indexer  # noqa: E402
+from backends.triton import prolog as triton_prolog  # noqa: E402
+from backends.triton import sparse_attention as triton_attention  # noqa: E402
+from glm5_hal.parity.compare import compare_float, compare_topk, to_numpy  # noqa: E402
+from glm5_hal.parity.inputs import SeqSpec, paged_batch, randn, random_topk_indices, rope_tables  # noqa: E402
+from glm5_hal.parity.runner import session_seed  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+DTYPES = [torch.float32, torch.bfloat16]
+# A chunked prefill, a sequence with no new tokens this step (owns no query token), a decode and a prefill.
+SEQS = [SeqSpec(3, 45), SeqSpec(0, 20), SeqSpec(1, 150), SeqSpec(4, 4)]
+
+
+@pytest.fixture
+def gen(request: pytest.FixtureRequest) -> torch.Generator:
+    """Fresh inputs every run, reproducible with GLM5_HAL_PARITY_SEED (printed with a failing test's output)."""
+    seed = (session_seed() * 1_000_003 + zlib.crc32(request.node.name.encode())) % 2**63
+    print(f"{request.node.name}: GLM5_HAL_PARITY_SEED={session_seed()} (generator seed {seed})")
+    return torch.Generator().manual_seed(seed)
+
+
+def _dev(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    return [t.to(DEVICE) for t in tensors]
+
+
+def _assert_close(name: str, out: torch.Tensor, want: np.ndarray, dtype: torch.dtype) -> None:
+    verdict = compare_float(name, out.cpu(), want, dtype)
+    assert verdict.passed, f"{name}: {verdict.detail}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(("width", "d_v"), [(576, 512), (80, 40)], ids=["576=512+64", "80=40+40"])
+def test_sparse_attention_many_head_and_key_tiles(monkeypatch, gen, dtype, width, d_v):
+    # 16 heads x 16 keys per program: 20 heads -> 2 head tiles (the second 4 of 16), topk 40 -> 3 key tiles.
+    monkeypatch.setattr(
+        triton_attention, "_launch_config", lambda num_heads, dtype: {"BLOCK_H": 16, "BLOCK_N": 16, "num_warps": 4}
+    )
+    num_heads, topk = 20, 40
+    batch = paged_batch(SEQS, 16, gen)
+    indices = random_topk_indices(batch, topk, gen, invalid_fraction=0.25)
+    indices[1] = -1  # a token with no valid key: out 0, lse -inf
+    # Strided operands: q rows padded past the latent width, a column-major block table.
+    q = randn((indices.shape[0], num_heads, width + 32), gen, dtype=dtype)[..., :width]
+    kv_cache = randn((batch.num_blocks, 16, width), gen, dtype=dtype)
+    block_table = batch.block_table.t().contiguous().t()
+    args = (q, kv_cache, indices, block_table, batch.seq_lens_k, batch.cu_seqlens_q)
+    out, lse = triton_attention.sparse_flash_attention(*_dev(*args), sm_scale=0.11, d_v=d_v)
+    want_out, want_lse = ref.sparse_flash_attention(*map(to_numpy, args), 0.11, d_v)
+    _assert_close("out", out, want_out, dtype)
+    _assert_close("lse", lse, want_lse, torch.float32 if dtype == torch.float32 else dtype)
+    assert torch.isneginf(lse[1]).all() and (out[1] == 0).all()
+
+
+def _indexer_args(gen: torch.Generator, dtype: torch.dtype, num_heads: int = 6, head_dim: int = 48):
+    batch = paged_batch(SEQS, 16, gen)  # 150 keys -> 160 columns: two key tiles of 128, the second ragged
+    num_tokens = int(batch.cu_seqlens_q[-1])
+    return (
+        randn((num_tokens, num_heads, head_dim), gen, dtype=dtype),
+        randn((num_tokens, num_heads), gen, std=0.3),
+        randn((batch.num_blocks, 16, head_dim), gen, dtype=dtype),
+        batch.block_table,
+        batch.seq_lens_k,
+        batch.cu_seqlens_q,
+    )
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_indexer_logits_many_key_tiles(gen, dtype):
+    args = _indexer_args(gen, dtype)
+    logits = triton_indexer.indexer_logits(*_dev(*args))
+    _assert_close("logits", logits, ref.indexer_logits(*map(to_numpy, args)), torch.float32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_lightning_indexer_many_token_tiles(monkeypatch, gen, dtype):
+    args = _indexer_args(gen, dtype, num_heads=20, head_dim=32)
+    width = args[3].shape[1] * args[2].shape[1]
+    monkeypatch.setattr(triton_indexer, "_LOGIT_TILE_BYTES", 3 * 4 * width)  # 3 tokens per logit tile: 3 tiles
+    topk = 64  # more than the 45 and 4 keys of two sequences: their rows end in -1
+    indices, scores = triton_indexer.lightning_indexer(*_dev(*args), topk)
+    want_logits = ref.indexer_logits(*map(to_numpy, args))
+    verdict = compare_topk("indices", indices.cpu(), want_logits, topk, torch.float32)
+    assert verdict.passed, verdict.detail
+    # The scores are the logits of the picked keys, -inf exactly where the index is -1.
+    picked = np.take_along_axis(want_logits, np.clip(to_numpy(indices), 0, None), axis=1)
+    _assert_close("scores", scores, np.where(to_numpy(indices) >= 0, picked, -np.inf), torch.float32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_mla_prolog_odd_widths(gen, dtype):
+    # kv_lora 40 + rope 12 (a 52-wide cache row), q_lora 24, 3 heads of nope 10: every width is masked.
+    hidden, q_lora, heads, nope, kv_lora, rope = 72, 24, 3, 10, 40, 12
+    batch = paged_batch([SeqSpec(3, 9), SeqSpec(2, 2)], 4, gen, pad_slots=(1,))
+    cos, sin = rope_tables(batch.positions, rope, 10000.0)
+    args = (
+        randn((5, hidden), gen, dtype=dtype),
+        randn((q_lora, hidden), gen, std=hidden**-0.5, dtype=dtype),
+        (1 + 0.1 * randn((q_lora,), gen)).to(dtype),
+        randn((heads * (nope + rope), q_lora), gen, std=q_lora**-0.5, dtype=dtype),
+        randn((heads, nope, kv_lora), gen, std=nope**-0.5, dtype=dtype),
+        randn((kv_lora + rope, hidden), gen, std=hidden**-0.5, dtype=dtype),
+        (1 + 0.1 * randn((kv_lora,), gen)).to(dtype),
+        cos,
+        sin,
+        randn((batch.num_blocks, 4, kv_lora + rope), gen, dtype=dtype),
+        batch.slot_mapping,
+    )
+    dev_args = _dev(*args)
+    q_lat, q_pe, q_norm = triton_prolog.mla_prolog(*dev_args, 1e-6)
+    want = ref.mla_prolog(*map(to_numpy, args), 1e-6)
+    for name, got, expected in zip(("q_lat", "q_pe", "q_norm", "kv_cache"), (q_lat, q_pe, q_norm, dev_args[9]), want):
+        _assert_close(name, got, expected, dtype)
+
+
+@pytest.mark.parametrize("interleaved", [True, False], ids=["interleaved", "half_split"])
+def test_norm_rope_layer_norm_on_strided_rows(gen, interleaved):
+    # LayerNorm over 36 dims, RoPE on dims 4..24 (inside the norm range, not at its start), rows 72 apart.
+    x = randn((7, 72), gen).to(DEVICE)[:, :36]
+    weight, bias = (1 + 0.1 * randn((36,), gen)).to(DEVICE), (0.1 * randn((36,), gen)).to(DEVICE)
+    cos, sin = _dev(*rope_tables(torch.arange(7) * 3, 20, 10000.0))
+    out = torch.empty((7, 36), device=DEVICE)
+    triton_prolog.norm_rope(
+        x, out, norm=2, weight=weight, bias=bias, norm_dim=36, eps=1e-6, cos=cos, sin=sin, rope_start=4,
+        interleaved=interleaved,
+    )  # fmt: skip
+    want = ref.layer_norm(to_numpy(x), to_numpy(weight), to_numpy(bias), 1e-6)
+    want[:, 4:24] = ref.rope(want[:, 4:24], to_numpy(cos), to_numpy(sin), interleaved=interleaved)
+    _assert_close("rows", out, want, torch.float32)
