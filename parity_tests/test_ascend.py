@@ -51,6 +51,7 @@ FUSED_KERNEL = {
 ROUTE_EXCEPTIONS = {
     "mla_prolog/deepseek_v32_dims": "npu_mla_prolog_v3",  # inside npu_mla_prolog_v3's documented shape range
     "lightning_indexer/fewer_visible_than_topk": None,  # block size 8: the kernel takes multiples of 16
+    "lightning_indexer/topk_wider_than_cache": None,  # block size 8 as well
     "moe_gate/mini_groups_softmax": None,  # softmax + renormalisation: torch_npu 2.14 takes renorm=0 only
     "moe_gate/no_bias_unnormalised": None,  # the kernel always renormalises sigmoid weights
 }
