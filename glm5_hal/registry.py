@@ -51,7 +51,7 @@ class Availability:
     available: whether its ops can run here. reason: why (or why not), in words a user can act on, e.g.
     "torch_npu import failed: libhccl.so not found; is CANN installed?". device_types: the torch device types
     it runs on here ("*" = any device torch has). auto_eligible: whether `auto` may pick it here. emulated: the
-    kernels run under an emulator (Triton's CPU interpreter), so the parity suite skips the real-dims cases.
+    kernels run under an emulator (Triton's CPU interpreter): right, but slow, and not for another device.
     """
 
     available: bool

@@ -7,7 +7,6 @@ import torch
 
 from conftest import parity_backends
 from glm5_hal.parity import CASES, parity_device, run_case
-from glm5_hal.registry import registry
 
 
 def _params():
@@ -22,10 +21,6 @@ def _params():
 def test_parity(available_backend: str, case, dtype: torch.dtype, request, record_parity) -> None:
     if case.slow and request.config.getoption("--quick"):
         pytest.skip("real-dims case skipped by --quick")
-    if case.slow and registry().availability(available_backend).emulated:
-        # Minutes per case under an emulator; these dims are checked natively where the hardware exists
-        # (for triton: perf/triton_gpu.py compares every kernel with the torch backend at full GLM-5 shapes).
-        pytest.skip(f"real-dims case not run on {available_backend}'s emulator (CPU interpreter); run it natively")
     result = run_case(case, available_backend, dtype, device=parity_device(available_backend))
     record_parity(result)
     if result.status == "not implemented":
