@@ -1,7 +1,14 @@
 """`glm5-hal bench`: per-op latency on the selected backends against each op's roofline.
 
-glm5-hal bench --quick                                  one mini case of every op (under a minute)
-glm5-hal bench --scenarios decode,context --backends torch,reference --json out.json --plot ctx.png
+    glm5-hal bench --quick                                    one mini case of every op (well under a minute)
+    glm5-hal bench --scenarios decode,quant --backends torch,reference --json out.json --markdown out.md
+    glm5-hal bench --scenarios context --plot context.png     latency against context length (4K..128K)
+
+For every (scenario, backend): warm-up calls, then timed calls over rotated input sets (perf/timing.py); the op's
+FLOPs and minimum bytes (perf/costs.py) turn the median into TFLOP/s, GB/s and the fraction of the roofline
+min(matmul peak, bandwidth x intensity) (perf/peaks.py: vendor figures for known accelerators, measured on the spot
+elsewhere or with --measure-peaks). Several backends run side by side with a speedup against the first; baselines
+(dense MLA attention, fp32 matmul: perf/baselines.py) run once and give the `vs baseline` column.
 """
 
 from __future__ import annotations
@@ -10,26 +17,34 @@ import argparse
 import json
 import math
 import sys
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from functools import partial
 
 import torch
 
 import glm5_hal
 from glm5_hal.cli.progress import ProgressBar
-from glm5_hal.registry import registry
-from glm5_hal.selection import use_backend
-from perf.costs import cost, dense_mla_attention, visible_keys
-from perf.dense import dense_mla_attention as dense_baseline
+from glm5_hal.registry import OP_NAMES, registry
+from glm5_hal.selection import OpNotImplementedError, use_backend
+from perf.baselines import BASELINES
+from perf.costs import Cost, cost
+from perf.load import LoadMonitor
 from perf.peaks import Peaks, measure_peaks, table_peaks
-from perf.scenarios import DENSE_MLA, SCENARIOS, Scenario
+from perf.scenarios import SCENARIOS, Scenario, select
 from perf.timing import time_calls
 
-INT8_OPS = {"quant_matmul", "w4a8_matmul"}
+INT8_OPS = frozenset({"quant_matmul", "w4a8_matmul"})  # judged against the int8 GEMM peak
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+BASELINE_BACKEND = "baseline (torch)"
+QUICK_REPS = 3
+BUSY_WARNING = 0.1  # other processes' share of the CPU above which the run warns that it was contended
 
 
 @dataclass(frozen=True)
 class Row:
+    """One timed (scenario, op, backend). Times in ms; rates from the op's cost model and the median."""
+
     scenario: str
     op: str
     backend: str
@@ -38,48 +53,74 @@ class Row:
     p10_ms: float
     p90_ms: float
     reps: int
+    flops: float
+    bytes: float
     tflops: float
     gbps: float
-    roofline_fraction: float
-    speedup: float | None = None  # vs the first backend of the run
+    roofline_fraction: float  # roofline time / median time
+    bound: str  # "compute" or "memory": which side of the roofline limits this op here
+    speedup: float | None = None  # the first backend's median / this one (several backends only)
+    vs_baseline: float | None = None  # the scenario's baseline median / this one (e.g. dense attention / sparse)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("bench", help="per-op latency, TFLOP/s, GB/s and fraction of the roofline")
+    """Add `bench` to the glm5-hal command line (through the glm5_hal.commands entry point)."""
+    parser = subparsers.add_parser(
+        "bench",
+        help="per-op latency, TFLOP/s, GB/s and fraction of the roofline",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--backends", default="torch", help="comma-separated backends, side by side (default torch)")
-    parser.add_argument("--scenarios", default="decode", help=f"comma-separated: {', '.join(SCENARIOS)}")
-    parser.add_argument("--quick", action="store_true", help="the quick scenario, few repetitions (< 1 minute)")
-    parser.add_argument("--ops", help="only these ops (comma-separated)")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
-    parser.add_argument("--reps", type=int, default=10, help="timed repetitions per op (after warm-up)")
-    parser.add_argument("--input-sets", type=int, default=2, help="input sets rotated between repetitions")
-    parser.add_argument("--measure-peaks", action="store_true", help="time a large GEMM and copy for the roofline")
-    parser.add_argument("--json", metavar="FILE", help="write the rows and the peaks as JSON")
+    parser.add_argument("--scenarios", default="decode", help=f"comma-separated sets: {', '.join(SCENARIOS)}")
+    parser.add_argument("--quick", action="store_true", help="the quick set, 3 repetitions, measured peaks (< 1 min)")
+    parser.add_argument("--ops", help="only these ops (comma-separated; their baselines stay)")
+    parser.add_argument("--device", default=_default_device(), help="torch device (default: %(default)s)")
+    parser.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES), help="activation dtype")
+    parser.add_argument("--reps", type=int, default=10, help="timed calls per op after warm-up (default 10)")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed calls per op first (default 2)")
+    parser.add_argument("--input-sets", type=int, default=2, help="input sets rotated between calls (default 2)")
+    parser.add_argument("--max-seconds", type=float, default=30.0, help="stop timing one op after this long")
+    parser.add_argument("--measure-peaks", action="store_true", help="measure GEMM and copy peaks even if tabled")
+    parser.add_argument("--json", metavar="FILE", help="write the peaks and rows as JSON")
     parser.add_argument("--markdown", metavar="FILE", help="write the table as Markdown")
-    parser.add_argument("--plot", metavar="PNG", help="latency against context length (context scenario)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--plot", metavar="PNG", help="latency against context length (needs the context set)")
+    parser.add_argument(
+        "--threads", type=int, help="CPU threads for torch (default: torch's choice); 1 avoids stalls on a busy CPU"
+    )
+    parser.add_argument("--seed", type=int, default=0, help="seed of the first input set (set i uses seed + i)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.set_defaults(func=run)
+
+
+def _default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _split(value: str | None) -> list[str]:
     return [v.strip() for v in (value or "").split(",") if v.strip()]
 
 
-def _call(scenario: Scenario, inputs: dict) -> object:
-    if scenario.op == DENSE_MLA:
-        return dense_baseline(**{k: v for k, v in inputs.items() if k != "indices"})
-    return getattr(glm5_hal, scenario.op)(**inputs)
+def op_callable(op: str) -> Callable[..., object]:
+    """The function a scenario of `op` times: the public glm5_hal op, or the perf baseline of that name."""
+    return BASELINES[op].run if op in BASELINES else getattr(glm5_hal, op)
 
 
-def _cost(scenario: Scenario, inputs: dict):
-    if scenario.op != DENSE_MLA:
-        return cost(scenario.op, inputs)
-    q = inputs["q"]
-    visible = visible_keys(inputs["seq_lens_k"], inputs["cu_seqlens_q"])
-    context = int(inputs["seq_lens_k"].long().sum())
-    return dense_mla_attention(q.shape[0], q.shape[1], visible, context, q.element_size(), inputs.get("d_v", 512))
+def op_cost(op: str, inputs: dict) -> Cost:
+    """FLOPs and minimum bytes of one call of `op` (an op or a baseline) on `inputs`."""
+    return BASELINES[op].cost(inputs) if op in BASELINES else cost(op, inputs)
+
+
+def _call_with_keywords(fn: Callable[..., object], inputs: dict) -> object:
+    return fn(**inputs)
+
+
+def _input_sets(scenario: Scenario, count: int, seed: int, device: torch.device, dtype: torch.dtype) -> list[dict]:
+    sets = []
+    for i in range(count):
+        built = scenario.build(torch.Generator().manual_seed(seed + i), dtype)
+        sets.append({k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in built.items()})
+    return sets
 
 
 def bench(
@@ -89,60 +130,88 @@ def bench(
     dtype: torch.dtype,
     peaks: Peaks,
     *,
-    reps: int,
-    input_sets: int,
-    seed: int,
+    reps: int = 10,
     warmup: int = 2,
-    progress=None,
+    input_sets: int = 2,
+    max_seconds: float = 30.0,
+    seed: int = 0,
+    progress: Callable[[int, int, str], None] | None = None,
 ) -> list[Row]:
+    """Time every scenario on every backend (baselines once) and judge it against `peaks`; rows in run order."""
+    jobs = [(s, b) for s in scenarios for b in ([BASELINE_BACKEND] if s.op in BASELINES else backends)]
     rows: list[Row] = []
-    jobs = [(s, b) for s in scenarios for b in (backends if s.op != DENSE_MLA else backends[:1])]
     for i, (scenario, backend) in enumerate(jobs):
         if progress is not None:
             progress(i, len(jobs), f"{backend} {scenario.op} {scenario.name}")
-        sets = []
-        for j in range(input_sets):
-            gen = torch.Generator().manual_seed(seed + j)
-            built = scenario.build(gen, dtype)
-            sets.append({k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in built.items()})
-        with use_backend(backend, strict=False):
-            timing = time_calls(lambda a, s=scenario: _call(s, a), sets, device, reps=reps, warmup=warmup)
-        c = _cost(scenario, sets[0])
-        bound = peaks.bound_s(c.flops, c.bytes, int8=scenario.op in INT8_OPS)
+        sets = _input_sets(scenario, input_sets, seed, device, dtype)
+        call = partial(_call_with_keywords, op_callable(scenario.op))
+        if backend == BASELINE_BACKEND:
+            timing = time_calls(call, sets, device, warmup=warmup, reps=reps, max_seconds=max_seconds)
+        else:
+            try:
+                with use_backend(backend, strict=True):  # a backend lacking the op must not time torch's instead
+                    timing = time_calls(call, sets, device, warmup=warmup, reps=reps, max_seconds=max_seconds)
+            except OpNotImplementedError as exc:
+                print(f"bench: skipped {scenario.op} on {backend}: {exc}", file=sys.stderr)
+                continue
+        c = op_cost(scenario.op, sets[0])
+        compute_s = c.flops / (peaks.int8_ops if scenario.op in INT8_OPS else peaks.flops)
+        memory_s = c.bytes / peaks.bandwidth
         rows.append(
             Row(
-                scenario.name,
-                scenario.op,
-                backend if scenario.op != DENSE_MLA else "torch (baseline)",
-                scenario.context,
-                timing.median_s * 1e3,
-                timing.p10_s * 1e3,
-                timing.p90_s * 1e3,
-                timing.reps,
-                c.flops / timing.median_s / 1e12,
-                c.bytes / timing.median_s / 1e9,
-                bound / timing.median_s,
+                scenario=scenario.name,
+                op=scenario.op,
+                backend=backend,
+                context=scenario.context,
+                median_ms=timing.median_s * 1e3,
+                p10_ms=timing.p10_s * 1e3,
+                p90_ms=timing.p90_s * 1e3,
+                reps=timing.reps,
+                flops=c.flops,
+                bytes=c.bytes,
+                tflops=c.flops / timing.median_s / 1e12,
+                gbps=c.bytes / timing.median_s / 1e9,
+                roofline_fraction=max(compute_s, memory_s) / timing.median_s,
+                bound="compute" if compute_s >= memory_s else "memory",
             )
         )
+        del sets  # free this scenario's inputs before the next one is built
     if progress is not None:
         progress(len(jobs), len(jobs), "done")
-    return _with_speedups(rows, backends)
+    return _with_comparisons(rows, scenarios, backends)
 
 
-def _with_speedups(rows: list[Row], backends: list[str]) -> list[Row]:
-    if len(backends) < 2:
-        return rows
-    base = {(r.scenario, r.op): r.median_ms for r in rows if r.backend == backends[0]}
-    return [
-        Row(**{**asdict(r), "speedup": base[(r.scenario, r.op)] / r.median_ms if (r.scenario, r.op) in base else None})
-        for r in rows
-    ]
+def _with_comparisons(rows: list[Row], scenarios: list[Scenario], backends: list[str]) -> list[Row]:
+    """Fill `speedup` (vs the first backend, when there are several) and `vs_baseline` (vs the scenario's
+    baseline row, when it ran)."""
+    median = {(r.scenario, r.op, r.backend): r.median_ms for r in rows}
+    baseline_of = {(s.name, s.op): s.baseline for s in scenarios if s.baseline}
+    done = []
+    for r in rows:
+        first = median.get((r.scenario, r.op, backends[0])) if len(backends) > 1 else None
+        base_op = baseline_of.get((r.scenario, r.op))
+        base = median.get((r.scenario, base_op, BASELINE_BACKEND)) if base_op else None
+        done.append(
+            Row(
+                **{
+                    **asdict(r),
+                    "speedup": first / r.median_ms if first and r.backend != BASELINE_BACKEND else None,
+                    "vs_baseline": base / r.median_ms if base else None,
+                }
+            )
+        )
+    return done
 
 
 def format_table(rows: list[Row], *, markdown: bool = False) -> str:
-    head = ["op", "scenario", "backend", "median ms", "p10-p90 ms", "TFLOP/s", "GB/s", "roofline", "speedup"]
-    body = [
-        [
+    """The rows as an aligned text table (or Markdown)."""
+    head = ["op", "scenario", "backend", "median ms", "p10-p90 ms", "TFLOP/s", "GB/s", "roofline", "bound"]
+    show_speedup = any(r.speedup is not None for r in rows)
+    show_baseline = any(r.vs_baseline is not None for r in rows)
+    head += ["speedup"] * show_speedup + ["vs baseline"] * show_baseline
+    body = []
+    for r in rows:
+        line = [
             r.op,
             r.scenario,
             r.backend,
@@ -151,10 +220,10 @@ def format_table(rows: list[Row], *, markdown: bool = False) -> str:
             f"{r.tflops:.4f}",
             f"{r.gbps:.2f}",
             f"{100 * r.roofline_fraction:.1f}%",
-            "-" if r.speedup is None else f"{r.speedup:.2f}x",
+            r.bound,
         ]
-        for r in rows
-    ]
+        line += [_ratio(r.speedup)] * show_speedup + [_ratio(r.vs_baseline)] * show_baseline
+        body.append(line)
     if markdown:
         lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         return "\n".join(lines + ["| " + " | ".join(b) + " |" for b in body])
@@ -163,87 +232,90 @@ def format_table(rows: list[Row], *, markdown: bool = False) -> str:
     return "\n".join([fmt.format(*head), fmt.format(*("-" * w for w in widths))] + [fmt.format(*b) for b in body])
 
 
-def plot(rows: list[Row], path: str) -> None:
-    """Latency against context: sparse attention, the indexer, both together, and dense MLA attention."""
-    try:
-        import matplotlib
+def _ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}x"
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as exc:
-        raise SystemExit(f"--plot needs matplotlib: pip install 'glm5-hal[perf]' ({exc})") from exc
-    series: dict[str, dict[int, float]] = {}
-    for r in rows:
-        if r.context is not None:
-            series.setdefault(r.op if r.op != DENSE_MLA else "dense MLA attention (full context)", {})[r.context] = (
-                r.median_ms
-            )
-    sparse, indexer = series.get("sparse_flash_attention", {}), series.get("lightning_indexer", {})
-    both = {c: sparse[c] + indexer[c] for c in sparse if c in indexer}
-    if both:
-        series["indexer + sparse attention"] = both
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for name, points in series.items():
-        xs = sorted(points)
-        ax.plot([x / 1024 for x in xs], [points[x] for x in xs], marker="o", label=name)
-    ax.set(xscale="log", yscale="log", xlabel="context (K keys)", ylabel="latency (ms)")
-    ax.set_title("GLM-5 decode attention: sparse (topk 2048) vs dense MLA")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+
+def describe_peaks(peaks: Peaks) -> str:
+    text = (
+        f"device {peaks.name}: matmul {peaks.flops / 1e12:.4f} TFLOP/s, int8 {peaks.int8_ops / 1e12:.4f} TOP/s, "
+        f"bandwidth {peaks.bandwidth / 1e9:.1f} GB/s ({peaks.source})"
+    )
+    return text + (f"\n  {peaks.detail}" if peaks.detail else "")
 
 
 def run(args: argparse.Namespace) -> int:
+    """`glm5-hal bench`: 0 when every row has a positive, finite time; 2 on a usage error."""
     backends = _split(args.backends)
-    unknown = [b for b in backends if b not in registry().names()]
+    known = registry().names()
+    unknown = [b for b in backends if b not in known]
     if unknown or not backends:
-        print(f"--backends: unknown {unknown}; known: {registry().names()}", file=sys.stderr)
+        print(f"--backends: unknown {unknown or backends}; known: {known}", file=sys.stderr)
         return 2
     for b in backends:
-        if not registry().availability(b).available:
-            print(f"--backends: {b} is unavailable here: {registry().availability(b).reason}", file=sys.stderr)
+        availability = registry().availability(b)
+        if not availability.available:
+            print(f"--backends: {b} is unavailable here: {availability.reason}", file=sys.stderr)
             return 2
-    names = ["quick"] if args.quick else _split(args.scenarios)
-    bad = [n for n in names if n not in SCENARIOS]
-    if bad:
-        print(f"--scenarios: unknown {bad}; known: {list(SCENARIOS)}", file=sys.stderr)
+    ops = _split(args.ops) or None
+    bad_ops = [op for op in ops or () if op not in OP_NAMES and op not in BASELINES]
+    if bad_ops:
+        print(f"--ops: unknown {bad_ops}; known: {list(OP_NAMES) + list(BASELINES)}", file=sys.stderr)
         return 2
-    scenarios = [s for n in names for s in SCENARIOS[n]()]
-    if args.ops:
-        scenarios = [s for s in scenarios if s.op in _split(args.ops)]
+    try:
+        scenarios = select(["quick"] if args.quick else _split(args.scenarios), ops)
+    except ValueError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    if not scenarios:
+        print(f"--ops: none of {ops} occurs in the chosen scenarios", file=sys.stderr)
+        return 2
+    if args.plot and not any(s.context for s in scenarios):
+        print("--plot: needs scenarios with a context length (--scenarios context)", file=sys.stderr)
+        return 2
+    if args.reps < 1 or args.input_sets < 1 or args.warmup < 0:
+        print("--reps and --input-sets: expected >= 1, --warmup: expected >= 0", file=sys.stderr)
+        return 2
+
+    if args.threads is not None:
+        if args.threads < 1:
+            print(f"--threads: expected >= 1, got {args.threads}", file=sys.stderr)
+            return 2
+        torch.set_num_threads(args.threads)
     device, dtype = torch.device(args.device), DTYPES[args.dtype]
-    peaks = table_peaks(device)
-    if peaks is None or args.measure_peaks:
-        peaks = measure_peaks(
-            device, torch.float32 if device.type == "cpu" else dtype, size=1024 if args.quick else 2048
-        )
-    print(
-        f"device {peaks.name}: matmul {peaks.flops / 1e12:.3f} TFLOP/s, int8 {peaks.int8_ops / 1e12:.3f} TOP/s, "
-        f"bandwidth {peaks.bandwidth / 1e9:.1f} GB/s ({peaks.source})"
-    )
-    reps = 3 if args.quick else args.reps
-    bar = ProgressBar(enabled=False if args.no_progress else None)
+    monitor = LoadMonitor()
+    peaks = None if args.measure_peaks else table_peaks(device)
+    if peaks is None:
+        peaks = measure_peaks(device, dtype, max_size=2048 if args.quick else 8192)
+    print(describe_peaks(peaks))
     rows = bench(
         scenarios,
         backends,
         device,
         dtype,
         peaks,
-        reps=reps,
-        input_sets=1 if args.quick else args.input_sets,
+        reps=QUICK_REPS if args.quick else args.reps,
+        warmup=1 if args.quick else args.warmup,
+        input_sets=args.input_sets,
+        max_seconds=args.max_seconds,
         seed=args.seed,
-        warmup=1 if args.quick else 2,
-        progress=bar,
+        progress=ProgressBar(enabled=False if args.no_progress else None),
     )
     print(format_table(rows))
+    others = monitor.others_share()
+    if others is not None:
+        print(f"other processes used {100 * others:.0f}% of the machine's CPU time during this run", end="")
+        print(" (timings of CPU ops are contended: rerun on a quiet machine)" if others > BUSY_WARNING else "")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"peaks": asdict(peaks), "dtype": args.dtype, "rows": [asdict(r) for r in rows]}, f, indent=2)
+            meta = {"device": args.device, "dtype": args.dtype, "backends": backends, "torch": torch.__version__}
+            meta |= {"threads": torch.get_num_threads(), "cpu_share_of_other_processes": others}
+            json.dump({**meta, "peaks": asdict(peaks), "rows": [asdict(r) for r in rows]}, f, indent=2)
     if args.markdown:
         with open(args.markdown, "w") as f:
             f.write(format_table(rows, markdown=True) + "\n")
     if args.plot:
-        plot(rows, args.plot)
-    bad_rows = [r for r in rows if not (math.isfinite(r.median_ms) and r.median_ms > 0)]
-    return 1 if bad_rows else 0
+        from perf.plot import plot_context
+
+        plot_context(rows, args.plot, title=f"GLM-5 decode, batch 4, {args.dtype}, on {peaks.name}")
+    return 0 if all(math.isfinite(r.median_ms) and r.median_ms > 0 for r in rows) else 1

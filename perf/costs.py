@@ -1,9 +1,17 @@
 """The FLOP / byte model each op is judged against: `cost(op, inputs) -> Cost`.
 
-FLOPs count multiply-adds as 2. Bytes are the minimum traffic: every input read once, every output written once,
-at the tensors' own element sizes; for the sparse ops the gathered cache rows count once per selected key (a
-row picked by two tokens is read twice), since that is what a kernel without cross-token reuse must move.
-`inputs` are the public op's keyword arguments (what glm5_hal.parity.cases builders return).
+FLOPs count a multiply-add as 2 and leave out the small elementwise work (norms, RoPE, softmax) beside the
+matmuls. Bytes are the minimum traffic: every input read once, every output written once, at the tensors' own
+element sizes; for the sparse ops the gathered cache rows count once per selected key (a row picked by two tokens
+is read twice), since that is what a kernel without cross-token reuse must move. `inputs` are the public op's
+keyword arguments (what the glm5_hal.parity.cases builders return).
+
+API (also used by perf/triton_gpu.py):
+    cost(op, inputs) -> Cost(flops, bytes); Cost.intensity is FLOP per byte.
+    COSTS: op name -> the function behind cost(), one for every op in glm5_hal.registry.OP_NAMES.
+    dense_mla_attention(num_tokens, heads, visible, context, elem, d_v) -> Cost of dense MLA attention over the
+        whole context (the baseline sparse attention is compared with).
+    visible_keys(seq_lens_k, cu_seqlens_q) -> the number of (query, visible key) pairs of a batch.
 """
 
 from __future__ import annotations
@@ -16,6 +24,7 @@ import torch
 from torch import Tensor
 
 from glm5_hal.registry import OP_NAMES
+from ops_reference.hadamard import hadamard_base_size
 
 LATENT = 576  # MLA latent row: 512 compressed KV + 64 RoPE
 
@@ -82,13 +91,18 @@ def _indexer_logits(a: dict) -> Cost:
 
 def _lightning_indexer(a: dict) -> Cost:
     flops, reads = _indexer_scores(a)
-    return Cost(flops, reads + a["q_idx"].shape[0] * a["topk"] * (4 + 4))
+    per_pick = 4 + (4 if a.get("return_scores", False) else 0)  # int32 index (+ fp32 score)
+    return Cost(flops, reads + a["q_idx"].shape[0] * a["topk"] * per_pick)
 
 
 def _sparse_flash_attention(a: dict) -> Cost:
     q, kv, indices = a["q"], a["kv_cache"], a["indices"]
     heads, width, d_v = q.shape[1], kv.shape[-1], a.get("d_v", 512)
-    selected = int((indices >= 0).sum())
+    # valid picks: >= 0 and inside the token's sequence (the contract ignores the rest, so no kernel moves them)
+    seq_of_token = torch.repeat_interleave(torch.arange(len(a["seq_lens_k"])), _q_lens(a["cu_seqlens_q"]).cpu())
+    limit = a["seq_lens_k"].long().cpu()[seq_of_token]
+    idx = indices.long().cpu()
+    selected = int(((idx >= 0) & (idx < limit[:, None])).sum())
     gathered = selected * width * kv.element_size()
     out = q.shape[0] * heads * (d_v * q.element_size() + 4)
     return Cost(2.0 * selected * heads * (width + d_v), _nbytes(q, indices, a["block_table"]) + gathered + out)
@@ -163,8 +177,6 @@ def _hadamard_transform(a: dict) -> Cost:
     x = a["x"]
     n = x.shape[-1]
     rows = x.numel() // n
-    from ops_reference.hadamard import hadamard_base_size
-
     k = hadamard_base_size(n) or 1
     flops = rows * (n * math.log2(n // k) + 2.0 * n * k)  # butterflies, then the K x K block
     return Cost(flops, 2 * _nbytes(x))

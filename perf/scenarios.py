@@ -1,9 +1,21 @@
-"""Named benchmark scenarios: (op, model dims, batch shape) -> fresh inputs built by the parity builders.
+"""Named benchmark scenarios: (op, model dims, batch shape) -> fresh inputs, built by the parity input builders.
 
-`quick`: one mini-dims case of every op (what the test of `glm5-hal bench --quick` runs).
-`decode`: GLM-5 decode (batch 4, one token each, 16K context) for the attention side; MoE decode with 4 tokens
-over 8 experts at GLM-5 expert dims; W8A8 / W4A8 at GLM-5 projection shapes.
-`context`: sparse attention, the indexer and dense MLA attention at GLM-5 dims over 4K..128K keys.
+A scenario set is a name -> list of Scenario; every Scenario builds CPU inputs from a seeded generator (the bench
+moves them to the device), through the same `glm5_hal.parity.cases` builders the parity tests use.
+
+    quick                      the first mini-dims parity case of every op (`glm5-hal bench --quick`, the tests)
+    decode, mini-decode        one decode step of a layer, batch 4 at 16K keys (mini: 512): MLA and indexer
+                               prologs, lightning indexer, sparse attention; MoE of one token (gate, dispatch,
+                               grouped GEMM, combine, fused); dynamic quant and Hadamard of the hidden states
+    prefill, mini-prefill      a chunked-prefill step: 128 new tokens after 8K keys (mini: 32 at 256), MoE of 32
+    batch                      decode at 8K keys, batch 1 / 8 / 32: MLA prolog, indexer, sparse attention
+    context                    decode, batch 4, at 4K..128K keys: sparse attention, the indexer, and dense MLA
+                               attention over the whole context (the baseline)
+    quant                      GLM-5's four attention projections at 4 tokens (decode: weight traffic dominates)
+                               and 64 tokens (arithmetic dominates): W8A8, W4A8, and fp32 (the baseline)
+
+GLM-5 has 256 routed experts of 75 MB (bf16 w13 + w2) each; a MoE scenario holds at most MAX_EXPERTS_HELD of them
+(see there), so a one-token decode moves exactly what it would with the full table.
 """
 
 from __future__ import annotations
@@ -13,78 +25,166 @@ from dataclasses import dataclass
 
 import torch
 
-from glm5_hal.config import GLM5
+from glm5_hal.config import GLM5, GLM5_MINI, ModelConfig
 from glm5_hal.parity import cases as builders
 from glm5_hal.parity.inputs import SeqSpec
+from perf.baselines import float_matmul_inputs
 
-DENSE_MLA = "dense_mla_attention"  # the comparison baseline of the context scenarios (perf/dense.py), not an op
+Build = Callable[[torch.Generator, torch.dtype], dict]
+
 CONTEXTS = (4096, 8192, 16384, 32768, 65536, 131072)
 DECODE_BATCH = 4
-BLOCK = 64
+BATCH_SIZES = (1, 8, 32)
+BLOCK = 64  # cache block size: vLLM's default for MLA
+# Experts a MoE scenario holds in memory: one token's worth (GLM-5: 8 of 256, 75 MB of bf16 weights each). Decode of
+# one token touches exactly that many; more tokens share them, so each expert sees more rows (prefill-like reuse).
+MAX_EXPERTS_HELD = 8
 
 
 @dataclass(frozen=True)
 class Scenario:
+    """One timed call: `op` (a glm5_hal op, or a perf.baselines baseline) on inputs from `build`.
+
+    context: keys in context, for the latency-vs-context plot (None elsewhere). baseline: the op of the same
+    scenario this one is compared with (the `vs baseline` column), e.g. dense attention for sparse attention.
+    """
+
     name: str
     op: str
-    build: Callable[[torch.Generator, torch.dtype], dict]
-    context: int | None = None  # keys in context, for the latency-vs-context plot
+    build: Build
+    context: int | None = None
+    baseline: str | None = None
 
 
-def _quick() -> list[Scenario]:
-    first = {}
-    for case in builders.CASES:
-        if not case.slow:
-            first.setdefault(case.op, case)
-    return [Scenario(f"mini/{c.name}", c.op, c.build) for c in first.values()]
+def _without_scores(build: Build) -> Build:
+    """The indexer as the decoder calls it: indices only (the builders also ask for the scores parity needs)."""
+    return lambda gen, dtype: {**build(gen, dtype), "return_scores": False}
 
 
-def _decode_seqs(context: int) -> list[SeqSpec]:
-    return [SeqSpec(1, context)] * DECODE_BATCH
+def _attention(cfg: ModelConfig, name: str, seqs: list[SeqSpec], context: int | None = None) -> list[Scenario]:
+    """The attention side of a step: MLA prolog, indexer prolog, lightning indexer, sparse attention."""
+    topk = cfg.index_topk
+    return [
+        Scenario(name, "mla_prolog", builders.mla_prolog_inputs(cfg, seqs, BLOCK), context),
+        Scenario(name, "indexer_prolog", builders.indexer_prolog_inputs(cfg, seqs, BLOCK), context),
+        Scenario(name, "lightning_indexer", _without_scores(builders.indexer_inputs(cfg, seqs, BLOCK, topk)), context),
+        Scenario(name, "sparse_flash_attention", builders.sparse_attention_inputs(cfg, seqs, BLOCK, topk), context),
+    ]
+
+
+def _moe(cfg: ModelConfig, name: str, tokens: int) -> list[Scenario]:
+    """Routing and experts for `tokens` tokens; the experts held are the ones top-k routing of them can touch."""
+    k, hidden, inter = cfg.num_experts_per_tok, cfg.hidden_size, cfg.moe_intermediate_size
+    experts = min(cfg.n_routed_experts, k * tokens, max(k, MAX_EXPERTS_HELD))
+    rows = tokens * k
+    per_expert = [rows // experts + (e < rows % experts) for e in range(experts)]
+    return [
+        Scenario(name, "moe_gate", builders.moe_gate_inputs(cfg, tokens)),
+        Scenario(name, "moe_dispatch", builders.moe_dispatch_inputs(tokens, hidden, k, experts)),
+        Scenario(name, "grouped_matmul", builders.grouped_matmul_inputs(per_expert, 2 * inter, hidden)),
+        Scenario(name, "moe_combine", builders.moe_combine_inputs(tokens, k, hidden)),
+        Scenario(name, "fused_moe", builders.fused_moe_inputs(tokens, hidden, inter, k, experts)),
+    ]
+
+
+def _keys(n: int) -> str:
+    return f"{n // 1024}k" if n % 1024 == 0 else str(n)
+
+
+def _step(cfg: ModelConfig, tag: str, seqs: list[SeqSpec], moe_tokens: int) -> list[Scenario]:
+    """One layer step: `seqs` (all alike) through attention, `moe_tokens` tokens through the MoE."""
+    tokens = sum(s.q_len for s in seqs)
+    name = f"{cfg.name}/{tag}-b{len(seqs)}x{seqs[0].q_len}-{_keys(seqs[0].k_len)}"
+    return [
+        *_attention(cfg, name, seqs),
+        *_moe(cfg, f"{cfg.name}/{tag}-moe-{moe_tokens}tok", moe_tokens),
+        Scenario(name, "dynamic_quant", builders.dynamic_quant_inputs((tokens, cfg.hidden_size))),
+        Scenario(name, "hadamard_transform", builders.hadamard_inputs((tokens, cfg.hidden_size))),
+    ]
+
+
+def _projections(cfg: ModelConfig, tokens: int) -> list[Scenario]:
+    """W8A8 / W4A8 / fp32 at the attention projections: (label, out features N, in features K)."""
+    heads_v = cfg.num_attention_heads * cfg.v_head_dim
+    shapes = [
+        ("q_a_proj", cfg.q_lora_rank, cfg.hidden_size),
+        ("q_b_proj", cfg.num_attention_heads * cfg.qk_head_dim, cfg.q_lora_rank),
+        ("kv_a_proj", cfg.latent_dim, cfg.hidden_size),
+        ("o_proj", cfg.hidden_size, heads_v),
+    ]
+    found = []
+    for label, n, k in shapes:
+        name = f"{cfg.name}/{label}-{tokens}tok"
+        found += [
+            Scenario(name, "fp32_matmul", float_matmul_inputs(tokens, n, k)),
+            Scenario(name, "quant_matmul", builders.quant_matmul_inputs(tokens, n, k), baseline="fp32_matmul"),
+            Scenario(name, "w4a8_matmul", builders.w4a8_matmul_inputs(tokens, n, k, None), baseline="fp32_matmul"),
+        ]
+    return found
 
 
 def _context(context: int) -> list[Scenario]:
-    seqs = _decode_seqs(context)
+    """GLM-5 decode at `context` keys: the sparse path (indexer, then attention over topk keys) and dense
+    attention over all of them, which the sparse path replaces."""
+    seqs = [SeqSpec(1, context)] * DECODE_BATCH
+    name = f"glm5/decode-b{DECODE_BATCH}-{_keys(context)}"
+    topk = GLM5.index_topk
     return [
         Scenario(
-            f"glm5/decode-{context // 1024}k",
+            name,
             "sparse_flash_attention",
-            builders.sparse_attention_inputs(GLM5, seqs, BLOCK, topk=GLM5.index_topk),
+            builders.sparse_attention_inputs(GLM5, seqs, BLOCK, topk),
             context,
+            baseline="dense_mla_attention",
         ),
         Scenario(
-            f"glm5/decode-{context // 1024}k",
+            name,
             "lightning_indexer",
-            builders.indexer_inputs(GLM5, seqs, BLOCK, topk=GLM5.index_topk),
+            _without_scores(builders.indexer_inputs(GLM5, seqs, BLOCK, topk)),
             context,
+            baseline="dense_mla_attention",
         ),
-        Scenario(
-            f"glm5/decode-{context // 1024}k",
-            DENSE_MLA,
-            builders.sparse_attention_inputs(GLM5, seqs, BLOCK, topk=1),
-            context,
-        ),
+        # topk=1: the dense baseline reads the whole context and ignores `indices`; one index keeps the build cheap
+        Scenario(name, "dense_mla_attention", builders.sparse_attention_inputs(GLM5, seqs, BLOCK, topk=1), context),
     ]
 
 
-def _decode() -> list[Scenario]:
-    proj = (DECODE_BATCH * 16, GLM5.q_lora_rank, GLM5.hidden_size)  # M, N, K of q_a_proj at a 64-token batch
-    return [
-        *_context(16384)[:2],
-        Scenario(
-            "glm5/moe-decode-4tok",
-            "fused_moe",
-            builders.fused_moe_inputs(DECODE_BATCH, GLM5.hidden_size, GLM5.moe_intermediate_size, 8, 8),
-        ),
-        Scenario("glm5/q_a_proj-64tok", "quant_matmul", builders.quant_matmul_inputs(*proj)),
-        Scenario("glm5/q_a_proj-64tok", "w4a8_matmul", builders.w4a8_matmul_inputs(*proj, group_size=None)),
-        Scenario("glm5/q_a_proj-64tok", "dynamic_quant", builders.dynamic_quant_inputs((proj[0], proj[2]))),
-        Scenario("glm5/hidden-64tok", "hadamard_transform", builders.hadamard_inputs((proj[0], GLM5.hidden_size))),
-    ]
+def _quick() -> list[Scenario]:
+    first: dict[str, builders.Case] = {}
+    for case in builders.CASES:
+        if not case.slow:
+            first.setdefault(case.op, case)
+    return [Scenario(f"mini/{case.name}", case.op, case.build) for case in first.values()]
+
+
+def _batch() -> list[Scenario]:
+    found = []
+    for batch in BATCH_SIZES:
+        scenarios = _attention(GLM5, f"glm5/decode-b{batch}-8k", [SeqSpec(1, 8192)] * batch)
+        found += [s for s in scenarios if s.op != "indexer_prolog"]
+    return found
 
 
 SCENARIOS: dict[str, Callable[[], list[Scenario]]] = {
     "quick": _quick,
-    "decode": _decode,
-    "context": lambda: [s for c in CONTEXTS for s in _context(c)],
+    "decode": lambda: _step(GLM5, "decode", [SeqSpec(1, 16384)] * DECODE_BATCH, moe_tokens=1),
+    "prefill": lambda: _step(GLM5, "prefill", [SeqSpec(128, 8192)], moe_tokens=32),
+    "mini-decode": lambda: _step(GLM5_MINI, "decode", [SeqSpec(1, 512)] * DECODE_BATCH, moe_tokens=4),
+    "mini-prefill": lambda: _step(GLM5_MINI, "prefill", [SeqSpec(32, 256)], moe_tokens=32),
+    "batch": _batch,
+    "context": lambda: [s for context in CONTEXTS for s in _context(context)],
+    "quant": lambda: _projections(GLM5, DECODE_BATCH) + _projections(GLM5, 64),
 }
+
+
+def select(names: list[str], ops: list[str] | None = None) -> list[Scenario]:
+    """The scenarios of the named sets, in order; with `ops`, only those ops and the baselines they are compared
+    with. A ValueError names unknown sets."""
+    unknown = [n for n in names if n not in SCENARIOS]
+    if unknown:
+        raise ValueError(f"--scenarios: unknown {unknown}; known: {list(SCENARIOS)}")
+    chosen = [s for n in names for s in SCENARIOS[n]()]
+    if ops is None:
+        return chosen
+    wanted = {(s.name, s.baseline) for s in chosen if s.op in ops and s.baseline}
+    return [s for s in chosen if s.op in ops or (s.name, s.op) in wanted]
