@@ -35,7 +35,10 @@ def _load_spec(name: str) -> VendorSpec:
 
 
 @pytest.fixture
-def fresh_registry() -> Iterator[None]:
+def fresh_registry(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    # These tests are about `auto` and detection: a GLM5_HAL_BACKEND chosen for the parity run must not leak in.
+    for var in ("GLM5_HAL_BACKEND", "GLM5_HAL_OP_BACKENDS", "GLM5_HAL_VENDOR", "GLM5_HAL_STAND_IN_DEVICE"):
+        monkeypatch.delenv(var, raising=False)
     registry().refresh()
     yield
     registry().refresh()

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from backends.torch_eager.paged import key_slots, slot_rows, token_positions, token_sequences, write_cache
+from backends.torch_eager.paged import token_positions, token_sequences, write_cache
 from backends.torch_eager.primitives import COMPUTE_DTYPE, layer_norm, linear, rope_leading, rows_per_tile
 
 # Key positions scored per step; the token tile is then sized so that the gathered keys and the per-head dot
@@ -69,13 +69,16 @@ class _ScoringBatch:
         num_tokens, num_heads, head_dim = q_idx.shape
         self.q = q_idx  # upcast per tile, so a bf16 batch never exists whole in fp32
         self.weights = weights.to(COMPUTE_DTYPE)  # [T, HI]
-        self.keys = slot_rows(index_k_cache)  # [num_slots, DI]
+        self.cache = index_k_cache  # [num_blocks, block_size, DI]
         self.block_table = block_table
         self.block_size = index_k_cache.shape[1]
         self.width = block_table.shape[1] * self.block_size  # every key position the block table can address
         self.seqs = token_sequences(cu_seqlens_q, num_tokens)  # [T]
         self.positions = token_positions(seq_lens_k, cu_seqlens_q, self.seqs)  # [T]
-        self.key_chunk = min(KEY_CHUNK, max(self.width, 1))
+        # Keys are gathered a whole cache block at a time (one contiguous copy per block instead of one per key,
+        # about 4x faster on CPU), so a chunk is a whole number of blocks.
+        self.blocks_per_chunk = max(1, min(KEY_CHUNK, max(self.width, 1)) // self.block_size)
+        self.key_chunk = self.blocks_per_chunk * self.block_size
         # Per token of a tile: the gathered key chunk (DI wide) plus the per-head dot products (HI wide).
         self.token_tile = rows_per_tile(self.key_chunk * (head_dim + num_heads))
 
@@ -89,10 +92,13 @@ class _ScoringBatch:
         q = self.q[tokens].to(COMPUTE_DTYPE)  # [t, HI, DI]
         head_weights = self.weights[tokens].unsqueeze(1)  # [t, 1, HI]
         seqs, positions = self.seqs[tokens], self.positions[tokens]
-        for key_start in range(0, self.width, self.key_chunk):
-            key_pos = torch.arange(key_start, min(key_start + self.key_chunk, self.width), device=q.device)  # [c]
-            slots = key_slots(self.block_table, seqs, key_pos, self.block_size)  # [t, c]
-            keys = self.keys[slots].to(COMPUTE_DTYPE)  # [t, c, DI]
+        last_block = self.cache.shape[0] - 1
+        for first_block in range(0, self.block_table.shape[1], self.blocks_per_chunk):
+            # Table entries past a sequence's blocks may hold anything: clamp them; their keys are masked below.
+            block_ids = self.block_table[seqs, first_block : first_block + self.blocks_per_chunk].long()  # [t, nb]
+            keys = self.cache[block_ids.clamp_(0, last_block)].flatten(1, 2).to(COMPUTE_DTYPE)  # [t, c, DI]
+            key_start = first_block * self.block_size
+            key_pos = torch.arange(key_start, key_start + keys.shape[1], device=q.device)  # [c]
             relu_dots = torch.bmm(q, keys.transpose(1, 2)).relu_()  # [t, HI, c]
             scores = torch.bmm(head_weights, relu_dots).squeeze(1)  # head reduction: [t, c]
             visible = key_pos[None, :] <= positions[:, None]  # causal; also keeps s < seq_lens_k
