@@ -14,6 +14,7 @@ import torch
 import ops_reference as ref
 from backends.ascend import layouts
 from fakes.ascend.basic import interleave_rope_formula, rotary_mul_formula
+from glm5_hal.paged import token_sequences
 from glm5_hal.parity.inputs import SeqSpec, paged_batch, random_topk_indices, rope_tables
 
 
@@ -34,7 +35,7 @@ def test_tnd_prefix_sums_drop_the_leading_zero() -> None:
 
 def test_token_sequences_match_the_reference() -> None:
     batch = paged_batch(RAGGED, 16, _gen())
-    got = layouts.token_sequences(batch.cu_seqlens_q, batch.num_tokens)
+    got = token_sequences(batch.cu_seqlens_q, batch.num_tokens)
     assert got.tolist() == ref.token_sequences(batch.cu_seqlens_q.numpy()).tolist()
 
 
@@ -44,7 +45,7 @@ def test_key_slots_address_the_reference_rows(block_size: int) -> None:
     batch = paged_batch(RAGGED, block_size, gen)
     cache = torch.randn(batch.num_blocks, block_size, 6, generator=gen)
     indices = random_topk_indices(batch, 12, gen, invalid_fraction=0.3).to(torch.int64)
-    seqs = layouts.token_sequences(batch.cu_seqlens_q, batch.num_tokens)
+    seqs = token_sequences(batch.cu_seqlens_q, batch.num_tokens)
     valid = (indices >= 0) & (indices < batch.seq_lens_k.to(torch.int64)[seqs, None])
     slots = layouts.key_slots(batch.block_table, seqs, indices, valid, block_size)
     assert bool((slots[~valid] == -1).all())

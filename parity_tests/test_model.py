@@ -361,7 +361,7 @@ def test_bad_state_dict_names_the_parameter() -> None:
 
 def test_yarn_inv_freq_matches_transformers() -> None:
     """DeepSeek-V3.2's YaRN frequencies equal transformers' `yarn` RoPE initialisation."""
-    pytest.importorskip("transformers")
+    pytest.importorskip("transformers", reason="transformers (test-only dependency) not installed")
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     cfg = GLM5_MINI.with_overrides(rope_theta=1e4, rope_scaling=YarnScaling(40.0, 4096))

@@ -24,7 +24,7 @@ import torch
 from backends.triton.runtime import use_interpreter_if_no_gpu
 
 use_interpreter_if_no_gpu()  # before triton's first import (the conftest does it too; this file may run alone)
-pytest.importorskip("triton")
+pytest.importorskip("triton", reason="triton is not installed: pip install glm5-hal[triton]")
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402

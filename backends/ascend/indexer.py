@@ -18,8 +18,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from backends.ascend.layouts import key_slots, rope_table_halves, rope_table_pairs, tnd_prefix_sums, token_sequences
+from backends.ascend.layouts import key_slots, rope_table_halves, rope_table_pairs, tnd_prefix_sums
 from backends.ascend.runtime import half_or_bf16, npu, portable, write_cache_rows
+from glm5_hal.paged import token_sequences
 
 # npu_lightning_indexer's documented ranges (torch_npu 2.14.0 docs and vllm-ascend's kernel README).
 INDEX_HEAD_DIM = 128

@@ -22,6 +22,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from glm5_hal.paged import key_slots as shared_key_slots
+
 
 # ------------------------------------------------------------------------------------------------ ragged batches
 def tnd_prefix_sums(cu_seqlens_q: Tensor) -> Tensor:
@@ -34,22 +36,10 @@ def uniform_prefix_sums(batches: int, length: int, device: torch.device) -> Tens
     return torch.arange(1, batches + 1, dtype=torch.int32, device=device) * length
 
 
-def token_sequences(cu_seqlens_q: Tensor, num_tokens: int) -> Tensor:
-    """[T] int64: the sequence each query token belongs to (cu_seqlens_q: [B+1] prefix sums ending at T)."""
-    tokens = torch.arange(num_tokens, device=cu_seqlens_q.device)
-    # right=True skips sequences without new tokens (equal consecutive prefix sums).
-    return torch.searchsorted(cu_seqlens_q[1:].to(torch.int64), tokens, right=True)
-
-
 def key_slots(block_table: Tensor, seqs: Tensor, positions: Tensor, valid: Tensor, block_size: int) -> Tensor:
-    """Flat cache slots of request-local key positions; -1 where `valid` is False.
-
-    block_table: [B, max_blocks] int32. seqs: [N] int64 sequence of each row. positions, valid: [N, S].
-    Returns [N, S] int64: block_table[seq, p // block_size] * block_size + p % block_size.
-    """
-    pos = torch.where(valid, positions.to(torch.int64), 0)  # invalid entries look up block 0, then are masked
-    blocks = block_table.to(torch.int64)[seqs[:, None], pos // block_size]  # [N, S]
-    return torch.where(valid, blocks * block_size + pos % block_size, -1)
+    """Flat cache slots of request-local key positions [N, S] (glm5_hal.paged.key_slots), -1 where `valid` is False
+    (the layout the NPU kernels take for "no key")."""
+    return torch.where(valid, shared_key_slots(block_table, seqs, positions, block_size), -1)
 
 
 # --------------------------------------------------------------------------------------------------------- RoPE

@@ -20,8 +20,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from backends.ascend.layouts import key_slots, natural_lse, token_sequences, uniform_prefix_sums, valid_first
+from backends.ascend.layouts import key_slots, natural_lse, uniform_prefix_sums, valid_first
 from backends.ascend.runtime import half_or_bf16, npu, portable
+from glm5_hal.paged import token_sequences
 
 LATENT = 512  # npu_sparse_flash_attention in attention_mode 2: query/key/value D = 512, rope D = 64
 ROPE = 64

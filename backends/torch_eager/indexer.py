@@ -10,8 +10,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from backends.torch_eager.paged import token_positions, token_sequences, write_cache
+from backends.torch_eager.paged import write_cache
 from backends.torch_eager.primitives import COMPUTE_DTYPE, layer_norm, linear, rope_leading, rows_per_tile
+from glm5_hal.paged import token_positions, token_sequences
 
 # Key positions scored per step; the token tile is then sized so that the gathered keys and the per-head dot
 # products of one step stay within the tile budget.

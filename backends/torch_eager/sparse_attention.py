@@ -10,8 +10,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from backends.torch_eager.paged import key_slots, slot_rows, token_sequences
+from backends.torch_eager.paged import slot_rows
 from backends.torch_eager.primitives import COMPUTE_DTYPE, rows_per_tile
+from glm5_hal.paged import key_slots, token_sequences
 
 
 def sparse_flash_attention(
