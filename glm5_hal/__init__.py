@@ -30,6 +30,7 @@ from glm5_hal.selection import (
     BackendError,
     BackendNotFoundError,
     BackendUnavailableError,
+    Float64UnsupportedError,
     OpNotImplementedError,
     explain,
     resolve,
@@ -75,4 +76,5 @@ __all__ = [
     "BackendNotFoundError",
     "BackendUnavailableError",
     "OpNotImplementedError",
+    "Float64UnsupportedError",
 ]

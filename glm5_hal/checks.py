@@ -17,7 +17,18 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+# Activation dtypes of the quantized ops (dynamic_quant's input, quant_matmul / w4a8_matmul's out_dtype): their
+# int8 / int4 codes and fp32 scales are the contract, so a float64 mode would verify nothing there.
 ACTIVATION_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# The float64 verification mode (docs/ops.md): float ops computed end to end in float64, so that model-level
+# identities (QuaRot's rotated model == the original) can be checked to ~1e-10. Only backends whose descriptor
+# says `float64=True` run it (glm5_hal.selection.check_float64_support).
+VERIFICATION_DTYPE = torch.float64
+# Activation dtypes every float op (attention, indexer, MoE, Hadamard) accepts.
+FLOAT_OP_DTYPES = (*ACTIVATION_DTYPES, VERIFICATION_DTYPE)
+# What "fp32 by contract" tensors (RoPE tables, indexer head weights, router logits, routing weights, lse,
+# indexer scores) may be: accumulation_dtype of some float-op activation dtype.
+ACCUMULATION_DTYPES = (torch.float32, VERIFICATION_DTYPE)
 INDEX_DTYPES = (torch.int32,)
 
 Dims = Sequence["int | str | None"]
@@ -25,6 +36,15 @@ Dims = Sequence["int | str | None"]
 
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the tensors that are "fp32 by contract" for activations of `dtype`.
+
+    float32 for bf16 / fp16 / fp32 activations (every backend accumulates in fp32), float64 for float64
+    activations (the verification mode: widening any tensor to fp32 would round it and defeat the point).
+    """
+    return VERIFICATION_DTYPE if dtype == VERIFICATION_DTYPE else torch.float32
 
 
 def fail(exc: type[Exception], message: str) -> None:
@@ -80,6 +100,29 @@ def check_tensor(
             lambda where=where: f"{name}: expected shape {shape_doc}{where}, got {tuple(t.shape)}",
         )
     return t
+
+
+def check_accumulation_tensor(
+    name: str,
+    t: object,
+    dims: Dims,
+    activation_dtype: torch.dtype,
+    sizes: dict[str, int] | None = None,
+) -> torch.Tensor:
+    """`check_tensor` for a tensor that is fp32 by contract: its dtype must be accumulation_dtype(activation_dtype).
+
+    On a dtype mismatch the message says why that dtype is expected, e.g. "cos: expected dtype float32 (fp32 by
+    contract for bfloat16 activations; float64 only with float64 activations), got float64".
+    """
+    expected = accumulation_dtype(activation_dtype)
+    if isinstance(t, torch.Tensor) and t.dtype != expected:
+        if expected == VERIFICATION_DTYPE:
+            why = "float64 activations make every fp32-by-contract tensor float64"
+        else:
+            activations = _dtype_name(activation_dtype)
+            why = f"fp32 by contract for {activations} activations; float64 only with float64 activations"
+        fail(TypeError, f"{name}: expected dtype {_dtype_name(expected)} ({why}), got {_dtype_name(t.dtype)}")
+    return check_tensor(name, t, dims, (expected,), sizes)
 
 
 def check_optional_tensor(

@@ -76,6 +76,9 @@ class Backend:
     delegates: {op name: backend name} for ops this backend runs through another backend (e.g. a vendor backend
         running the portable `torch` path on its device); shown by `glm5-hal info`, resolved through the registry.
     notes: extra lines for `glm5-hal info` (what is validated, what is missing).
+    float64: runs the float64 verification mode (docs/ops.md): float ops given float64 activations compute in
+        float64 and return float64 (fp32-by-contract tensors included). A backend that would upcast to fp32 or
+        below must leave it False; the public ops then refuse float64 inputs for it instead of losing precision.
     """
 
     name: str
@@ -85,6 +88,7 @@ class Backend:
     auto_priority: int | None = None
     delegates: Mapping[str, str] = field(default_factory=dict)
     notes: tuple[str, ...] = ()
+    float64: bool = False
 
 
 def unavailable_backend(name: str, summary: str, reason: str) -> Backend:

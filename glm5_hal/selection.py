@@ -46,6 +46,10 @@ class OpNotImplementedError(BackendError, NotImplementedError):
     """The selected backend lacks the op and strict mode forbids the fallback."""
 
 
+class Float64UnsupportedError(BackendError, TypeError):
+    """float64 inputs (the verification mode) reached a backend whose descriptor lacks `float64=True`."""
+
+
 @dataclass(frozen=True)
 class _Override:
     backend: str
@@ -249,6 +253,37 @@ def resolve(op: str, device_type: str) -> Resolution:
     if name == AUTO:
         return _resolve_auto(op, device_type)
     return _resolve_named(op, device_type, name, strict)
+
+
+def float64_backends() -> list[str]:
+    """The registered backends that run the float64 verification mode (`Backend.float64`), loadable or not."""
+    reg = registry()
+    return [name for name in reg.names() if (backend := reg.get(name)) is not None and backend.float64]
+
+
+def check_float64_support(resolution: Resolution) -> None:
+    """Refuse float64 inputs unless the backend that runs `resolution.op` supports the float64 verification mode.
+
+    Called by the public ops' shared dispatch path only when an argument is float64, so the bf16/fp16/fp32 path
+    never pays for it. A backend without support would upcast to fp32 (or worse) and silently lose the precision
+    the mode exists for, hence an error (TypeError: the dtype is what the backend cannot take).
+    """
+    backend = registry().get(resolution.backend)
+    if backend is not None and backend.float64:
+        return
+    capable = float64_backends()
+    if capable:
+        supported_by = f"supported by the {', '.join(repr(name) for name in capable)} backend" + (
+            "s" if len(capable) > 1 else ""
+        )
+        fix = f" (select one with {ENV_BACKEND}={capable[0]}, or glm5_hal.use_backend({capable[0]!r}))"
+    else:
+        supported_by, fix = "supported by no installed backend", ""
+    how = resolution.reason.split("; not considered")[0]  # auto's list of skipped backends is noise here
+    raise Float64UnsupportedError(
+        f"{resolution.op}: float64 inputs are a verification mode {supported_by}; the backend selected for "
+        f"{resolution.device_type} is {resolution.backend!r} ({how}){fix}"
+    )
 
 
 def explain(op: str, device_type: str = "cpu") -> str:

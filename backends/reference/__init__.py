@@ -2,7 +2,8 @@
 
 Slow and exact: inputs are copied to host float64 arrays, the reference runs, outputs come back in the dtype
 and on the device the public op promises. Never picked by `auto`; select it explicitly to cross-check another
-backend inside a model (`GLM5_HAL_OP_BACKENDS=sparse_flash_attention=reference`).
+backend inside a model (`GLM5_HAL_OP_BACKENDS=sparse_flash_attention=reference`). It is the backend of the
+float64 verification mode: with float64 inputs nothing is rounded on the way in or out.
 """
 
 from glm5_hal.registry import ANY_DEVICE, Availability, Backend
@@ -20,4 +21,5 @@ BACKEND = Backend(
     probe=lambda: Availability(True, "NumPy is always available", (ANY_DEVICE,)),
     load_ops=_load_ops,
     auto_priority=None,
+    float64=True,
 )

@@ -1,4 +1,9 @@
-"""Adapters from the public op signatures to ops_reference: tensors -> float64 arrays -> tensors."""
+"""Adapters from the public op signatures to ops_reference: tensors -> float64 arrays -> tensors.
+
+Outputs the contract fixes at fp32 (indexer weights and scores, lse, routing weights) come back in
+accumulation_dtype of the activations: fp32 normally, float64 in the float64 verification mode, where every
+output is then the reference's float64 result itself, unrounded.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +14,7 @@ import torch
 from torch import Tensor
 
 import ops_reference as ref
+from glm5_hal.checks import accumulation_dtype
 
 
 def _host(t: Tensor | None) -> np.ndarray | None:
@@ -59,26 +65,26 @@ def indexer_prolog(
         eps=eps,
     )
     _write_back(index_k_cache, new_cache)
-    return _back(q_idx, x), _back(weights, x, torch.float32)
+    return _back(q_idx, x), _back(weights, x, accumulation_dtype(x.dtype))
 
 
 def indexer_logits(q_idx, weights, index_k_cache, block_table, seq_lens_k, cu_seqlens_q):
     logits = ref.indexer_logits(*map(_host, (q_idx, weights, index_k_cache, block_table, seq_lens_k, cu_seqlens_q)))
-    return _back(logits, q_idx, torch.float32)
+    return _back(logits, q_idx, accumulation_dtype(q_idx.dtype))
 
 
 def lightning_indexer(q_idx, weights, index_k_cache, block_table, seq_lens_k, cu_seqlens_q, topk):
     indices, scores = ref.lightning_indexer(
         *map(_host, (q_idx, weights, index_k_cache, block_table, seq_lens_k, cu_seqlens_q)), topk
     )
-    return _back(indices, q_idx, torch.int32), _back(scores, q_idx, torch.float32)
+    return _back(indices, q_idx, torch.int32), _back(scores, q_idx, accumulation_dtype(q_idx.dtype))
 
 
 def sparse_flash_attention(q, kv_cache, indices, block_table, seq_lens_k, cu_seqlens_q, sm_scale, d_v=512):
     out, lse = ref.sparse_flash_attention(
         *map(_host, (q, kv_cache, indices, block_table, seq_lens_k, cu_seqlens_q)), sm_scale, d_v
     )
-    return _back(out, q), _back(lse, q, torch.float32)
+    return _back(out, q), _back(lse, q, accumulation_dtype(q.dtype))
 
 
 def moe_gate(router_logits, bias, *, top_k, n_group, topk_group, routed_scaling_factor, norm_topk_prob, scoring):
@@ -92,7 +98,8 @@ def moe_gate(router_logits, bias, *, top_k, n_group, topk_group, routed_scaling_
         norm_topk_prob=norm_topk_prob,
         scoring=scoring,
     )
-    return _back(weights, router_logits, torch.float32), _back(ids, router_logits, torch.int32)
+    # topk_weights keep router_logits' dtype: fp32, or fp64 in the verification mode.
+    return _back(weights, router_logits), _back(ids, router_logits, torch.int32)
 
 
 def moe_dispatch(x, topk_ids, num_experts):

@@ -65,6 +65,7 @@ def collect() -> dict[str, object]:
                 "reason": avail.reason,
                 "device_types": list(avail.device_types),
                 "auto_priority": backend.auto_priority if backend else None,
+                "float64": backend.float64 if backend else False,
                 "ops": op_table(name),
                 "notes": list(backend.notes) if backend else [],
             }
@@ -103,6 +104,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"  {b['name']:<10} {state}{where}: {b['reason']}")
         if b["summary"]:
             print(f"  {'':<10} {b['summary']}")
+        if b["float64"]:
+            print(f"  {'':<10} float64 verification mode: supported")
         for note in b["notes"]:
             print(f"  {'':<10} note: {note}")
         if b["ops"]:

@@ -6,8 +6,10 @@ import torch
 from torch import Tensor
 
 from glm5_hal.checks import (
-    ACTIVATION_DTYPES,
+    FLOAT_OP_DTYPES,
+    accumulation_dtype,
     check,
+    check_accumulation_tensor,
     check_positive_int,
     check_same_device,
     check_tensor,
@@ -71,7 +73,7 @@ def _(
     num_heads = w_iq.shape[0] // head_dim
     return (
         x.new_empty(x.shape[0], num_heads, head_dim),
-        x.new_empty(x.shape[0], num_heads, dtype=torch.float32),
+        x.new_empty(x.shape[0], num_heads, dtype=accumulation_dtype(x.dtype)),
     )
 
 
@@ -94,13 +96,14 @@ def indexer_prolog(
     """The indexer's queries and head weights for T new tokens; writes their index keys into the cache.
 
     Args:
-        x: [T, hidden], bf16/fp16/fp32. The same normed hidden states `mla_prolog` takes.
+        x: [T, hidden], bf16/fp16/fp32, or fp64 (verification mode, reference backend). The same normed hidden
+            states `mla_prolog` takes.
         q_norm: [T, q_lora], x's dtype. The normed q latent returned by `mla_prolog`.
         w_iq: [HI * DI, q_lora]. indexer.wq_b. w_ik: [DI, hidden]. indexer.wk (one key shared by all heads).
         k_norm_weight, k_norm_bias: [DI]. indexer.k_norm (LayerNorm with bias, epsilon `eps`).
         w_iw: [HI, hidden]. indexer.weights_proj.
-        cos, sin: [T, rope / 2], fp32. RoPE tables at each token's position; RoPE acts on the FIRST `rope`
-            dims of each DI-wide query head and key (MLA puts it last).
+        cos, sin: [T, rope / 2], fp32 (fp64 for fp64 x). RoPE tables at each token's position; RoPE acts on
+            the FIRST `rope` dims of each DI-wide query head and key (MLA puts it last).
         index_k_cache: [num_blocks, block_size, DI], x's dtype. Written in place at `slot_mapping`.
         slot_mapping: [T], int64. Cache slot per token; -1 = do not write.
         rope_interleaved: pairs (x[2i], x[2i+1]) if True (GLM-5), (x[i], x[i + rope/2]) if False (DeepSeek-V3.2).
@@ -108,13 +111,13 @@ def indexer_prolog(
 
     Returns:
         q_idx: [T, HI, DI], x's dtype. RoPE(q_norm @ w_iq^T) per head.
-        weights: [T, HI], fp32. (x @ w_iw^T) * HI^-0.5 * DI^-0.5.
+        weights: [T, HI], fp32 (fp64 for fp64 x). (x @ w_iw^T) * HI^-0.5 * DI^-0.5.
         The key row of token t becomes RoPE(LayerNorm(x @ w_ik^T)).
 
     Reference: ops_reference/indexer.py
     """
     sizes: dict[str, int] = {}
-    check_tensor("x", x, ["T", "hidden"], ACTIVATION_DTYPES, sizes)
+    check_tensor("x", x, ["T", "hidden"], FLOAT_OP_DTYPES, sizes)
     dtype = x.dtype
     check_tensor("q_norm", q_norm, ["T", "q_lora"], (dtype,), sizes)
     check_tensor("index_k_cache", index_k_cache, [None, None, "DI"], (dtype,), sizes)
@@ -131,7 +134,7 @@ def indexer_prolog(
     check_tensor("k_norm_weight", k_norm_weight, ["DI"], (dtype,), sizes)
     check_tensor("k_norm_bias", k_norm_bias, ["DI"], (dtype,), sizes)
     check_tensor("w_iw", w_iw, [num_heads, "hidden"], (dtype,), sizes)
-    rope = check_rope_tables(cos, sin, "T", sizes)
+    rope = check_rope_tables(cos, sin, "T", dtype, sizes)
     check(
         rope <= sizes["DI"],
         ValueError,
@@ -187,8 +190,8 @@ def _check_scoring_inputs(
     cu_seqlens_q: Tensor,
 ) -> dict[str, int]:
     sizes: dict[str, int] = {}
-    check_tensor("q_idx", q_idx, ["T", "HI", "DI"], ACTIVATION_DTYPES, sizes)
-    check_tensor("weights", weights, ["T", "HI"], (torch.float32,), sizes)
+    check_tensor("q_idx", q_idx, ["T", "HI", "DI"], FLOAT_OP_DTYPES, sizes)
+    check_accumulation_tensor("weights", weights, ["T", "HI"], q_idx.dtype, sizes)
     check_tensor("index_k_cache", index_k_cache, ["num_blocks", "block_size", "DI"], (q_idx.dtype,), sizes)
     check_same_device(q_idx=q_idx, weights=weights, index_k_cache=index_k_cache)
     check_paged_batch("index_k_cache", index_k_cache, block_table, seq_lens_k, cu_seqlens_q, sizes["T"], sizes)
@@ -196,8 +199,9 @@ def _check_scoring_inputs(
 
 
 _SCORING_ARGS_DOC = """
-        q_idx: [T, HI, DI], bf16/fp16/fp32. Indexer queries from `indexer_prolog`.
-        weights: [T, HI], fp32. Per-head weights from `indexer_prolog`.
+        q_idx: [T, HI, DI], bf16/fp16/fp32, or fp64 (verification mode, reference backend). Indexer queries
+            from `indexer_prolog`.
+        weights: [T, HI], fp32 (fp64 for fp64 q_idx). Per-head weights from `indexer_prolog`.
         index_k_cache: [num_blocks, block_size, DI], q_idx's dtype. Paged index keys.
         block_table: [B, max_blocks], int32. seq_lens_k: [B], int32. cu_seqlens_q: [B+1], int32.
             Query i of sequence b sits at position seq_lens_k[b] - q_len[b] + i and sees keys at positions <= it.
@@ -220,7 +224,8 @@ def _indexer_logits_op(
 
 @_indexer_logits_op.register_fake
 def _(q_idx, weights, index_k_cache, block_table, seq_lens_k, cu_seqlens_q):
-    return q_idx.new_empty(q_idx.shape[0], block_table.shape[1] * index_k_cache.shape[1], dtype=torch.float32)
+    width = block_table.shape[1] * index_k_cache.shape[1]
+    return q_idx.new_empty(q_idx.shape[0], width, dtype=accumulation_dtype(q_idx.dtype))
 
 
 def indexer_logits(
@@ -235,9 +240,10 @@ def indexer_logits(
 
     Args:{args}
     Returns:
-        logits: [T, max_blocks * block_size], fp32. logits[t, s] = sum_j weights[t, j] * ReLU(q_idx[t, j] . k[s])
-            for visible key positions s of t's sequence, -inf elsewhere (the width is what the block table can
-            address, so the shape does not depend on values).
+        logits: [T, max_blocks * block_size], fp32 (fp64 for fp64 q_idx).
+            logits[t, s] = sum_j weights[t, j] * ReLU(q_idx[t, j] . k[s]) for visible key positions s of t's
+            sequence, -inf elsewhere (the width is what the block table can address, so the shape does not
+            depend on values).
 
     Reference: ops_reference/indexer.py
     """
@@ -273,7 +279,7 @@ def _(q_idx, weights, index_k_cache, block_table, seq_lens_k, cu_seqlens_q, topk
     num_tokens = q_idx.shape[0]
     return (
         q_idx.new_empty(num_tokens, topk, dtype=torch.int32),
-        q_idx.new_empty(num_tokens, topk, dtype=torch.float32),
+        q_idx.new_empty(num_tokens, topk, dtype=accumulation_dtype(q_idx.dtype)),
     )
 
 
@@ -297,7 +303,8 @@ def lightning_indexer(
         indices: [T, topk], int32. Request-local key positions of a top-`topk` set of the row's scores, in any
             order. When fewer than `topk` keys are visible, all of them come first and the rest is -1.
             Any correct top-k set is right (ties).
-        scores (if return_scores): [T, topk], fp32. The selected keys' scores; -inf where indices is -1.
+        scores (if return_scores): [T, topk], fp32 (fp64 for fp64 q_idx). The selected keys' scores; -inf
+            where indices is -1.
 
     Reference: ops_reference/indexer.py
     """

@@ -6,18 +6,22 @@ import torch
 from torch import Tensor
 
 from glm5_hal.checks import (
-    ACTIVATION_DTYPES,
+    FLOAT_OP_DTYPES,
     check,
+    check_accumulation_tensor,
     check_same_device,
     check_tensor,
 )
 from glm5_hal.ops.common import NAMESPACE, check_cache_write, dispatch
 
 
-def check_rope_tables(cos: Tensor, sin: Tensor, num_tokens: int, sizes: dict[str, int]) -> int:
-    """cos, sin: [T, rope/2] fp32 per-token RoPE tables. Returns the rope width (2 * cos.shape[1])."""
-    check_tensor("cos", cos, [num_tokens, "half_rope"], (torch.float32,), sizes)
-    check_tensor("sin", sin, [num_tokens, "half_rope"], (torch.float32,), sizes)
+def check_rope_tables(
+    cos: Tensor, sin: Tensor, num_tokens: int | str, activation_dtype: torch.dtype, sizes: dict[str, int]
+) -> int:
+    """cos, sin: [T, rope/2] per-token RoPE tables in accumulation_dtype(activation_dtype) (fp32; fp64 for
+    float64 activations). Returns the rope width (2 * cos.shape[1])."""
+    check_accumulation_tensor("cos", cos, [num_tokens, "half_rope"], activation_dtype, sizes)
+    check_accumulation_tensor("sin", sin, [num_tokens, "half_rope"], activation_dtype, sizes)
     return 2 * sizes["half_rope"]
 
 
@@ -82,13 +86,15 @@ def mla_prolog(
     """Everything MLA does before attention, for T new tokens; writes their latent KV rows into the cache.
 
     Args:
-        x: [T, hidden], bf16/fp16/fp32. Normed hidden states (the layer's input_layernorm already applied).
+        x: [T, hidden], bf16/fp16/fp32, or fp64 (verification mode, reference backend). Normed hidden states
+            (the layer's input_layernorm already applied).
         w_dq: [q_lora, hidden]. q_a_proj. gamma_cq: [q_lora]. q_a_layernorm weight.
         w_uq_qr: [H * (nope + rope), q_lora]. q_b_proj; per head the rows are [q_nope | q_pe].
         w_uk: [H, nope, kv_lora]. The K half of kv_b_proj, absorbed into the query.
         w_dkv_kr: [kv_lora + rope, hidden]. kv_a_proj_with_mqa; rows [c_kv | k_pe].
         gamma_ckv: [kv_lora]. kv_a_layernorm weight.
-        cos, sin: [T, rope / 2], fp32. RoPE tables at each token's position (MLA RoPE is interleaved).
+        cos, sin: [T, rope / 2], fp32 (fp64 for fp64 x). RoPE tables at each token's position (MLA RoPE is
+            interleaved).
         kv_cache: [num_blocks, block_size, kv_lora + rope], x's dtype. Written in place at `slot_mapping`.
         slot_mapping: [T], int64. Cache slot of each token (block * block_size + offset); -1 = do not write.
         eps: RMSNorm epsilon of both norms (GLM-5 1e-5, DeepSeek-V3.2 1e-6).
@@ -103,12 +109,12 @@ def mla_prolog(
     Reference: ops_reference/mla_prolog.py
     """
     sizes: dict[str, int] = {}
-    check_tensor("x", x, ["T", "hidden"], ACTIVATION_DTYPES, sizes)
+    check_tensor("x", x, ["T", "hidden"], FLOAT_OP_DTYPES, sizes)
     dtype = x.dtype
     check_tensor("w_dq", w_dq, ["q_lora", "hidden"], (dtype,), sizes)
     check_tensor("gamma_cq", gamma_cq, ["q_lora"], (dtype,), sizes)
     check_tensor("w_uk", w_uk, ["H", "nope", "kv_lora"], (dtype,), sizes)
-    rope = check_rope_tables(cos, sin, "T", sizes)
+    rope = check_rope_tables(cos, sin, "T", dtype, sizes)
     sizes["H*(nope+rope)"] = sizes["H"] * (sizes["nope"] + rope)
     sizes["kv_lora+rope"] = sizes["kv_lora"] + rope
     check_tensor("w_uq_qr", w_uq_qr, ["H*(nope+rope)", "q_lora"], (dtype,), sizes)

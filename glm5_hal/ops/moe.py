@@ -10,8 +10,10 @@ import torch
 from torch import Tensor
 
 from glm5_hal.checks import (
-    ACTIVATION_DTYPES,
+    ACCUMULATION_DTYPES,
+    FLOAT_OP_DTYPES,
     check,
+    check_accumulation_tensor,
     check_index_range,
     check_optional_tensor,
     check_positive_int,
@@ -53,7 +55,7 @@ def _moe_gate_op(
 def _(router_logits, bias, top_k, n_group, topk_group, routed_scaling_factor, norm_topk_prob, scoring):
     num_tokens = router_logits.shape[0]
     return (
-        router_logits.new_empty(num_tokens, top_k, dtype=torch.float32),
+        router_logits.new_empty(num_tokens, top_k),  # topk_weights: router_logits' dtype
         router_logits.new_empty(num_tokens, top_k, dtype=torch.int32),
     )
 
@@ -72,8 +74,9 @@ def moe_gate(
     """Pick `top_k` routed experts per token (DeepSeek "noaux_tc" routing, optionally group-limited).
 
     Args:
-        router_logits: [T, E], fp32. Router gate output.
-        bias: [E], fp32, or None. e_score_correction_bias; added to the scores for SELECTION only.
+        router_logits: [T, E], fp32; fp64 in the verification mode (reference backend), where the router
+            GEMM ran on fp64 activations. Router gate output.
+        bias: [E], router_logits' dtype, or None. e_score_correction_bias; added to the scores for SELECTION only.
         top_k: experts per token (8). n_group, topk_group: with n_group > 1 the E experts form n_group groups,
             a group scores the sum of its two best biased scores, and only the best topk_group groups may be
             picked (DeepSeek-V3.2: 8 / 4; GLM-5: 1 / 1).
@@ -82,14 +85,15 @@ def moe_gate(
         scoring: "sigmoid" (both models) or "softmax".
 
     Returns:
-        topk_weights: [T, top_k], fp32. The UNbiased scores of the picked experts, normalised and scaled.
+        topk_weights: [T, top_k], router_logits' dtype. The UNbiased scores of the picked experts, normalised
+            and scaled.
         topk_ids: [T, top_k], int32. The picked experts, best biased score first.
 
     Reference: ops_reference/moe.py
     """
     sizes: dict[str, int] = {}
-    check_tensor("router_logits", router_logits, ["T", "E"], (torch.float32,), sizes)
-    check_optional_tensor("bias", bias, ["E"], (torch.float32,), sizes)
+    check_tensor("router_logits", router_logits, ["T", "E"], ACCUMULATION_DTYPES, sizes)
+    check_optional_tensor("bias", bias, ["E"], (router_logits.dtype,), sizes)
     check_same_device(router_logits=router_logits, bias=bias)
     num_experts = sizes["E"]
     top_k = check_positive_int("top_k", top_k)
@@ -168,7 +172,7 @@ def moe_dispatch(x: Tensor, topk_ids: Tensor, num_experts: int) -> tuple[Tensor,
     """Copy each token once per picked expert, grouping the copies by expert.
 
     Args:
-        x: [T, D], bf16/fp16/fp32. Token activations.
+        x: [T, D], bf16/fp16/fp32, or fp64 (verification mode, reference backend). Token activations.
         topk_ids: [T, k], int32 (or int64). Experts picked per token, from `moe_gate`.
         num_experts: E.
 
@@ -182,7 +186,7 @@ def moe_dispatch(x: Tensor, topk_ids: Tensor, num_experts: int) -> tuple[Tensor,
     Reference: ops_reference/moe.py
     """
     sizes: dict[str, int] = {}
-    check_tensor("x", x, ["T", "D"], ACTIVATION_DTYPES, sizes)
+    check_tensor("x", x, ["T", "D"], FLOAT_OP_DTYPES, sizes)
     num_experts = check_positive_int("num_experts", num_experts)
     _check_topk_ids(topk_ids, num_experts, sizes)
     check_same_device(x=x, topk_ids=topk_ids)
@@ -203,17 +207,18 @@ def grouped_matmul(x_sorted: Tensor, w: Tensor, expert_offsets: Tensor) -> Tenso
     """One GEMM per expert over its rows: y[r] = x_sorted[r] @ w[e(r)]^T.
 
     Args:
-        x_sorted: [M, K], bf16/fp16/fp32. Rows grouped by expert (from `moe_dispatch`).
+        x_sorted: [M, K], bf16/fp16/fp32, or fp64 (verification mode, reference backend). Rows grouped by
+            expert (from `moe_dispatch`).
         w: [E, N, K], x_sorted's dtype. One nn.Linear weight per expert.
         expert_offsets: [E + 1], int64. Row range of each expert; must start at 0 and end at M.
 
     Returns:
-        y: [M, N], x_sorted's dtype, fp32 accumulation.
+        y: [M, N], x_sorted's dtype, accumulated in accumulation_dtype (fp32; fp64 for fp64 x_sorted).
 
     Reference: ops_reference/moe.py
     """
     sizes: dict[str, int] = {}
-    check_tensor("x_sorted", x_sorted, ["M", "K"], ACTIVATION_DTYPES, sizes)
+    check_tensor("x_sorted", x_sorted, ["M", "K"], FLOAT_OP_DTYPES, sizes)
     check_tensor("w", w, ["E", "N", "K"], (x_sorted.dtype,), sizes)
     _check_expert_offsets(expert_offsets, sizes["M"], sizes)
     check_same_device(x_sorted=x_sorted, w=w, expert_offsets=expert_offsets)
@@ -234,19 +239,24 @@ def moe_combine(y_sorted: Tensor, src_index: Tensor, topk_weights: Tensor) -> Te
     """Weighted sum of each token's expert outputs: out[t] = sum_j topk_weights[t, j] * y(t, j).
 
     Args:
-        y_sorted: [T * k, D], bf16/fp16/fp32. Expert outputs in dispatch order.
+        y_sorted: [T * k, D], bf16/fp16/fp32, or fp64 (verification mode, reference backend). Expert outputs
+            in dispatch order.
         src_index: [T * k], int64. From `moe_dispatch`: the assignment t * k + j of each row (a permutation).
-        topk_weights: [T, k], fp32. From `moe_gate`. Routing weights are applied here and nowhere else.
+        topk_weights: [T, k], fp32 (fp64 for fp64 y_sorted). From `moe_gate`. Routing weights are applied
+            here and nowhere else.
 
     Returns:
-        out: [T, D], y_sorted's dtype, fp32 accumulation.
+        out: [T, D], y_sorted's dtype, accumulated in accumulation_dtype (fp32; fp64 for fp64 y_sorted).
 
     Reference: ops_reference/moe.py
     """
     sizes: dict[str, int] = {}
-    check_tensor("topk_weights", topk_weights, ["T", "k"], (torch.float32,), sizes)
+    # y_sorted's dtype decides topk_weights' (accumulation_dtype), and topk_weights' shape decides y_sorted's
+    # row count: check y_sorted's dtype alone first so a dtype error names the right argument.
+    check_tensor("y_sorted", y_sorted, [None, None], FLOAT_OP_DTYPES)
+    check_accumulation_tensor("topk_weights", topk_weights, ["T", "k"], y_sorted.dtype, sizes)
     rows = sizes["T*k"] = sizes["T"] * sizes["k"]
-    check_tensor("y_sorted", y_sorted, ["T*k", "D"], ACTIVATION_DTYPES, sizes)
+    check_tensor("y_sorted", y_sorted, ["T*k", "D"], FLOAT_OP_DTYPES, sizes)
     check_tensor("src_index", src_index, ["T*k"], (torch.int64,), sizes)
     check_index_range("src_index", src_index, 0, rows, "an assignment t * k + j")
     check_same_device(y_sorted=y_sorted, src_index=src_index, topk_weights=topk_weights)
@@ -267,8 +277,8 @@ def fused_moe(x: Tensor, topk_weights: Tensor, topk_ids: Tensor, w13: Tensor, w2
     """The routed experts of one MoE layer: dispatch, SwiGLU expert MLPs, weighted combine.
 
     Args:
-        x: [T, D], bf16/fp16/fp32. Normed hidden states.
-        topk_weights: [T, k], fp32, and topk_ids: [T, k], int32: from `moe_gate`.
+        x: [T, D], bf16/fp16/fp32, or fp64 (verification mode, reference backend). Normed hidden states.
+        topk_weights: [T, k], fp32 (fp64 for fp64 x), and topk_ids: [T, k], int32: from `moe_gate`.
         w13: [E, 2 * I, D], x's dtype. Per expert, gate_proj rows then up_proj rows.
         w2: [E, D, I], x's dtype. Per expert, down_proj.
 
@@ -278,12 +288,12 @@ def fused_moe(x: Tensor, topk_weights: Tensor, topk_ids: Tensor, w13: Tensor, w2
     Reference: ops_reference/moe.py
     """
     sizes: dict[str, int] = {}
-    check_tensor("x", x, ["T", "D"], ACTIVATION_DTYPES, sizes)
+    check_tensor("x", x, ["T", "D"], FLOAT_OP_DTYPES, sizes)
     check_tensor("w13", w13, ["E", "two_I", "D"], (x.dtype,), sizes)
     check(sizes["two_I"] % 2 == 0, ValueError, lambda: f"w13: expected 2 * I rows per expert, got {sizes['two_I']}")
     sizes["I"] = sizes["two_I"] // 2
     check_tensor("w2", w2, ["E", "D", "I"], (x.dtype,), sizes)
-    check_tensor("topk_weights", topk_weights, ["T", "k"], (torch.float32,), sizes)
+    check_accumulation_tensor("topk_weights", topk_weights, ["T", "k"], x.dtype, sizes)
     _check_topk_ids(topk_ids, sizes["E"], sizes)
     check_same_device(x=x, topk_weights=topk_weights, topk_ids=topk_ids, w13=w13, w2=w2)
     return _fused_moe_op(x, topk_weights, topk_ids, w13, w2)

@@ -1,4 +1,9 @@
-"""Quantization ops: per-token int8 activations, W8A8 and W4A8 GEMMs, and the Hadamard transform."""
+"""Quantization ops: per-token int8 activations, W8A8 and W4A8 GEMMs, and the Hadamard transform.
+
+The int8 / int4 ops take bf16/fp16/fp32 only: the float64 verification mode (docs/ops.md) does not extend to
+them, because their integer codes and fp32 scales are the contract and a float64 variant would verify nothing
+the quantized model computes. The Hadamard transform is a float op and accepts fp64 like the others.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +12,7 @@ from torch import Tensor
 
 from glm5_hal.checks import (
     ACTIVATION_DTYPES,
+    FLOAT_OP_DTYPES,
     check,
     check_optional_tensor,
     check_same_device,
@@ -41,7 +47,7 @@ def dynamic_quant(x: Tensor) -> tuple[Tensor, Tensor]:
     """Symmetric per-token int8 quantization of activations.
 
     Args:
-        x: [..., K], bf16/fp16/fp32.
+        x: [..., K], bf16/fp16/fp32 (not fp64: the float64 verification mode excludes the quantized ops).
 
     Returns:
         q: [..., K], int8. clamp(round_half_even(x / scale), -127, 127).
@@ -81,7 +87,7 @@ def quant_matmul(
         x_q: [M, K], int8. x_scale: [M], fp32. Activations from `dynamic_quant`.
         w_q: [N, K], int8. w_scale: [N], fp32. Per-output-channel symmetric weights.
         bias: [N], fp32 or out_dtype, or None.
-        out_dtype: bf16, fp16 or fp32.
+        out_dtype: bf16, fp16 or fp32 (not fp64: the float64 verification mode excludes the quantized ops).
 
     Returns:
         y: [M, N], out_dtype. int32(x_q @ w_q^T) * x_scale[:, None] * w_scale[None, :] (+ bias). The int32
@@ -128,7 +134,7 @@ def w4a8_matmul(
             even k in the low nibble, odd k in the high nibble.
         w_scale: [N] fp32 if group_size is None (per output channel), else [N, K / group_size] fp32.
         group_size: K-elements per weight scale (None = one scale per channel). Must divide K and be even.
-        out_dtype: bf16, fp16 or fp32.
+        out_dtype: bf16, fp16 or fp32 (not fp64: the float64 verification mode excludes the quantized ops).
 
     Returns:
         y: [M, N], out_dtype. Each group accumulated exactly in int32, times its weight scale, summed, times
@@ -180,8 +186,9 @@ def hadamard_transform(x: Tensor, *, scale: float | None = None) -> Tensor:
     """Walsh-Hadamard transform over the last dim, for sizes n = K * 2^m (QuaRot's construction).
 
     Args:
-        x: [..., n], bf16/fp16/fp32. n = K * 2^m with K in {1, 12, 20, 28, 36, 40, 52, 60, 108, 140, 156, 172}
-            (6144 = 12 * 512, 7168 = 28 * 256); the largest such K is used.
+        x: [..., n], bf16/fp16/fp32, or fp64 (verification mode, reference backend). n = K * 2^m with K in
+            {1, 12, 20, 28, 36, 40, 52, 60, 108, 140, 156, 172} (6144 = 12 * 512, 7168 = 28 * 256); the largest
+            such K is used.
         scale: multiplies the unnormalised transform; None = 1 / sqrt(n), which makes it orthonormal.
 
     Returns:
@@ -192,7 +199,7 @@ def hadamard_transform(x: Tensor, *, scale: float | None = None) -> Tensor:
     Reference: ops_reference/hadamard.py
     """
     check(isinstance(x, Tensor), TypeError, lambda: f"x: expected a torch.Tensor, got {type(x).__name__}")
-    check_tensor("x", x, [None] * max(x.dim(), 1), ACTIVATION_DTYPES)
+    check_tensor("x", x, [None] * max(x.dim(), 1), FLOAT_OP_DTYPES)
     n = x.shape[-1]
     check(
         hadamard_base_size(n) is not None,

@@ -5,7 +5,15 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from glm5_hal.checks import ACTIVATION_DTYPES, INDEX_DTYPES, check, check_index_range, check_same_device, check_tensor
+from glm5_hal.checks import (
+    FLOAT_OP_DTYPES,
+    INDEX_DTYPES,
+    accumulation_dtype,
+    check,
+    check_index_range,
+    check_same_device,
+    check_tensor,
+)
 from glm5_hal.ops.common import NAMESPACE, check_paged_batch, dispatch
 
 
@@ -28,7 +36,10 @@ def _sparse_flash_attention_op(
 @_sparse_flash_attention_op.register_fake
 def _(q, kv_cache, indices, block_table, seq_lens_k, cu_seqlens_q, sm_scale, d_v):
     num_tokens, num_heads, _ = q.shape
-    return q.new_empty(num_tokens, num_heads, d_v), q.new_empty(num_tokens, num_heads, dtype=torch.float32)
+    return (
+        q.new_empty(num_tokens, num_heads, d_v),
+        q.new_empty(num_tokens, num_heads, dtype=accumulation_dtype(q.dtype)),
+    )
 
 
 def sparse_flash_attention(
@@ -44,7 +55,8 @@ def sparse_flash_attention(
     """Attention of each query token over the top-k keys its indexer selected (absorbed MLA, one KV head).
 
     Args:
-        q: [T, H, 576], bf16/fp16/fp32. Absorbed queries `cat([q_lat, q_pe], -1)` from `mla_prolog`.
+        q: [T, H, 576], bf16/fp16/fp32, or fp64 (verification mode, reference backend). Absorbed queries
+            `cat([q_lat, q_pe], -1)` from `mla_prolog`.
         kv_cache: [num_blocks, block_size, 576], same dtype as q. Paged latent cache; K is the whole row,
             V its first `d_v` dims.
         indices: [T, topk], int32. Request-local key positions of the selected keys (`lightning_indexer`);
@@ -57,13 +69,13 @@ def sparse_flash_attention(
 
     Returns:
         out: [T, H, d_v], q's dtype. softmax(sm_scale * q . K[idx]) @ V[idx] over the valid indices.
-        lse: [T, H], fp32. Natural-log logsumexp of the scaled scores. A row with no valid index gives
-            out = 0 and lse = -inf (the log of an empty sum, so split results merge correctly).
+        lse: [T, H], fp32 (fp64 for fp64 q). Natural-log logsumexp of the scaled scores. A row with no valid
+            index gives out = 0 and lse = -inf (the log of an empty sum, so split results merge correctly).
 
     Reference: ops_reference/sparse_attention.py
     """
     sizes: dict[str, int] = {}
-    check_tensor("q", q, ["T", "H", "D"], ACTIVATION_DTYPES, sizes)
+    check_tensor("q", q, ["T", "H", "D"], FLOAT_OP_DTYPES, sizes)
     check_tensor("kv_cache", kv_cache, ["num_blocks", "block_size", "D"], (q.dtype,), sizes)
     check_tensor("indices", indices, ["T", "topk"], INDEX_DTYPES, sizes)
     check(

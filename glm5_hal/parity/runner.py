@@ -147,7 +147,7 @@ def _fmt_err(value: float | None) -> str:
 
 def format_table(rows: list[dict], *, markdown: bool = False) -> str:
     """The op x backend table: status, cases run, worst relative error in fp32 and bf16 (and fp16 if any)."""
-    dtypes = sorted({d for row in rows for d in row["worst"]}, key=["float32", "bfloat16", "float16"].index)
+    dtypes = sorted({d for row in rows for d in row["worst"]}, key=["float32", "bfloat16", "float16", "float64"].index)
     header = ["op", "backend", "status", "cases", *(f"worst rel err {d}" for d in dtypes)]
     body = [
         [
