@@ -1,14 +1,17 @@
-"""Quantized checkpoints: a safetensors file with Hugging Face names plus a JSON description of every tensor.
+"""Quantized checkpoints: a safetensors file with Hugging Face names, the model's config.json and a JSON
+description of every tensor. A directory is self-describing: `load_quantized_model(dir)` needs nothing else.
 
     <dir>/model.safetensors     float tensors as they were (rotated if QuaRot ran); for each quantized linear
                                 `X.weight` (int8 [N, K] for w8a8, uint8 [N, K/2] packed int4 for w4a8) and
                                 `X.weight_scale` (fp32 [N], or [N, K/group_size] for grouped int4)
+    <dir>/config.json           the Hugging Face config of the model (glm5_hal.model.hf_config.config_to_hf)
     <dir>/quantization.json     {"format", "version", "config", "scheme", "method", "quarot": {"seed"} | null,
                                  "tensors": {name: {"kind", "dtype", "shape", ...}}}
 
-A tensor's "kind" is "float", "w8a8" or "w4a8" (the weight; with "scale" naming its scale tensor and
-"group_size"), or "scale" (with "of" naming its weight). `load_quantized_model` rebuilds the CausalLM with
-QuantLinear / QuantRoutedExperts at the quantized call sites.
+A tensor's "kind" is "float", "w8a8" or "w4a8" (the weight; with "scale" naming its scale tensor, "in_features"
+and "group_size"), or "scale" (with "of" naming its weight). `load_quantized_model` rebuilds the CausalLM with
+QuantLinear / QuantRoutedExperts at the quantized call sites, straight from the stored codes: no dequantized
+(float) copy of a quantized weight is ever made, so a real GLM-5 loads in its quantized size.
 """
 
 from __future__ import annotations
@@ -17,13 +20,14 @@ import json
 from pathlib import Path
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from glm5_hal.config import ModelConfig
 from glm5_hal.model import CausalLM
+from glm5_hal.model.hf_config import CONFIG_FILE, config_to_hf, load_config
 from quantization.experts import QuantRoutedExperts
 from quantization.linear import W4A8, W8A8, QuantLinear
-from quantization.quantizers import QuantizedWeight, WeightQuantSpec
+from quantization.quantizers import QuantizedWeight
 
 FORMAT = "glm5-hal-quantized"
 VERSION = 1
@@ -64,8 +68,9 @@ def save_quantized(
     method: str,
     quarot_seed: int | None,
 ) -> Path:
-    """Write the quantized checkpoint (see the module docstring). float_state: the (rotated) floating state dict;
-    its entries named in `quantized` are replaced by their integer codes and scales. Returns the directory."""
+    """Write the quantized checkpoint (see the module docstring): model.safetensors, config.json (from `config`)
+    and quantization.json. float_state: the (rotated) floating state dict; its entries named in `quantized` are
+    replaced by their integer codes and scales. Returns the directory."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     tensors: dict[str, Tensor] = {}
@@ -111,50 +116,91 @@ def save_quantized(
         "tensors": dict(sorted(described.items())),
     }
     (directory / DESCRIPTION_FILE).write_text(json.dumps(description, indent=1))
+    (directory / CONFIG_FILE).write_text(json.dumps(config_to_hf(config), indent=2))
     return directory
 
 
-def _quantized_weight(codes_or_packed: Tensor, scale: Tensor, entry: dict) -> QuantizedWeight:
-    """Back to a QuantizedWeight (unpacked int codes, [N, G] scales) from the stored tensors."""
-    if entry["kind"] == W8A8:
-        return QuantizedWeight(codes_or_packed, scale.reshape(scale.shape[0], -1), WeightQuantSpec(bits=8))
-    import ops_reference as ref
-
-    codes = torch.from_numpy(ref.unpack_int4(codes_or_packed.numpy()))
-    return QuantizedWeight(
-        codes, scale.reshape(scale.shape[0], -1), WeightQuantSpec(bits=4, group_size=entry["group_size"])
-    )
-
-
-def load_quantized_model(directory: str | Path, config: ModelConfig) -> CausalLM:
-    """The CausalLM of a quantized checkpoint: built on the dequantized weights, then every quantized linear and
-    routed-expert block swapped for its QuantLinear / QuantRoutedExperts (which run the integer HAL ops)."""
-    directory = Path(directory)
-    description = json.loads((directory / DESCRIPTION_FILE).read_text())
+def read_description(directory: str | Path) -> dict:
+    """The parsed <dir>/quantization.json, after checking its format and version (ValueError otherwise)."""
+    path = Path(directory) / DESCRIPTION_FILE
+    description = json.loads(path.read_text())
     if description.get("format") != FORMAT or description.get("version") != VERSION:
         raise ValueError(
-            f"{directory / DESCRIPTION_FILE}: expected format {FORMAT!r} v{VERSION}, got "
+            f"{path}: expected format {FORMAT!r} v{VERSION}, got "
             f"{description.get('format')!r} v{description.get('version')}"
         )
+    return description
+
+
+def load_quantized_model(directory: str | Path, config: ModelConfig | None = None) -> CausalLM:
+    """The CausalLM of a quantized checkpoint, with QuantLinear / QuantRoutedExperts (the integer HAL ops) at every
+    quantized call site, built without a float copy of any quantized weight.
+
+    directory: written by save_quantized. config: the model's ModelConfig; default: read from <dir>/config.json.
+
+    The CausalLM is built on the stored float tensors plus, for each quantized weight, a meta-device placeholder of
+    its float shape [N, K] (no storage: loading GLM-5 never allocates its ~1.5 TB of bf16 weights); each call site
+    holding a placeholder is then swapped for a module on the stored int8 / packed int4 codes and fp32 scales, used
+    as stored (a routed expert's gate|up rows are the gate rows then the up rows of both, codes and scales). A
+    placeholder left over (a quantized tensor at no quantized call site) is a ValueError naming it.
+    """
+    directory = Path(directory)
+    description = read_description(directory)
+    config = load_config(directory) if config is None else config
     stored = load_state_dict(directory / WEIGHTS_FILE)
-    entries = description["tensors"]
-    weights = {
-        n: _quantized_weight(stored[n], stored[e["scale"]], e) for n, e in entries.items() if e["kind"] in (W8A8, W4A8)
-    }
+    entries: dict[str, dict] = description["tensors"]
+    quantized = {n: e for n, e in entries.items() if e["kind"] in (W8A8, W4A8)}
     state = {n: stored[n] for n, e in entries.items() if e["kind"] == "float"}
     dtype = state["model.embed_tokens.weight"].dtype
-    state.update({n: q.dequantize(dtype) for n, q in weights.items()})
+    state.update(
+        {n: torch.empty(e["shape"][0], e["in_features"], dtype=dtype, device="meta") for n, e in quantized.items()}
+    )
     model = CausalLM(config, state)
-    expert_blocks = sorted({n.rsplit(".", 3)[0] for n in weights if ".mlp.experts." in n})
-    for name, q in weights.items():
+
+    def quant_linear(*names: str) -> QuantLinear:
+        # The stored tensors as they are; several weights fused into one GEMM (gate then up) stack along N, which
+        # is valid as stored because packed int4 bytes and scales are per row.
+        kinds = {(quantized[n]["kind"], quantized[n]["group_size"]) for n in names}
+        if len(kinds) != 1:
+            raise ValueError(f"{directory}: {list(names)} are fused into one GEMM but quantized differently: {kinds}")
+        (kind, group_size), scales = kinds.pop(), [stored[quantized[n]["scale"]] for n in names]
+        if len(names) == 1:
+            return QuantLinear(stored[names[0]], scales[0], None, kind, group_size)
+        return QuantLinear(torch.cat([stored[n] for n in names]), torch.cat(scales), None, kind, group_size)
+
+    for name in quantized:
         if ".mlp.experts." not in name:
-            model.replace_module(name.removesuffix(".weight"), QuantLinear.from_quantized(q))
-    for block in expert_blocks:
-        gate_up, down = [], []
-        for e in range(config.n_routed_experts):
-            gate, up = weights[f"{block}.{e}.gate_proj.weight"], weights[f"{block}.{e}.up_proj.weight"]
-            both = QuantizedWeight(torch.cat([gate.codes, up.codes]), torch.cat([gate.scale, up.scale]), gate.spec)
-            gate_up.append(QuantLinear.from_quantized(both))
-            down.append(QuantLinear.from_quantized(weights[f"{block}.{e}.down_proj.weight"]))
-        model.replace_module(block, QuantRoutedExperts(gate_up, down))
+            model.replace_module(name.removesuffix(".weight"), quant_linear(name))
+    for block in sorted({n.rsplit(".", 3)[0] for n in quantized if ".mlp.experts." in n}):
+        per_expert = [f"{block}.{e}" for e in range(config.n_routed_experts)]
+        missing = [
+            f"{p}.{proj}.weight"
+            for p in per_expert
+            for proj in ("gate_proj", "up_proj", "down_proj")
+            if f"{p}.{proj}.weight" not in quantized
+        ]
+        if missing:
+            raise ValueError(
+                f"{directory}: the routed experts of {block} are partly quantized; e.g. {missing[:3]} are not"
+            )
+        model.replace_module(
+            block,
+            QuantRoutedExperts(
+                [quant_linear(f"{p}.gate_proj.weight", f"{p}.up_proj.weight") for p in per_expert],
+                [quant_linear(f"{p}.down_proj.weight") for p in per_expert],
+            ),
+        )
+    check_no_meta_tensors(model, directory)
     return model
+
+
+def check_no_meta_tensors(model: nn.Module, directory: str | Path) -> None:
+    """ValueError naming the parameters / buffers of `model` (the first three) still on the meta device: placeholders
+    that no quantized module replaced. directory: the checkpoint, for the message."""
+    tensors = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
+    left = [name for name, t in tensors if t.is_meta]
+    if left:
+        raise ValueError(
+            f"{directory}: {len(left)} model tensor(s) are still meta placeholders after loading, e.g. {left[:3]}: "
+            "quantization.json marks their weights quantized, but no quantized module replaced them"
+        )

@@ -1,7 +1,13 @@
 """`glm5-hal quantize`: read a checkpoint (safetensors, Hugging Face names), QuaRot-rotate it, quantize it with a
-named scheme, write the quantized checkpoint and its JSON description, and print a quality report.
+named scheme, write the quantized checkpoint (weights, config.json, JSON description), and print a quality report.
 
-    glm5-hal quantize CHECKPOINT OUT_DIR --preset glm5-mini --scheme w4a8 [--method gptq] [--no-rotate]
+    glm5-hal quantize CHECKPOINT_DIR OUT_DIR --scheme w4a8 [--method gptq] [--no-rotate]
+    glm5-hal quantize model.safetensors OUT_DIR --preset glm5-mini --scheme w4a8
+
+The model config comes from CHECKPOINT_DIR/config.json (a Hugging Face checkpoint directory: GLM-5
+`glm_moe_dsa` or DeepSeek-V3.2 `deepseek_v32`, read by glm5_hal.model.hf_config); `--preset` overrides it, and
+is needed for a checkpoint without one (a single .safetensors file). OUT_DIR gets model.safetensors,
+quantization.json and config.json, so `load_quantized_model(OUT_DIR)` needs nothing else.
 
 Schemes: `w8a8` (every quantized linear W8A8) and `w4a8` (the GLM-5 Ascend mix: W8A8 attention and dense /
 shared MLPs, W4A8 routed experts). The quality report compares the quantized model, loaded back from OUT_DIR,
@@ -11,11 +17,14 @@ with the floating checkpoint on random held-out tokens (logits SQNR and cosine).
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
 import torch
 
-from glm5_hal.config import PRESETS, get_preset
+from glm5_hal.config import PRESETS, ModelConfig, get_preset
 from glm5_hal.model import CausalLM
+from glm5_hal.model.hf_config import CONFIG_FILE, load_config
 from quantization.checkpoint import load_quantized_model, load_state_dict, save_quantized
 from quantization.metrics import cosine, sqnr_db
 from quantization.model_quant import METHODS, SCHEMES, quantize_model
@@ -27,9 +36,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "quantize", help="QuaRot + W8A8 / W4A8 a checkpoint", description=__doc__.split("\n\n")[0]
     )
-    p.add_argument("checkpoint", help="a .safetensors file or a directory of them (Hugging Face names)")
-    p.add_argument("out_dir", help="where to write model.safetensors and quantization.json")
-    p.add_argument("--preset", required=True, choices=sorted(PRESETS), help="the model config of the checkpoint")
+    p.add_argument(
+        "checkpoint", help="a Hugging Face checkpoint directory (config.json + *.safetensors) or one .safetensors file"
+    )
+    p.add_argument("out_dir", help="where to write model.safetensors, config.json and quantization.json")
+    p.add_argument(
+        "--preset",
+        choices=sorted(PRESETS),
+        help="the model config (default: CHECKPOINT/config.json; required without one)",
+    )
     p.add_argument("--scheme", default="w4a8", choices=SCHEMES)
     p.add_argument("--method", default="rtn", choices=METHODS)
     p.add_argument("--no-rotate", action="store_true", help="skip QuaRot (fold + rotate)")
@@ -40,8 +55,29 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+def resolve_config(checkpoint: str | Path, preset: str | None) -> tuple[ModelConfig, str]:
+    """(the model config, where it came from): the preset when given, else CHECKPOINT/config.json. A ValueError
+    says what is missing when neither is there; config.json's own errors (ValueError) name the key."""
+    if preset is not None:
+        return get_preset(preset), f"--preset {preset}"
+    path = Path(checkpoint)
+    if path.is_dir() and (path / CONFIG_FILE).is_file():
+        return load_config(path), str(path / CONFIG_FILE)
+    where = f"the directory {path} has no {CONFIG_FILE}" if path.is_dir() else f"{path} is not a directory"
+    raise ValueError(
+        f"CHECKPOINT: no model config to read ({where}); pass a Hugging Face checkpoint directory with a "
+        f"{CONFIG_FILE}, or --preset with one of {sorted(PRESETS)}"
+    )
+
+
 def run(args: argparse.Namespace) -> int:
-    cfg = get_preset(args.preset)
+    """The `quantize` subcommand; returns the exit code (2 when the model config cannot be resolved)."""
+    try:
+        cfg, source = resolve_config(args.checkpoint, args.preset)
+    except ValueError as exc:
+        print(f"quantize: {exc}", file=sys.stderr)
+        return 2
+    print(f"model config {cfg.name!r} from {source}")
     state = load_state_dict(args.checkpoint)
     rotated, _ = (state, None) if args.no_rotate else quarot(state, cfg, seed=args.seed)
     gen = torch.Generator().manual_seed(args.seed + 1)
@@ -73,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
     if args.eval_tokens:
         ids = torch.randint(0, cfg.vocab_size, (args.eval_tokens,), generator=gen)
         reference = CausalLM(cfg, state).prefill(ids)
-        loaded = load_quantized_model(out, cfg).prefill(ids)
+        loaded = load_quantized_model(out).prefill(ids)  # its own config.json
         print(
             f"quality vs the floating checkpoint on {args.eval_tokens} random tokens: logits SQNR "
             f"{sqnr_db(reference.logits, loaded.logits):.2f} dB, cosine {cosine(reference.logits, loaded.logits):.5f}"
