@@ -8,6 +8,11 @@ expert, `model.layers.N.mlp.experts.E.{gate,up,down}_proj.weight`, as in the che
     out = model.prefill(token_ids)                    # one sequence, fresh cache
     out.logits            # [T, vocab]
     out.layer_outputs     # per layer: residual stream [T, hidden] after it (per-layer SQNR)
+    out.routing           # per layer: (topk_weights, topk_ids) of a MoE layer, None for a dense one
+    other.prefill(token_ids, routing=out.routing)   # same tokens, same experts (quantization measurements)
+
+    Precision: the model runs in the dtype of its state dict (bf16, fp16, fp32); a float64 state dict gives a
+    float64 model for verification (e.g. QuaRot invariance), on a backend that supports float64 (reference).
 
     cache = model.new_cache(max_tokens=256, block_size=16)
     out = model.step(cache, {"a": prompt_a, "b": prompt_b})     # ragged batched prefill
@@ -36,7 +41,9 @@ recorder for calibration) also takes the decomposed path, so recorders see every
 
 from glm5_hal.model.cache import PagedKVCache, StepMetadata
 from glm5_hal.model.decoder import CausalLM, DecoderLayer, ModelOutput
+from glm5_hal.model.hf_config import config_from_hf, config_to_hf, load_config
 from glm5_hal.model.linear import Linear, RoutedExperts
+from glm5_hal.model.mlp import Routing
 from glm5_hal.model.rope import rope_cos_sin, rope_inv_freq
 from glm5_hal.model.weights import (
     check_state_dict,
@@ -52,6 +59,7 @@ __all__ = [
     "ModelOutput",
     "Linear",
     "RoutedExperts",
+    "Routing",
     "PagedKVCache",
     "StepMetadata",
     "random_state_dict",
@@ -61,4 +69,7 @@ __all__ = [
     "expert_module_names",
     "rope_cos_sin",
     "rope_inv_freq",
+    "config_from_hf",
+    "config_to_hf",
+    "load_config",
 ]

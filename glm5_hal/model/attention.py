@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from glm5_hal.config import ModelConfig
 from glm5_hal.model.cache import StepMetadata
 from glm5_hal.model.linear import Linear
-from glm5_hal.model.norms import LayerNorm, RMSNorm
+from glm5_hal.model.norms import LayerNorm, RMSNorm, compute_dtype
 from glm5_hal.model.rope import apply_rope
 from glm5_hal.ops import indexer_prolog, lightning_indexer, mla_prolog, sparse_flash_attention
 
@@ -78,7 +78,7 @@ class Indexer(nn.Module):
         q = torch.cat([apply_rope(q[..., :rope], cos, sin, interleaved=interleaved), q[..., rope:]], -1)
         k = torch.cat([apply_rope(k[..., :rope], cos, sin, interleaved=interleaved), k[..., rope:]], -1)
         _write_rows(cache, step.slot_mapping, k)
-        weights = self.weights_proj(x).float() * cfg.indexer_weight_scale
+        weights = self.weights_proj(x).to(compute_dtype(x)) * cfg.indexer_weight_scale
         return q, weights
 
 
@@ -156,7 +156,7 @@ class MLAAttention(nn.Module):
         nope, kv_lora = cfg.qk_nope_head_dim, cfg.kv_lora_rank
         q_norm = self.q_a_layernorm(self.q_a_proj(x))
         q = self.q_b_proj(q_norm).view(x.shape[0], cfg.num_attention_heads, cfg.qk_head_dim)
-        acc = torch.promote_types(x.dtype, torch.float32)
+        acc = compute_dtype(x)
         q_lat = torch.einsum("thn,hnc->thc", q[..., :nope].to(acc), w_uk.to(acc)).to(x.dtype)
         q_pe = apply_rope(q[..., nope:], cos, sin, interleaved=True)
         kv = self.kv_a_proj_with_mqa(x)

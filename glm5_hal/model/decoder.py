@@ -13,8 +13,8 @@ from glm5_hal.config import ModelConfig
 from glm5_hal.model.attention import Indexer, MLAAttention
 from glm5_hal.model.cache import PagedKVCache, StepMetadata
 from glm5_hal.model.linear import Linear, RoutedExperts
-from glm5_hal.model.mlp import MLP, MoE, TopkRouter
-from glm5_hal.model.norms import LayerNorm, RMSNorm
+from glm5_hal.model.mlp import MLP, MoE, Routing, TopkRouter
+from glm5_hal.model.norms import LayerNorm, RMSNorm, compute_dtype
 from glm5_hal.model.rope import rope_cos_sin
 from glm5_hal.model.weights import (
     check_state_dict,
@@ -70,10 +70,26 @@ class DecoderLayer(nn.Module):
         else:
             self.mlp = _mlp(state, m)
 
-    def forward(self, h: Tensor, cos: Tensor, sin: Tensor, cache: PagedKVCache, step: StepMetadata) -> Tensor:
+    def forward(
+        self,
+        h: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        cache: PagedKVCache,
+        step: StepMetadata,
+        routing: Routing | None = None,
+    ) -> tuple[Tensor, Routing | None]:
+        """(new residual stream, the MoE routing used or None for a dense layer). `routing` forces the expert
+        choice of a MoE layer (see MoE.forward)."""
         kv_cache, index_k_cache = cache.kv[self.layer], cache.index_k[self.layer]
         h = h + self.self_attn(self.input_layernorm(h), cos, sin, kv_cache, index_k_cache, step)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        x = self.post_attention_layernorm(h)
+        if isinstance(self.mlp, MoE):
+            out, routing = self.mlp(x, routing)
+            return h + out, routing
+        if routing is not None:
+            raise ValueError(f"routing: layer {self.layer} is a dense MLP layer, it takes no routing (pass None)")
+        return h + self.mlp(x), None
 
 
 def _mlp(state: dict[str, Tensor], prefix: str) -> MLP:
@@ -104,10 +120,13 @@ class DecoderStack(nn.Module):
 @dataclass
 class ModelOutput:
     """logits: [T, vocab] in the model's dtype. layer_outputs: per decoder layer, the residual stream
-    [T, hidden] after that layer (before the final norm), for per-layer error measurements."""
+    [T, hidden] after that layer (before the final norm), for per-layer error measurements. routing: per decoder
+    layer, the MoE routing it used (topk_weights [T, k], topk_ids [T, k] int32), None for dense layers; pass
+    it back as `routing=` to make another model (e.g. a quantized copy) choose the same experts."""
 
     logits: Tensor
     layer_outputs: list[Tensor]
+    routing: list[Routing | None]
 
 
 class CausalLM(nn.Module):
@@ -158,31 +177,67 @@ class CausalLM(nn.Module):
         return PagedKVCache(self.cfg, num_blocks, block_size, self.dtype, device, shuffle_seed=shuffle_seed)
 
     @torch.no_grad()
-    def forward(self, input_ids: Tensor, cache: PagedKVCache, step: StepMetadata) -> ModelOutput:
+    def forward(
+        self,
+        input_ids: Tensor,
+        cache: PagedKVCache,
+        step: StepMetadata,
+        *,
+        routing: Sequence[Routing | None] | None = None,
+    ) -> ModelOutput:
         """Run the new tokens input_ids [T] int64 (token-major, laid out as `step` says) through the model,
-        writing their cache rows. Returns the logits of every new token and the per-layer outputs."""
+        writing their cache rows. Returns the logits of every new token and the per-layer outputs.
+
+        routing: None (every MoE layer routes with its own router), or one entry per layer as in
+        ModelOutput.routing of a run over the same tokens (None for dense layers): the MoE layers then use
+        those experts and weights instead."""
         if input_ids.dim() != 1 or input_ids.shape[0] != step.num_tokens:
             raise ValueError(
                 f"input_ids: expected shape [T] with T = {step.num_tokens} (the step's tokens), "
                 f"got {tuple(input_ids.shape)}"
             )
-        cos, sin = rope_cos_sin(self.cfg, step.positions)
+        layers = self.model.layers
+        forced = [None] * len(layers) if routing is None else list(routing)
+        if len(forced) != len(layers):
+            raise ValueError(f"routing: expected one entry per layer ({len(layers)}), got {len(forced)}")
+        k = self.cfg.num_experts_per_tok
+        for i, r in enumerate(forced):
+            if r is not None and (len(r) != 2 or any(t.shape != (step.num_tokens, k) for t in r)):
+                raise ValueError(
+                    f"routing[{i}]: expected (topk_weights, topk_ids) of shape [{step.num_tokens}, {k}], "
+                    f"got {[tuple(t.shape) for t in r]}"
+                )
+        cos, sin = rope_cos_sin(self.cfg, step.positions, compute_dtype(self.model.embed_tokens.weight))
         h = self.model.embed_tokens(input_ids)
-        layer_outputs = []
-        for layer in self.model.layers:
-            h = layer(h, cos, sin, cache, step)
+        layer_outputs, used = [], []
+        for layer, layer_routing in zip(layers, forced, strict=True):
+            h, layer_routing = layer(h, cos, sin, cache, step, layer_routing)
             layer_outputs.append(h)
-        return ModelOutput(self.lm_head(self.model.norm(h)), layer_outputs)
+            used.append(layer_routing)
+        return ModelOutput(self.lm_head(self.model.norm(h)), layer_outputs, used)
 
-    def step(self, cache: PagedKVCache, tokens: dict[Hashable, Sequence[int] | Tensor]) -> ModelOutput:
+    def step(
+        self,
+        cache: PagedKVCache,
+        tokens: dict[Hashable, Sequence[int] | Tensor],
+        *,
+        routing: Sequence[Routing | None] | None = None,
+    ) -> ModelOutput:
         """Append tokens to sequences ({seq_id: token ids}); new ids are prefilled, known ones continue (decode
-        or chunked prefill). Logits rows follow the dict's order, token-major."""
+        or chunked prefill). Logits rows follow the dict's order, token-major. routing: see forward."""
         ids = [torch.as_tensor(t, dtype=torch.int64).reshape(-1) for t in tokens.values()]
         plan = cache.plan_step(list(tokens), [t.numel() for t in ids])
-        return self.forward(torch.cat(ids).to(cache.device), cache, plan)
+        return self.forward(torch.cat(ids).to(cache.device), cache, plan, routing=routing)
 
-    def prefill(self, input_ids: Tensor | Sequence[int], *, block_size: int = 16) -> ModelOutput:
-        """One sequence from scratch in a fresh cache (the common case for quality measurements)."""
+    def prefill(
+        self,
+        input_ids: Tensor | Sequence[int],
+        *,
+        block_size: int = 16,
+        routing: Sequence[Routing | None] | None = None,
+    ) -> ModelOutput:
+        """One sequence from scratch in a fresh cache (the common case for quality measurements).
+        routing: see forward."""
         ids = torch.as_tensor(input_ids, dtype=torch.int64).reshape(-1)
         cache = self.new_cache(ids.numel(), block_size=block_size, device=self.model.embed_tokens.weight.device)
-        return self.step(cache, {0: ids})
+        return self.step(cache, {0: ids}, routing=routing)

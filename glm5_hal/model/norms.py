@@ -6,10 +6,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from glm5_hal.checks import accumulation_dtype
+
 
 def compute_dtype(x: Tensor) -> torch.dtype:
-    """fp32 for bf16/fp16/fp32 activations, fp64 for fp64 ones (the statistics are never less precise than fp32)."""
-    return torch.promote_types(x.dtype, torch.float32)
+    """fp32 for bf16/fp16/fp32 activations, fp64 for fp64 ones (the statistics are never less precise than fp32;
+    the same rule as the ops' "fp32 by contract" tensors, glm5_hal.checks.accumulation_dtype)."""
+    return accumulation_dtype(x.dtype)
 
 
 class RMSNorm(nn.Module):

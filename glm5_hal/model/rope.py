@@ -11,6 +11,7 @@ import math
 import torch
 from torch import Tensor
 
+from glm5_hal.checks import accumulation_dtype
 from glm5_hal.config import ModelConfig, YarnScaling
 
 
@@ -47,18 +48,20 @@ def rope_inv_freq(cfg: ModelConfig) -> Tensor:
     return extrapolated / yarn.factor * (1.0 - keep) + extrapolated * keep
 
 
-def rope_cos_sin(cfg: ModelConfig, positions: Tensor) -> tuple[Tensor, Tensor]:
-    """cos, sin: fp32 [T, rope/2] at `positions` (int [T]); angles computed in fp64 for long contexts."""
+def rope_cos_sin(cfg: ModelConfig, positions: Tensor, dtype: torch.dtype = torch.float32) -> tuple[Tensor, Tensor]:
+    """cos, sin: [T, rope/2] at `positions` (int [T]) in `dtype` (fp32, the ops' contract; fp64 for a float64
+    model); angles computed in fp64 for long contexts."""
     inv_freq = rope_inv_freq(cfg).to(positions.device)
     angles = positions.to(torch.float64)[:, None] * inv_freq[None, :]
-    return angles.cos().to(torch.float32), angles.sin().to(torch.float32)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor, *, interleaved: bool) -> Tensor:
-    """RoPE of x [T, ..., rope] with cos, sin [T, rope/2] (OPS.md pair layouts), computed in fp32, x's dtype out."""
+    """RoPE of x [T, ..., rope] with cos, sin [T, rope/2] (OPS.md pair layouts), computed in fp32 (fp64 for
+    fp64 x), x's dtype out."""
     shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[1],)
     cos, sin = cos.reshape(shape), sin.reshape(shape)
-    xf = x.to(torch.promote_types(x.dtype, torch.float32))
+    xf = x.to(accumulation_dtype(x.dtype))
     half = x.shape[-1] // 2
     a, b = (xf[..., 0::2], xf[..., 1::2]) if interleaved else (xf[..., :half], xf[..., half:])
     ra, rb = a * cos - b * sin, a * sin + b * cos
