@@ -2,7 +2,7 @@
 
 pytest                                   every op x every available backend x dtype x case
 pytest --quick                           skip the cases at real model dims
-GLM5_HAL_BACKEND=torch pytest            parity of that backend only
+GLM5_HAL_BACKEND=torch pytest            parity of that backend only (and the model tests on it alone)
 pytest --parity-json r.json --parity-markdown r.md
 """
 
@@ -15,7 +15,7 @@ import pytest
 from backends.triton.runtime import use_interpreter_if_no_gpu
 from glm5_hal.parity.runner import Result, format_table, session_seed, summarise, write_report
 from glm5_hal.registry import registry
-from glm5_hal.selection import ENV_BACKEND
+from glm5_hal.selection import ENV_BACKEND, use_backend
 
 # Without a GPU the triton backend runs under Triton's CPU interpreter, which must be chosen before anything
 # imports triton (torch.compile does, in test_custom_ops.py).
@@ -46,6 +46,29 @@ def available_backend(request: pytest.FixtureRequest) -> str:
     if not avail.available:
         pytest.skip(f"backend {name} unavailable: {avail.reason}")
     return name
+
+
+# The model and quantization tests run on these when GLM5_HAL_BACKEND names none: auto's pick on a CPU (torch)
+# and the float64 NumPy reference, the two backends the model's contract is checked on in CI.
+MODEL_TEST_BACKENDS = ("torch", "reference")
+
+
+def model_backends() -> list[str]:
+    """GLM5_HAL_BACKEND if it names a backend, else MODEL_TEST_BACKENDS."""
+    requested = os.environ.get(ENV_BACKEND, "auto").strip()
+    return [requested] if requested and requested != "auto" else list(MODEL_TEST_BACKENDS)
+
+
+@pytest.fixture(params=model_backends())
+def model_backend(request: pytest.FixtureRequest):
+    """Runs the test with the backend of this parametrisation selected (for modules that build whole models:
+    `pytestmark = pytest.mark.usefixtures("model_backend")`); yields its name."""
+    name = request.param
+    avail = registry().availability(name)
+    if not avail.available:
+        pytest.skip(f"backend {name} unavailable: {avail.reason}")
+    with use_backend(name):
+        yield name
 
 
 @pytest.fixture

@@ -2,7 +2,7 @@
 
 transformers is a test-only dependency (its modules are the independent implementation); these tests skip when
 it is missing. Everything runs at the glm5-mini preset (2 layers: one dense MLP layer, one MoE layer) on the
-selected backend (GLM5_HAL_BACKEND, default auto = torch on CPU).
+torch and reference backends (or GLM5_HAL_BACKEND's alone).
 """
 
 from __future__ import annotations
@@ -14,6 +14,9 @@ from glm5_hal.config import DEEPSEEK_V32, GLM5_MINI, ModelConfig, YarnScaling
 from glm5_hal.model import CausalLM, Linear, PagedKVCache, random_state_dict, rope_inv_freq
 from glm5_hal.model.weights import parameter_shapes
 from glm5_hal.parity.compare import compare_float, to_numpy
+
+# Every test on each backend of the model tests (torch and reference, or GLM5_HAL_BACKEND's): conftest.py.
+pytestmark = pytest.mark.usefixtures("model_backend")
 
 SEQ_LEN = 24
 # glm5-mini with 16 indexer heads instead of 4. The indexer score sum_j w_j ReLU(q_j . k) is exactly 0 whenever
@@ -248,7 +251,7 @@ def test_sparse_selection_really_drops_keys() -> None:
     sparse = CausalLM(MINI.with_overrides(index_topk=8), state)
     dense = CausalLM(MINI, state)
     out_sparse, out_dense = sparse.prefill(input_ids), dense.prefill(input_ids)
-    indices = sparse.model.layers[0].self_attn.last_topk_indices
+    indices = out_sparse.choices[0].topk_indices
     assert indices.shape == (SEQ_LEN, 8)
     assert bool((indices[8:] >= 0).all()) and bool((indices[:7, -1] == -1).all())
     late = slice(8, None)

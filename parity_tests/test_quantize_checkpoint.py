@@ -190,6 +190,7 @@ def test_quantize_without_config_json_or_preset_is_a_clear_error(checkpoint, tmp
 # ------------------------------------------------------------------------------------------ loading
 
 
+@pytest.mark.usefixtures("model_backend")
 def test_loaded_model_without_config_equals_the_in_memory_quantized_model(checkpoint, quantized_dir: Path) -> None:
     ids = torch.arange(12) * 7 % GLM5_MINI.vocab_size
     own = load_quantized_model(quantized_dir).prefill(ids).logits

@@ -49,7 +49,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--method", default="rtn", choices=METHODS)
     p.add_argument("--no-rotate", action="store_true", help="skip QuaRot (fold + rotate)")
     p.add_argument("--seed", type=int, default=0, help="QuaRot sign seed and the calibration / evaluation tokens")
-    p.add_argument("--calibration-sequences", type=int, default=8, help="GPTQ: random sequences of 128 tokens")
+    p.add_argument(
+        "--calibration-sequences", type=int, default=32, help="GPTQ: random sequences of 128 tokens (default 32)"
+    )
     p.add_argument("--mse-clip", action="store_true", help="MSE clip search for the weight scales")
     p.add_argument("--eval-tokens", type=int, default=32, help="held-out tokens of the quality report (0: none)")
     p.set_defaults(func=run)

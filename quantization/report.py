@@ -9,10 +9,19 @@ multiplying `--outlier-channels` random columns of the embedding table by `--out
 carries them from the first token on (every layer adds O(1) on top), and each layer's normalised input
 inherits them. Nothing else of the model is changed, and the knobs are fixed defaults, not tuned.
 
-Metrics: SQNR (dB) and cosine of the quantized model's per-layer residual streams (rotated back for QuaRot
-models) and logits against the same model unquantized. The unquantized model runs in fp32, the widest dtype
-the HAL ops take (under GLM5_HAL_BACKEND=reference every op computes in float64 inside); its own rounding
-(~1e-7 relative, 140 dB) is far below the quantization noise measured here.
+Metrics: SQNR (dB) and cosine of the quantized model's per-layer residual-stream updates (rotated back for
+QuaRot models) and logits against the same model unquantized. The unquantized model runs in fp32, the widest
+dtype the HAL ops take for the integer paths (under GLM5_HAL_BACKEND=reference every op computes in float64
+inside); its own rounding (~1e-7 relative, 140 dB) is far below the quantization noise measured here.
+
+Discrete choices: the MoE router picks experts and the lightning indexer picks the keys each token attends
+(when the context is longer than index_topk). Quantization noise flips a few of those choices; each flip swaps a
+whole expert's output or a key's contribution, an error far larger than the GEMMs' and unrelated to how well
+they are quantized (with it, GPTQ-vs-RTN and rotation comparisons come out seed-dependent). So the per-layer and
+logits numbers are measured with the quantized model replaying the float model's choices (`choices=` of
+CausalLM.prefill: same keys, same experts and weights), which isolates the quantization error; the free-running
+logits SQNR and the fractions of expert and key choices that stay the same are reported beside them, as what a
+deployment sees.
 """
 
 from __future__ import annotations
@@ -27,7 +36,7 @@ import torch
 from torch import Tensor
 
 from glm5_hal.config import ModelConfig, get_preset
-from glm5_hal.model import CausalLM, random_state_dict
+from glm5_hal.model import CausalLM, ModelOutput, random_state_dict
 from quantization.metrics import cosine, sqnr_db
 from quantization.model_quant import quantize_model
 from quantization.quarot import QuaRotRotations, quarot
@@ -37,14 +46,17 @@ VARIANTS = ("no rotation, RTN", "QuaRot + RTN", "QuaRot + GPTQ")
 
 @dataclass
 class ReportRow:
-    """One quantized model's error against its unquantized self."""
+    """One quantized model's error against its unquantized self (see the module docstring for "choices")."""
 
     model: str  # "no outliers" or "outliers"
     scheme: str  # "w8a8" or "w4a8"
     variant: str  # one of VARIANTS
-    layer_sqnr_db: list[float]
-    logits_sqnr_db: float
-    logits_cosine: float
+    layer_sqnr_db: list[float]  # per layer, SQNR of its residual update (float choices replayed)
+    logits_sqnr_db: float  # float model's choices replayed
+    logits_cosine: float  # float model's choices replayed
+    free_logits_sqnr_db: float  # the quantized model making its own choices
+    expert_agreement: float  # fraction of (token, expert) choices equal to the float model's, free-running
+    key_agreement: float  # fraction of (token, selected key) choices equal to the float model's, free-running
     seconds: float
 
 
@@ -59,15 +71,60 @@ def with_residual_outliers(
     return {**state_dict, "model.embed_tokens.weight": scaled}, sorted(picked.tolist())
 
 
+@dataclass
+class Measurement:
+    """What `measure` returns: the error numbers of one quantized model (ReportRow's fields of the same names)."""
+
+    layer_sqnr_db: list[float]
+    logits_sqnr_db: float
+    logits_cosine: float
+    free_logits_sqnr_db: float
+    expert_agreement: float
+    key_agreement: float
+
+
+def _shared_choices(reference: Tensor, other: Tensor) -> tuple[int, int]:
+    """(how many of other's choices [T, k] (ints, -1 = none) are also in reference's row, how many it made)."""
+    ref, got = reference.long(), other.long()
+    width = int(max(ref.max(), got.max())) + 2  # one extra column absorbs -1 (shifted to 0)
+    chosen = torch.zeros(ref.shape[0], width, dtype=torch.bool)
+    chosen.scatter_(1, ref + 1, True)
+    made = got >= 0
+    return int((chosen.gather(1, got + 1) & made).sum()), int(made.sum())
+
+
+def agreement(reference: ModelOutput, out: ModelOutput) -> tuple[float, float]:
+    """(expert agreement, key agreement): the fractions of out's (token, expert) choices of every MoE layer and
+    (token, selected key) choices of every layer that `reference` made too (1.0 where no such choice exists)."""
+    counts = {"experts": [0, 0], "keys": [0, 0]}  # [shared, made]
+    for ref, got in zip(reference.choices, out.choices, strict=True):
+        pairs = [("keys", ref.topk_indices, got.topk_indices)]
+        if ref.routing is not None:
+            pairs.append(("experts", ref.routing[1], got.routing[1]))
+        for kind, a, b in pairs:
+            shared, made = _shared_choices(a, b)
+            counts[kind][0] += shared
+            counts[kind][1] += made
+    experts, keys = (shared / made if made else 1.0 for shared, made in counts.values())
+    return experts, keys
+
+
 def measure(
-    reference, embedded: Tensor, model: CausalLM, ids: Tensor, rotations: QuaRotRotations | None
-) -> tuple[list[float], float, float]:
-    """(per-layer SQNR, logits SQNR, logits cosine) of model's prefill of ids against the reference output.
+    reference: ModelOutput,
+    embedded: Tensor,
+    model: CausalLM,
+    ids: Tensor,
+    rotations: QuaRotRotations | None,
+) -> Measurement:
+    """The error of model's prefill of ids against the float model's output `reference`.
 
     A layer's SQNR is that of its update to the residual stream (output minus input: attention + MLP), with the
     error of the layers below included; the stream itself is not used because with outliers it is dominated by
-    the (exact) embedding channels carried through the skip connections, which would flatter the numbers."""
-    out = model.prefill(ids)
+    the (exact) embedding channels carried through the skip connections, which would flatter the numbers. Layers
+    and logits are measured with the reference's key and expert choices replayed; the free-running model gives
+    the free logits SQNR and the agreements."""
+    free = model.prefill(ids)
+    out = model.prefill(ids, choices=reference.choices)
     unrotate = (lambda h: h.double()) if rotations is None else (lambda h: rotations.hidden.unrotate(h.double()))
     layers = []
     prev_ref = prev = embedded.double()  # [T, hidden], the unrotated embedding rows (exact in both models)
@@ -75,15 +132,21 @@ def measure(
         h, h_ref = unrotate(h), h_ref.double()
         layers.append(sqnr_db(h_ref - prev_ref, h - prev))
         prev_ref, prev = h_ref, h
-    return layers, sqnr_db(reference.logits, out.logits), cosine(reference.logits, out.logits)
+    return Measurement(
+        layers,
+        sqnr_db(reference.logits, out.logits),
+        cosine(reference.logits, out.logits),
+        sqnr_db(reference.logits, free.logits),
+        *agreement(reference, free),
+    )
 
 
 def quality_rows(
     cfg: ModelConfig,
     *,
     seed: int = 0,
-    tokens: int = 64,
-    calibration_sequences: int = 8,
+    tokens: int = 128,
+    calibration_sequences: int = 32,
     calibration_tokens: int = 128,
     outlier_channels: int = 4,
     outlier_scale: float = 30.0,
@@ -111,17 +174,14 @@ def quality_rows(
                 method = "gptq" if variant.endswith("GPTQ") else "rtn"
                 model = CausalLM(cfg, rotated_state if rotate else state)
                 quantize_model(model, scheme, method, calibration=calibration if method == "gptq" else ())
-                layers, logits_sqnr, logits_cos = measure(
-                    reference, embedded, model, ids, rotations if rotate else None
-                )
-                rows.append(
-                    ReportRow(model_name, scheme, variant, layers, logits_sqnr, logits_cos, time.perf_counter() - start)
-                )
+                m = measure(reference, embedded, model, ids, rotations if rotate else None)
+                rows.append(ReportRow(model_name, scheme, variant, **asdict(m), seconds=time.perf_counter() - start))
     return rows
 
 
 def format_table(rows: Sequence[ReportRow]) -> str:
-    """A Markdown table: one row per quantized model, per-layer and logits SQNR (dB), logits cosine."""
+    """A Markdown table: one row per quantized model; per-layer and logits SQNR (dB) and logits cosine with the
+    float model's choices replayed, then free-running logits SQNR and expert / key agreement."""
     layers = len(rows[0].layer_sqnr_db)
     head = [
         "model",
@@ -130,6 +190,9 @@ def format_table(rows: Sequence[ReportRow]) -> str:
         *[f"layer {i} update dB" for i in range(layers)],
         "logits dB",
         "logits cosine",
+        "free-running logits dB",
+        "same experts",
+        "same keys",
     ]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
@@ -140,6 +203,9 @@ def format_table(rows: Sequence[ReportRow]) -> str:
             *[f"{v:.2f}" for v in r.layer_sqnr_db],
             f"{r.logits_sqnr_db:.2f}",
             f"{r.logits_cosine:.5f}",
+            f"{r.free_logits_sqnr_db:.2f}",
+            f"{100 * r.expert_agreement:.1f}%",
+            f"{100 * r.key_agreement:.1f}%",
         ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -161,7 +227,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     print(
         f"{cfg.name}: {args.tokens} held-out tokens, GPTQ calibration {args.calibration_sequences} x 128 tokens, "
-        f"outliers: {args.outlier_channels} embedding channels x {args.outlier_scale:g}, seed {args.seed}"
+        f"outliers: {args.outlier_channels} embedding channels x {args.outlier_scale:g}, seed {args.seed}; "
+        "layers, logits and cosine with the float model's key and expert choices replayed"
     )
     print(format_table(rows))
     if args.json:
@@ -173,8 +240,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 def add_report_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preset", default="glm5-mini", help="model config preset (default glm5-mini)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--tokens", type=int, default=64, help="held-out evaluation tokens (default 64)")
-    parser.add_argument("--calibration-sequences", type=int, default=8, help="GPTQ calibration sequences of 128 tokens")
+    parser.add_argument("--tokens", type=int, default=128, help="held-out evaluation tokens (default 128)")
+    parser.add_argument(
+        "--calibration-sequences", type=int, default=32, help="GPTQ calibration sequences of 128 tokens (default 32)"
+    )
     parser.add_argument("--outlier-channels", type=int, default=4)
     parser.add_argument("--outlier-scale", type=float, default=30.0)
 

@@ -8,8 +8,8 @@ expert, `model.layers.N.mlp.experts.E.{gate,up,down}_proj.weight`, as in the che
     out = model.prefill(token_ids)                    # one sequence, fresh cache
     out.logits            # [T, vocab]
     out.layer_outputs     # per layer: residual stream [T, hidden] after it (per-layer SQNR)
-    out.routing           # per layer: (topk_weights, topk_ids) of a MoE layer, None for a dense one
-    other.prefill(token_ids, routing=out.routing)   # same tokens, same experts (quantization measurements)
+    out.choices           # per layer: LayerChoices (the keys its indexer selected; a MoE layer's experts)
+    other.prefill(token_ids, choices=out.choices)   # same keys, same experts (quantization measurements)
 
     Precision: the model runs in the dtype of its state dict (bf16, fp16, fp32); a float64 state dict gives a
     float64 model for verification (e.g. QuaRot invariance), on a backend that supports float64 (reference).
@@ -40,7 +40,7 @@ recorder for calibration) also takes the decomposed path, so recorders see every
 """
 
 from glm5_hal.model.cache import PagedKVCache, StepMetadata
-from glm5_hal.model.decoder import CausalLM, DecoderLayer, ModelOutput
+from glm5_hal.model.decoder import CausalLM, DecoderLayer, LayerChoices, ModelOutput
 from glm5_hal.model.hf_config import config_from_hf, config_to_hf, load_config
 from glm5_hal.model.linear import Linear, RoutedExperts
 from glm5_hal.model.mlp import Routing
@@ -57,6 +57,7 @@ __all__ = [
     "CausalLM",
     "DecoderLayer",
     "ModelOutput",
+    "LayerChoices",
     "Linear",
     "RoutedExperts",
     "Routing",

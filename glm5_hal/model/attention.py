@@ -84,7 +84,8 @@ class Indexer(nn.Module):
 
 class MLAAttention(nn.Module):
     """One layer's attention. Call: (x [T, hidden] normed, cos/sin [T, rope/2] fp32, kv_cache, index_k_cache,
-    step) -> [T, hidden] in x's dtype; writes the new tokens' latent and index-key rows into the two caches."""
+    step[, topk_indices]) -> ([T, hidden] in x's dtype, the key selection used); writes the new tokens' latent and
+    index-key rows into the two caches."""
 
     def __init__(
         self,
@@ -114,7 +115,6 @@ class MLAAttention(nn.Module):
         self.q_a_layernorm, self.kv_a_layernorm = q_a_layernorm, kv_a_layernorm
         self.indexer = indexer
         self.fused = True  # False forces the decomposed MLA prolog (tests compare the two)
-        self.last_topk_indices: Tensor | None = None  # [T, topk] int32 of the latest call, for inspection
 
     def kv_b_halves(self) -> tuple[Tensor, Tensor]:
         """(W_UK [H, nope, kv_lora], W_UV [H, v_head, kv_lora]) from kv_b_proj [H * (nope + v_head), kv_lora]."""
@@ -171,16 +171,34 @@ class MLAAttention(nn.Module):
         return q_lat, q_pe, q_norm
 
     def forward(
-        self, x: Tensor, cos: Tensor, sin: Tensor, kv_cache: Tensor, index_k_cache: Tensor, step: StepMetadata
-    ) -> Tensor:
+        self,
+        x: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        kv_cache: Tensor,
+        index_k_cache: Tensor,
+        step: StepMetadata,
+        topk_indices: Tensor | None = None,
+    ) -> tuple[Tensor, Tensor]:
+        """(output [T, hidden], the key selection used: topk_indices [T, index_topk] int32, -1 = none).
+
+        topk_indices: None (the lightning indexer selects), or a selection to use instead (e.g. a quantized model
+        replaying its floating original's, see CausalLM.forward); the indexer prolog still runs, to write the
+        new tokens' index keys."""
         cfg = self.cfg
         w_uk, w_uv = self.kv_b_halves()
         q_lat, q_pe, q_norm = self._mla_prolog(x, w_uk, cos, sin, kv_cache, step)
         q_idx, head_weights = self.indexer.prolog(x, q_norm, cos, sin, index_k_cache, step)
-        topk_indices = lightning_indexer(
-            q_idx, head_weights, index_k_cache, step.block_table, step.seq_lens_k, step.cu_seqlens_q, cfg.index_topk
-        )
-        self.last_topk_indices = topk_indices
+        if topk_indices is None:
+            topk_indices = lightning_indexer(
+                q_idx,
+                head_weights,
+                index_k_cache,
+                step.block_table,
+                step.seq_lens_k,
+                step.cu_seqlens_q,
+                cfg.index_topk,
+            )
         latent_out, _ = sparse_flash_attention(
             torch.cat([q_lat, q_pe], -1),
             kv_cache,
@@ -192,4 +210,4 @@ class MLAAttention(nn.Module):
             d_v=cfg.kv_lora_rank,
         )  # [T, H, kv_lora]
         values = torch.einsum("thc,hvc->thv", latent_out, w_uv.to(latent_out.dtype))  # [T, H, v_head]
-        return self.o_proj(values.reshape(x.shape[0], cfg.num_attention_heads * cfg.v_head_dim))
+        return self.o_proj(values.reshape(x.shape[0], cfg.num_attention_heads * cfg.v_head_dim)), topk_indices

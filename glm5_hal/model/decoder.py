@@ -25,6 +25,22 @@ from glm5_hal.model.weights import (
 )
 
 
+@dataclass(frozen=True)
+class LayerChoices:
+    """The discrete choices one decoder layer made for its tokens.
+
+    topk_indices: [T, index_topk] int32, the keys each token attends (the lightning indexer's selection, -1 =
+    none). routing: a MoE layer's (topk_weights [T, k] fp32, topk_ids [T, k] int32); None in a dense layer.
+
+    Quantization noise flips a few of these choices, and each flip swaps whole keys or experts: an error unrelated
+    to how well the GEMMs are quantized. Replaying the floating model's choices in a quantized copy (`choices=`
+    of CausalLM.forward / step / prefill) isolates the quantization error.
+    """
+
+    topk_indices: Tensor
+    routing: Routing | None
+
+
 class DecoderLayer(nn.Module):
     """h + attn(input_layernorm(h)), then h + mlp(post_attention_layernorm(h)); h [T, hidden]."""
 
@@ -77,19 +93,22 @@ class DecoderLayer(nn.Module):
         sin: Tensor,
         cache: PagedKVCache,
         step: StepMetadata,
-        routing: Routing | None = None,
-    ) -> tuple[Tensor, Routing | None]:
-        """(new residual stream, the MoE routing used or None for a dense layer). `routing` forces the expert
-        choice of a MoE layer (see MoE.forward)."""
+        choices: LayerChoices | None = None,
+    ) -> tuple[Tensor, LayerChoices]:
+        """(new residual stream, the choices made). `choices` replays given choices instead (see LayerChoices)."""
         kv_cache, index_k_cache = cache.kv[self.layer], cache.index_k[self.layer]
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, kv_cache, index_k_cache, step)
+        forced_keys, forced_routing = (None, None) if choices is None else (choices.topk_indices, choices.routing)
+        attn, topk_indices = self.self_attn(
+            self.input_layernorm(h), cos, sin, kv_cache, index_k_cache, step, forced_keys
+        )
+        h = h + attn
         x = self.post_attention_layernorm(h)
         if isinstance(self.mlp, MoE):
-            out, routing = self.mlp(x, routing)
-            return h + out, routing
-        if routing is not None:
-            raise ValueError(f"routing: layer {self.layer} is a dense MLP layer, it takes no routing (pass None)")
-        return h + self.mlp(x), None
+            out, routing = self.mlp(x, forced_routing)
+            return h + out, LayerChoices(topk_indices, routing)
+        if forced_routing is not None:
+            raise ValueError(f"choices: layer {self.layer} is a dense MLP layer, its routing must be None")
+        return h + self.mlp(x), LayerChoices(topk_indices, None)
 
 
 def _mlp(state: dict[str, Tensor], prefix: str) -> MLP:
@@ -120,13 +139,13 @@ class DecoderStack(nn.Module):
 @dataclass
 class ModelOutput:
     """logits: [T, vocab] in the model's dtype. layer_outputs: per decoder layer, the residual stream
-    [T, hidden] after that layer (before the final norm), for per-layer error measurements. routing: per decoder
-    layer, the MoE routing it used (topk_weights [T, k], topk_ids [T, k] int32), None for dense layers; pass
-    it back as `routing=` to make another model (e.g. a quantized copy) choose the same experts."""
+    [T, hidden] after that layer (before the final norm), for per-layer error measurements. choices: per decoder
+    layer, the keys and experts it chose (LayerChoices); pass them back as `choices=` to make another model (e.g.
+    a quantized copy) choose the same."""
 
     logits: Tensor
     layer_outputs: list[Tensor]
-    routing: list[Routing | None]
+    choices: list[LayerChoices]
 
 
 class CausalLM(nn.Module):
@@ -183,61 +202,69 @@ class CausalLM(nn.Module):
         cache: PagedKVCache,
         step: StepMetadata,
         *,
-        routing: Sequence[Routing | None] | None = None,
+        choices: Sequence[LayerChoices] | None = None,
     ) -> ModelOutput:
         """Run the new tokens input_ids [T] int64 (token-major, laid out as `step` says) through the model,
         writing their cache rows. Returns the logits of every new token and the per-layer outputs.
 
-        routing: None (every MoE layer routes with its own router), or one entry per layer as in
-        ModelOutput.routing of a run over the same tokens (None for dense layers): the MoE layers then use
-        those experts and weights instead."""
+        choices: None (every layer's indexer and router choose), or ModelOutput.choices of a run of a model of
+        the same config over the same step: every layer then attends the same keys and uses the same experts
+        and weights."""
         if input_ids.dim() != 1 or input_ids.shape[0] != step.num_tokens:
             raise ValueError(
                 f"input_ids: expected shape [T] with T = {step.num_tokens} (the step's tokens), "
                 f"got {tuple(input_ids.shape)}"
             )
         layers = self.model.layers
-        forced = [None] * len(layers) if routing is None else list(routing)
+        forced = [None] * len(layers) if choices is None else list(choices)
         if len(forced) != len(layers):
-            raise ValueError(f"routing: expected one entry per layer ({len(layers)}), got {len(forced)}")
-        k = self.cfg.num_experts_per_tok
-        for i, r in enumerate(forced):
-            if r is not None and (len(r) != 2 or any(t.shape != (step.num_tokens, k) for t in r)):
-                raise ValueError(
-                    f"routing[{i}]: expected (topk_weights, topk_ids) of shape [{step.num_tokens}, {k}], "
-                    f"got {[tuple(t.shape) for t in r]}"
-                )
+            raise ValueError(f"choices: expected one LayerChoices per layer ({len(layers)}), got {len(forced)}")
+        for i, c in enumerate(forced):
+            if c is not None:
+                self._check_choices(i, c, step.num_tokens)
         cos, sin = rope_cos_sin(self.cfg, step.positions, compute_dtype(self.model.embed_tokens.weight))
         h = self.model.embed_tokens(input_ids)
         layer_outputs, used = [], []
-        for layer, layer_routing in zip(layers, forced, strict=True):
-            h, layer_routing = layer(h, cos, sin, cache, step, layer_routing)
+        for layer, layer_choices in zip(layers, forced, strict=True):
+            h, layer_choices = layer(h, cos, sin, cache, step, layer_choices)
             layer_outputs.append(h)
-            used.append(layer_routing)
+            used.append(layer_choices)
         return ModelOutput(self.lm_head(self.model.norm(h)), layer_outputs, used)
+
+    def _check_choices(self, layer: int, choices: LayerChoices, num_tokens: int) -> None:
+        """Shapes of replayed choices against this step (a choice from another step is a clear error)."""
+        cfg = self.cfg
+        expected = {"topk_indices": (num_tokens, cfg.index_topk)}
+        got = {"topk_indices": tuple(choices.topk_indices.shape)}
+        if choices.routing is not None:
+            k = cfg.num_experts_per_tok
+            expected.update(topk_weights=(num_tokens, k), topk_ids=(num_tokens, k))
+            got.update(topk_weights=tuple(choices.routing[0].shape), topk_ids=tuple(choices.routing[1].shape))
+        if got != expected:
+            raise ValueError(f"choices[{layer}]: expected shapes {expected} for this step, got {got}")
 
     def step(
         self,
         cache: PagedKVCache,
         tokens: dict[Hashable, Sequence[int] | Tensor],
         *,
-        routing: Sequence[Routing | None] | None = None,
+        choices: Sequence[LayerChoices] | None = None,
     ) -> ModelOutput:
         """Append tokens to sequences ({seq_id: token ids}); new ids are prefilled, known ones continue (decode
-        or chunked prefill). Logits rows follow the dict's order, token-major. routing: see forward."""
+        or chunked prefill). Logits rows follow the dict's order, token-major. choices: see forward."""
         ids = [torch.as_tensor(t, dtype=torch.int64).reshape(-1) for t in tokens.values()]
         plan = cache.plan_step(list(tokens), [t.numel() for t in ids])
-        return self.forward(torch.cat(ids).to(cache.device), cache, plan, routing=routing)
+        return self.forward(torch.cat(ids).to(cache.device), cache, plan, choices=choices)
 
     def prefill(
         self,
         input_ids: Tensor | Sequence[int],
         *,
         block_size: int = 16,
-        routing: Sequence[Routing | None] | None = None,
+        choices: Sequence[LayerChoices] | None = None,
     ) -> ModelOutput:
         """One sequence from scratch in a fresh cache (the common case for quality measurements).
-        routing: see forward."""
+        choices: see forward."""
         ids = torch.as_tensor(input_ids, dtype=torch.int64).reshape(-1)
         cache = self.new_cache(ids.numel(), block_size=block_size, device=self.model.embed_tokens.weight.device)
-        return self.step(cache, {0: ids}, routing=routing)
+        return self.step(cache, {0: ids}, choices=choices)
