@@ -10,9 +10,10 @@ carries them from the first token on (every layer adds O(1) on top), and each la
 inherits them. Nothing else of the model is changed, and the knobs are fixed defaults, not tuned.
 
 Metrics: SQNR (dB) and cosine of the quantized model's per-layer residual-stream updates (rotated back for
-QuaRot models) and logits against the same model unquantized. The unquantized model runs in fp32, the widest
-dtype the HAL ops take for the integer paths (under GLM5_HAL_BACKEND=reference every op computes in float64
-inside); its own rounding (~1e-7 relative, 140 dB) is far below the quantization noise measured here.
+QuaRot models) and logits against the same model unquantized, run in float64 (the HAL's float64 verification
+mode, on the reference backend, whatever backend the quantized models run on). The quantized models take fp32
+activations (the integer ops' widest); fp32 rounding alone (~1e-7 relative, ~140 dB) is far below the
+quantization noise measured here.
 
 Discrete choices: the MoE router picks experts and the lightning indexer picks the keys each token attends
 (when the context is longer than index_topk). Quantization noise flips a few of those choices; each flip swaps a
@@ -37,6 +38,7 @@ from torch import Tensor
 
 from glm5_hal.config import ModelConfig, get_preset
 from glm5_hal.model import CausalLM, ModelOutput, random_state_dict
+from glm5_hal.selection import use_backend
 from quantization.metrics import cosine, sqnr_db
 from quantization.model_quant import quantize_model
 from quantization.quarot import QuaRotRotations, quarot
@@ -141,6 +143,14 @@ def measure(
     )
 
 
+def float64_prefill(cfg: ModelConfig, state_dict: dict[str, Tensor], ids: Tensor) -> ModelOutput:
+    """The prefill of ids by the model of state_dict in float64, on the reference backend (docs/ops.md, "float64
+    verification mode"): the error-free baseline every quantized model is measured against."""
+    wide = {name: t.double() if t.is_floating_point() else t for name, t in state_dict.items()}
+    with use_backend("reference"):
+        return CausalLM(cfg, wide).prefill(ids)
+
+
 def quality_rows(
     cfg: ModelConfig,
     *,
@@ -164,7 +174,7 @@ def quality_rows(
     outliers, _ = with_residual_outliers(clean, outlier_channels, outlier_scale, seed)
     rows = []
     for model_name, state in (("no outliers", clean), ("outliers", outliers)):
-        reference = CausalLM(cfg, state).prefill(ids)
+        reference = float64_prefill(cfg, state, ids)
         embedded = state["model.embed_tokens.weight"][ids]
         rotated_state, rotations = quarot(state, cfg, seed=seed)
         for scheme in schemes:
