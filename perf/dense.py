@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from glm5_hal.paged import key_slots
+
 KEY_CHUNK = 8192
 
 
@@ -30,6 +32,7 @@ def dense_mla_attention(
     flat = kv_cache.reshape(-1, kv_cache.shape[-1])
     for b in range(block_table.shape[0]):
         t0, t1, k_len = int(cu_seqlens_q[b]), int(cu_seqlens_q[b + 1]), int(seq_lens_k[b])
+        seq = torch.tensor([b], device=q.device)
         qb = q[t0:t1].float() * sm_scale  # [t, H, 576]
         pos = k_len - (t1 - t0) + torch.arange(t1 - t0, device=q.device)
         run_max = torch.full(qb.shape[:2], -torch.inf, device=q.device)
@@ -37,7 +40,7 @@ def dense_mla_attention(
         acc = torch.zeros(*qb.shape[:2], d_v, device=q.device)
         for start in range(0, k_len, KEY_CHUNK):
             keys_pos = torch.arange(start, min(start + KEY_CHUNK, k_len), device=q.device)
-            slots = block_table[b, keys_pos // block].long() * block + keys_pos % block
+            slots = key_slots(block_table, seq, keys_pos, block)[0]
             rows = flat[slots].float()  # [S, 576]
             scores = torch.einsum("thd,sd->ths", qb, rows)
             scores = scores.masked_fill(keys_pos[None, None, :] > pos[:, None, None], -torch.inf)
