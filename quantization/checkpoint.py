@@ -1,22 +1,31 @@
-"""Quantized checkpoints: a safetensors file with Hugging Face names, the model's config.json and a JSON
-description of every tensor. A directory is self-describing: `load_quantized_model(dir)` needs nothing else.
+"""Quantized checkpoints: safetensors with Hugging Face names, the model's config.json and a JSON description of
+every tensor. A directory is self-describing: `load_quantized_model(dir)` needs nothing else.
 
     <dir>/model.safetensors     float tensors as they were (rotated if QuaRot ran); for each quantized linear
                                 `X.weight` (int8 [N, K] for w8a8, uint8 [N, K/2] packed int4 for w4a8) and
                                 `X.weight_scale` (fp32 [N], or [N, K/group_size] for grouped int4)
+      or model-0000i-of-0000n.safetensors + model.safetensors.index.json: the same tensors in shards, with the
+                                Hugging Face index ({"metadata": {"total_size"}, "weight_map": {name: file}}), as
+                                quantization/streaming.py writes a real-size checkpoint
     <dir>/config.json           the Hugging Face config of the model (glm5_hal.model.hf_config.config_to_hf)
     <dir>/quantization.json     {"format", "version", "config", "scheme", "method", "quarot": {"seed"} | null,
-                                 "tensors": {name: {"kind", "dtype", "shape", ...}}}
+                                 "tensors": {name: {"kind", "dtype", "shape", ...}}, "dropped": [names]}
 
 A tensor's "kind" is "float", "w8a8" or "w4a8" (the weight; with "scale" naming its scale tensor, "in_features"
-and "group_size"), or "scale" (with "of" naming its weight). `load_quantized_model` rebuilds the CausalLM with
-QuantLinear / QuantRoutedExperts at the quantized call sites, straight from the stored codes: no dequantized
-(float) copy of a quantized weight is ever made, so a real GLM-5 loads in its quantized size.
+and "group_size"), or "scale" (with "of" naming its weight). "dropped" names the source tensors left out (the MTP
+layers, which glm5_hal.model does not implement). `load_quantized_model` rebuilds the CausalLM with QuantLinear /
+QuantRoutedExperts at the quantized call sites, straight from the stored codes: no dequantized (float) copy of a
+quantized weight is ever made, so a real GLM-5 loads in its quantized size.
+
+The description is built by the same helpers (`float_entry`, `quantized_tensors`, `build_description`,
+`write_metadata`) for the in-memory writer `save_quantized` and the streaming one, so both describe a tensor
+identically.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -32,6 +41,7 @@ from quantization.quantizers import QuantizedWeight
 FORMAT = "glm5-hal-quantized"
 VERSION = 1
 WEIGHTS_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"  # the Hugging Face index of a sharded checkpoint
 DESCRIPTION_FILE = "quantization.json"
 
 
@@ -45,17 +55,113 @@ def _safetensors():
     return safetensors.torch
 
 
-def load_state_dict(path: str | Path) -> dict[str, Tensor]:
-    """All tensors of one safetensors file, or of every *.safetensors file in a directory (HF sharding)."""
-    st = _safetensors()
+def checkpoint_files(path: str | Path) -> list[Path]:
+    """The safetensors files of a checkpoint, in a fixed order.
+
+    path: one .safetensors file; or a directory: the files its model.safetensors.index.json maps to (Hugging Face
+    sharding) when it has one, else its model.safetensors when present, else every *.safetensors in it.
+    FileNotFoundError names what is missing.
+    """
     path = Path(path)
-    files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
+    if not path.is_dir():
+        if not path.is_file():
+            raise FileNotFoundError(f"checkpoint: {path} is neither a .safetensors file nor a directory")
+        return [path]
+    index = path / INDEX_FILE
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ValueError(f'{index}: expected a non-empty "weight_map" {{tensor name: file}}')
+        files = [path / name for name in sorted(set(weight_map.values()))]
+        missing = [str(f) for f in files if not f.is_file()]
+        if missing:
+            raise FileNotFoundError(f"{index}: the shard(s) {missing[:3]} it maps tensors to do not exist")
+        return files
+    if (path / WEIGHTS_FILE).is_file():
+        return [path / WEIGHTS_FILE]
+    files = sorted(path.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"checkpoint: no *.safetensors file in {path}")
+    return files
+
+
+def load_state_dict(path: str | Path) -> dict[str, Tensor]:
+    """All tensors of a checkpoint (one safetensors file, or a directory: see checkpoint_files), in memory."""
+    st = _safetensors()
     state: dict[str, Tensor] = {}
-    for f in files:
+    for f in checkpoint_files(path):
         state.update(st.load_file(str(f)))
     return state
+
+
+def prepare_output_dir(directory: str | Path) -> Path:
+    """Create `directory` for a quantized checkpoint. FileExistsError when it already holds safetensors or an
+    index: a stale shard or index left beside the new files would be read back with them."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    stale = sorted(p.name for p in (*directory.glob("*.safetensors"), directory / INDEX_FILE) if p.exists())
+    if stale:
+        raise FileExistsError(
+            f"out_dir: {directory} already holds a checkpoint ({stale[:3]}); pass a new or empty directory"
+        )
+    return directory
+
+
+def float_entry(value: Tensor) -> dict:
+    """The quantization.json entry of a tensor stored as it is."""
+    return {"kind": "float", "dtype": str(value.dtype).removeprefix("torch."), "shape": list(value.shape)}
+
+
+def quantized_tensors(name: str, q: QuantizedWeight) -> dict[str, tuple[Tensor, dict]]:
+    """What the checkpoint stores for the quantized weight `name` ("...q_a_proj.weight"): {stored name: (tensor,
+    quantization.json entry)} for the codes (int8 [N, K], or packed int4 uint8 [N, K/2]) under `name` and the fp32
+    scales ([N], or [N, K/group_size]) under "...weight_scale"."""
+    kind = W8A8 if q.spec.bits == 8 else W4A8
+    weight = (q.codes if kind == W8A8 else q.packed_int4()).contiguous()
+    scale = q.matmul_scale()
+    scale_name = name.removesuffix(".weight") + ".weight_scale"
+    weight_entry = {
+        "kind": kind,
+        "dtype": str(weight.dtype).removeprefix("torch."),
+        "shape": list(weight.shape),
+        "in_features": q.codes.shape[1],
+        "group_size": q.spec.group_size,
+        "scale": scale_name,
+        "packing": "int4, two per byte along K, even k in the low nibble" if kind == W4A8 else "int8",
+    }
+    scale_entry = {"kind": "scale", "dtype": "float32", "shape": list(scale.shape), "of": name}
+    return {name: (weight, weight_entry), scale_name: (scale, scale_entry)}
+
+
+def build_description(
+    *,
+    config: ModelConfig,
+    scheme: str,
+    method: str,
+    quarot_seed: int | None,
+    tensors: dict[str, dict],
+    dropped: Sequence[str] = (),
+) -> dict:
+    """The quantization.json content (module docstring). tensors: {stored name: entry} (float_entry /
+    quantized_tensors); dropped: the source tensors left out (MTP layers)."""
+    return {
+        "format": FORMAT,
+        "version": VERSION,
+        "config": config.name,
+        "scheme": scheme,
+        "method": method,
+        "quarot": None if quarot_seed is None else {"seed": quarot_seed, "folded_norms": True},
+        "activations": "int8 symmetric per token (dynamic_quant)",
+        "tensors": dict(sorted(tensors.items())),
+        "dropped": sorted(dropped),
+    }
+
+
+def write_metadata(directory: str | Path, description: dict, config: ModelConfig) -> None:
+    """Write <directory>/quantization.json (description) and <directory>/config.json (config, Hugging Face form)."""
+    directory = Path(directory)
+    (directory / DESCRIPTION_FILE).write_text(json.dumps(description, indent=1))
+    (directory / CONFIG_FILE).write_text(json.dumps(config_to_hf(config), indent=2))
 
 
 def save_quantized(
@@ -67,56 +173,29 @@ def save_quantized(
     scheme: str,
     method: str,
     quarot_seed: int | None,
+    dropped: Sequence[str] = (),
 ) -> Path:
-    """Write the quantized checkpoint (see the module docstring): model.safetensors, config.json (from `config`)
-    and quantization.json. float_state: the (rotated) floating state dict; its entries named in `quantized` are
-    replaced by their integer codes and scales. Returns the directory."""
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    tensors: dict[str, Tensor] = {}
-    described: dict[str, dict] = {}
-    for name, value in float_state.items():
-        if name in quantized:
-            continue
-        tensors[name] = value.contiguous()
-        described[name] = {
-            "kind": "float",
-            "dtype": str(value.dtype).removeprefix("torch."),
-            "shape": list(value.shape),
-        }
-    for name, q in quantized.items():
-        kind = W8A8 if q.spec.bits == 8 else W4A8
-        weight = q.codes if kind == W8A8 else q.packed_int4()
-        scale_name = name.removesuffix(".weight") + ".weight_scale"
-        tensors[name], tensors[scale_name] = weight.contiguous(), q.matmul_scale()
-        described[name] = {
-            "kind": kind,
-            "dtype": str(weight.dtype).removeprefix("torch."),
-            "shape": list(weight.shape),
-            "in_features": q.codes.shape[1],
-            "group_size": q.spec.group_size,
-            "scale": scale_name,
-            "packing": "int4, two per byte along K, even k in the low nibble" if kind == W4A8 else "int8",
-        }
-        described[scale_name] = {
-            "kind": "scale",
-            "dtype": "float32",
-            "shape": list(tensors[scale_name].shape),
-            "of": name,
-        }
-    _safetensors().save_file(tensors, str(directory / WEIGHTS_FILE))
-    description = {
-        "format": FORMAT,
-        "version": VERSION,
-        "config": config.name,
-        "scheme": scheme,
-        "method": method,
-        "quarot": None if quarot_seed is None else {"seed": quarot_seed, "folded_norms": True},
-        "activations": "int8 symmetric per token (dynamic_quant)",
-        "tensors": dict(sorted(described.items())),
+    """Write the quantized checkpoint (see the module docstring) from memory: model.safetensors, config.json (from
+    `config`) and quantization.json. float_state: the (rotated) floating state dict; its entries named in
+    `quantized` are replaced by their integer codes and scales. dropped: source tensor names left out of
+    float_state (MTP layers), recorded in quantization.json. Returns the directory; FileExistsError when it
+    already holds a checkpoint (prepare_output_dir)."""
+    directory = prepare_output_dir(directory)
+    stored = {
+        name: (value.contiguous(), float_entry(value)) for name, value in float_state.items() if name not in quantized
     }
-    (directory / DESCRIPTION_FILE).write_text(json.dumps(description, indent=1))
-    (directory / CONFIG_FILE).write_text(json.dumps(config_to_hf(config), indent=2))
+    for name, q in quantized.items():
+        stored.update(quantized_tensors(name, q))
+    _safetensors().save_file({name: t for name, (t, _) in stored.items()}, str(directory / WEIGHTS_FILE))
+    description = build_description(
+        config=config,
+        scheme=scheme,
+        method=method,
+        quarot_seed=quarot_seed,
+        tensors={name: entry for name, (_, entry) in stored.items()},
+        dropped=dropped,
+    )
+    write_metadata(directory, description, config)
     return directory
 
 
@@ -136,7 +215,8 @@ def load_quantized_model(directory: str | Path, config: ModelConfig | None = Non
     """The CausalLM of a quantized checkpoint, with QuantLinear / QuantRoutedExperts (the integer HAL ops) at every
     quantized call site, built without a float copy of any quantized weight.
 
-    directory: written by save_quantized. config: the model's ModelConfig; default: read from <dir>/config.json.
+    directory: written by save_quantized or quantization.streaming (one model.safetensors, or shards with an index).
+    config: the model's ModelConfig; default: read from <dir>/config.json.
 
     The CausalLM is built on the stored float tensors plus, for each quantized weight, a meta-device placeholder of
     its float shape [N, K] (no storage: loading GLM-5 never allocates its ~1.5 TB of bf16 weights); each call site
@@ -147,7 +227,7 @@ def load_quantized_model(directory: str | Path, config: ModelConfig | None = Non
     directory = Path(directory)
     description = read_description(directory)
     config = load_config(directory) if config is None else config
-    stored = load_state_dict(directory / WEIGHTS_FILE)
+    stored = load_state_dict(directory)
     entries: dict[str, dict] = description["tensors"]
     quantized = {n: e for n, e in entries.items() if e["kind"] in (W8A8, W4A8)}
     state = {n: stored[n] for n, e in entries.items() if e["kind"] == "float"}

@@ -93,7 +93,8 @@ class _RecordingExperts(nn.Module):
         return glm5_hal.moe_combine(y_sorted, src_index, topk_weights)
 
 
-def _spec(kind: str, mse_clip: bool, group_size: int | None) -> WeightQuantSpec:
+def weight_spec(kind: str, mse_clip: bool, group_size: int | None) -> WeightQuantSpec:
+    """The WeightQuantSpec quantize_model uses for a call site of kind "w8a8" / "w4a8"."""
     if kind == W8A8:
         return WeightQuantSpec(bits=8, mse_clip=mse_clip)
     return WeightQuantSpec(bits=4, mse_clip=mse_clip, group_size=group_size)
@@ -174,7 +175,7 @@ def quantize_model(
     stored: dict[str, QuantizedWeight] = {}
     for name in targets:
         module = candidates[name]
-        spec = _spec(linear_scheme(name, scheme), mse_clip, group_size)
+        spec = weight_spec(linear_scheme(name, scheme), mse_clip, group_size)
         if isinstance(module, RoutedExperts):
             gate_up_h, down_h = hessians.get(name, (None, None))
             inter = module.w2.shape[2]

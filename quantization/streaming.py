@@ -1,0 +1,289 @@
+"""RTN-quantize a checkpoint too large for memory (a real GLM-5: ~1.5 TB of bf16), one tensor at a time.
+
+    quantize_checkpoint_streaming(CHECKPOINT, OUT_DIR, config, "w4a8")
+
+reads the input safetensors lazily (`safetensors.safe_open`, one tensor at a time), folds + rotates each tensor
+with QuaRot (`quarot.rotate_tensor`: a tensor's transform needs only its own values, the tiny RMSNorm gains,
+which are read up front, and the rotations), RTN-quantizes it when `model_quant.linear_scheme` says its call site
+is quantized, and appends the result to an output shard that is written once it would grow past
+`max_shard_bytes`. Peak memory is the largest tensor's transform (its float64 temporaries; row-independent
+transforms of the big embedding / lm_head tables run on row blocks, see quarot.ROW_CHUNK_ELEMENTS) plus one
+output shard, never the model.
+
+The output is what the in-memory path (`quarot` -> CausalLM -> `quantize_model(..., "rtn")` -> `save_quantized`)
+writes, tensor for tensor and bit for bit: the same per-tensor fold + rotation, the same RTN on the same values
+(a routed expert's gate and up are quantized apart here and stacked there; RTN is per row, so the codes and
+scales agree), the same quantization.json entries (checkpoint.py's shared helpers). Only the file layout differs:
+one model.safetensors when everything fits in one shard, else model-0000i-of-0000n.safetensors plus the Hugging
+Face model.safetensors.index.json; `checkpoint.load_quantized_model` reads both.
+
+MTP layers (`model.layers.{i}.*`, i >= num_hidden_layers) are not read: glm5_hal.model does not implement them
+and QuaRot cannot rotate them; their names are returned and recorded under "dropped" in quantization.json.
+
+GPTQ is not streamed: its Hessians need calibration activations through the whole model (quantization/cli.py
+keeps the in-memory path for `--method gptq`).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from glm5_hal.config import ModelConfig
+from glm5_hal.model import check_state_dict, expert_module_names, linear_module_names
+from quantization.checkpoint import (
+    INDEX_FILE,
+    WEIGHTS_FILE,
+    build_description,
+    checkpoint_files,
+    float_entry,
+    prepare_output_dir,
+    quantized_tensors,
+    write_metadata,
+)
+from quantization.fp8 import dequantize_fp8_block, is_fp8_scale_name, scale_name_for
+from quantization.model_quant import SCHEMES, linear_scheme, weight_spec
+from quantization.quantizers import rtn_quantize
+from quantization.quarot import QuaRotRotations, is_mtp_tensor, is_norm_gain, rotate_tensor
+
+# Hugging Face's default shard size (`max_shard_size="5GB"`): a real GLM-5 in W4A8 is ~80 shards.
+DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
+
+
+@dataclass
+class StreamingResult:
+    """What quantize_checkpoint_streaming wrote.
+
+    directory: the output directory. files: its safetensors files, in order. quantized: {"w8a8" / "w4a8": number of
+    quantized weights}. float_tensors: number of tensors stored in floating point. dropped: the MTP tensor names
+    left out.
+    """
+
+    directory: Path
+    files: list[str]
+    quantized: dict[str, int] = field(default_factory=dict)
+    float_tensors: int = 0
+    dropped: list[str] = field(default_factory=list)
+
+
+@contextmanager
+def _open(path: Path) -> Iterator[object]:
+    """safetensors.safe_open on torch: the file's header now, each tensor only when get_tensor asks for it."""
+    try:
+        import safetensors
+    except ImportError as exc:  # an optional dependency: say how to get it
+        raise ImportError(
+            "streaming quantization needs the `safetensors` package: pip install 'safetensors>=0.4'"
+        ) from exc
+    with safetensors.safe_open(str(path), framework="pt") as handle:
+        yield handle
+
+
+def _inventory(files: list[Path]) -> dict[str, tuple[Path, list[int]]]:
+    """{tensor name: (its file, its shape)} from the headers alone (no tensor data is read)."""
+    found: dict[str, tuple[Path, list[int]]] = {}
+    for path in files:
+        with _open(path) as handle:
+            for name in handle.keys():
+                if name in found:
+                    raise ValueError(f"checkpoint: {name!r} is stored twice, in {found[name][0]} and in {path}")
+                found[name] = (path, list(handle.get_slice(name).get_shape()))
+    return found
+
+
+class _ShardWriter:
+    """Collects output tensors and writes a shard whenever the next tensor would take it past max_bytes (a tensor
+    larger than max_bytes gets a shard of its own). Shards get temporary names until finish() knows their count."""
+
+    def __init__(self, directory: Path, max_bytes: int) -> None:
+        self.directory, self.max_bytes = directory, max_bytes
+        self.pending: dict[str, Tensor] = {}
+        self.pending_bytes = 0
+        self.written: list[tuple[Path, list[str]]] = []  # (temporary file, its tensor names)
+        self.total_bytes = 0
+
+    def add(self, name: str, tensor: Tensor) -> None:
+        size = tensor.numel() * tensor.element_size()
+        if self.pending and self.pending_bytes + size > self.max_bytes:
+            self._flush()
+        self.pending[name] = tensor
+        self.pending_bytes += size
+        self.total_bytes += size
+
+    def _flush(self) -> None:
+        import safetensors.torch
+
+        path = self.directory / f"model-part-{len(self.written) + 1:05d}.safetensors.tmp"
+        safetensors.torch.save_file(self.pending, str(path))
+        self.written.append((path, list(self.pending)))
+        self.pending, self.pending_bytes = {}, 0
+
+    def finish(self) -> list[str]:
+        """Write the last shard, give the shards their final names (model.safetensors when there is one; else
+        model-0000i-of-0000n.safetensors and the index) and return the file names."""
+        if self.pending or not self.written:
+            self._flush()
+        count = len(self.written)
+        names = (
+            [WEIGHTS_FILE] if count == 1 else [f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
+        )
+        weight_map: dict[str, str] = {}
+        for (path, tensors), final in zip(self.written, names, strict=True):
+            path.rename(self.directory / final)
+            weight_map.update(dict.fromkeys(tensors, final))
+        if count > 1:
+            index = {"metadata": {"total_size": self.total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
+            (self.directory / INDEX_FILE).write_text(json.dumps(index, indent=2))
+        return names
+
+
+class _TensorQuantizer:
+    """The per-tensor step: rotate (when rotations are given), then RTN-quantize when the tensor's call site is
+    quantized under the scheme, exactly as quantize_model selects and quantizes them."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        scheme: str,
+        mse_clip: bool,
+        group_size: int | None,
+        gains: dict[str, Tensor] | None,
+        rotations: QuaRotRotations | None,
+    ) -> None:
+        self.config, self.scheme, self.mse_clip, self.group_size = config, scheme, mse_clip, group_size
+        self.gains, self.rotations = gains, rotations
+        # quantize_model's candidates: every linear call site and every routed-experts block (a real GLM-5 has
+        # ~1000 of them: sets, built once).
+        self.linear_sites = frozenset(linear_module_names(config))
+        self.expert_sites = frozenset(expert_module_names(config))
+
+    def kind(self, name: str) -> str | None:
+        """ "w8a8" / "w4a8" when the checkpoint tensor `name` is a weight that quantize_model quantizes (a linear
+        call site, or one routed expert's gate / up / down_proj), else None (stored as it is)."""
+        if not name.endswith(".weight"):
+            return None
+        base = name.removesuffix(".weight")
+        if base in self.linear_sites:
+            return linear_scheme(base, self.scheme)
+        block = base.rsplit(".", 2)[0]  # "model.layers.N.mlp.experts" of "model.layers.N.mlp.experts.E.down_proj"
+        return linear_scheme(block, self.scheme) if block in self.expert_sites else None
+
+    def convert(self, name: str, value: Tensor) -> dict[str, tuple[Tensor, dict]]:
+        """{stored name: (tensor, quantization.json entry)} for the source tensor `name` = value."""
+        if self.rotations is not None:
+            value = rotate_tensor(name, value, self.gains, self.config, self.rotations)
+        kind = self.kind(name)
+        if kind is None:
+            return {name: (value.contiguous(), float_entry(value))}
+        return quantized_tensors(name, rtn_quantize(value, weight_spec(kind, self.mse_clip, self.group_size)))
+
+
+def _dequantized(name: str, weight: Tensor, scale_file: Path, block_size: tuple[int, int]) -> Tensor:
+    """The bf16 weight of an FP8 source tensor `name` (its scale read from scale_file)."""
+    with _open(scale_file) as handle:
+        scale = handle.get_tensor(scale_name_for(name))
+    return dequantize_fp8_block(weight, scale, block_size, torch.bfloat16, name=name)
+
+
+def quantize_checkpoint_streaming(
+    checkpoint: str | Path,
+    out_dir: str | Path,
+    config: ModelConfig,
+    scheme: str,
+    *,
+    rotate: bool = True,
+    seed: int = 0,
+    mse_clip: bool = False,
+    group_size: int | None = None,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    fp8_block_size: tuple[int, int] | None = None,
+) -> StreamingResult:
+    """QuaRot + RTN-quantize a checkpoint tensor by tensor and write the quantized checkpoint (module docstring).
+
+    Args:
+        checkpoint: one .safetensors file or a Hugging Face checkpoint directory (sharded or not; see
+            checkpoint.checkpoint_files).
+        out_dir: a new or empty directory; gets the safetensors shard(s) (+ index when sharded), config.json and
+            quantization.json.
+        config: the model config (every non-MTP tensor of the checkpoint must be one of its parameters, with its
+            shape).
+        scheme: "w8a8" or "w4a8" (model_quant.linear_scheme).
+        rotate: fold the RMSNorm gains and rotate with QuaRot (seed: the Hadamard signs) first.
+        mse_clip, group_size: as quantize_model's (MSE clip search; int4 group size of the W4A8 experts).
+        max_shard_bytes: the largest output shard (a larger single tensor gets a shard of its own).
+        fp8_block_size: an FP8 block-scaled source (quantization/fp8.py: config.json's quantization_config, read
+            by fp8.fp8_block_size): each `X.weight` with an `X.weight_scale_inv` is dequantized to bf16 as it is
+            read, and the scales are not carried over. None: a floating source.
+
+    Returns:
+        A StreamingResult (files written, quantized / float counts, the MTP tensors dropped).
+
+    Raises:
+        ValueError: an unknown scheme, a non-positive max_shard_bytes, or a checkpoint whose non-MTP tensors are
+            not exactly config's parameters (missing, extra or misshapen: named before any data is read);
+        FileExistsError: out_dir already holds a checkpoint.
+    """
+    if scheme not in SCHEMES:
+        raise ValueError(f"scheme: expected one of {SCHEMES}, got {scheme!r}")
+    if max_shard_bytes <= 0:
+        raise ValueError(f"max_shard_bytes: expected a positive byte count, got {max_shard_bytes}")
+    found = _inventory(checkpoint_files(checkpoint))
+    dropped = sorted(name for name in found if is_mtp_tensor(name, config))
+    kept = {name: where for name, where in found.items() if not is_mtp_tensor(name, config)}
+    scales = {name: kept.pop(name) for name in list(kept) if fp8_block_size is not None and is_fp8_scale_name(name)}
+    # Names and shapes are checked from the headers (meta tensors: no storage) before hours of work start.
+    try:
+        check_state_dict(config, {name: torch.empty(shape, device="meta") for name, (_, shape) in kept.items()})
+    except ValueError as exc:
+        raise ValueError(f"checkpoint {checkpoint} (MTP layers aside): {exc}") from exc
+    directory = prepare_output_dir(out_dir)
+
+    by_file: dict[Path, list[str]] = {}
+    for name, (path, _) in kept.items():
+        by_file.setdefault(path, []).append(name)
+    gains, rotations = None, None
+    if rotate:
+        gains = {}
+        for path, names in by_file.items():
+            with _open(path) as handle:
+                gains.update({name: handle.get_tensor(name) for name in names if is_norm_gain(name)})
+        rotations = QuaRotRotations.for_config(config, seed)
+
+    quantizer = _TensorQuantizer(config, scheme, mse_clip, group_size, gains, rotations)
+    writer = _ShardWriter(directory, max_shard_bytes)
+    result = StreamingResult(directory, [], dropped=dropped)
+    described: dict[str, dict] = {}
+    for path, names in by_file.items():
+        with _open(path) as handle:
+            for name in names:
+                kind = quantizer.kind(name)
+                if kind is None:
+                    result.float_tensors += 1
+                else:
+                    result.quantized[kind] = result.quantized.get(kind, 0) + 1
+                # A gain is read once (up front). `source` is released before the next read: one source tensor is
+                # alive at a time, besides the gains and the small untouched ones the pending shard keeps as they are.
+                source = gains[name] if gains is not None and name in gains else handle.get_tensor(name)
+                if scale_name_for(name) in scales:
+                    source = _dequantized(name, source, scales[scale_name_for(name)][0], fp8_block_size)
+                for stored_name, (tensor, entry) in quantizer.convert(name, source).items():
+                    writer.add(stored_name, tensor)
+                    described[stored_name] = entry
+                del source
+    result.files = writer.finish()
+    description = build_description(
+        config=config,
+        scheme=scheme,
+        method="rtn",
+        quarot_seed=seed if rotate else None,
+        tensors=described,
+        dropped=dropped,
+    )
+    write_metadata(directory, description, config)
+    return result
