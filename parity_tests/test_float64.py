@@ -21,24 +21,13 @@ from glm5_hal.checks import accumulation_dtype
 from glm5_hal.parity.cases import Case, cases_for
 from glm5_hal.parity.runner import case_generator
 from glm5_hal.parity.specs import SPECS
-from glm5_hal.registry import ANY_DEVICE, Availability, Backend, registry
+from glm5_hal.registry import ANY_DEVICE, OP_NAMES, Availability, Backend, registry
 from glm5_hal.selection import ENV_BACKEND, ENV_OP_BACKENDS, Float64UnsupportedError, use_backend
 
 SEED = 20260
-# The ops of the float64 mode; dynamic_quant, quant_matmul and w4a8_matmul stay bf16/fp16/fp32.
-FLOAT_OPS = (
-    "mla_prolog",
-    "indexer_prolog",
-    "indexer_logits",
-    "lightning_indexer",
-    "sparse_flash_attention",
-    "moe_gate",
-    "moe_dispatch",
-    "grouped_matmul",
-    "moe_combine",
-    "fused_moe",
-    "hadamard_transform",
-)
+# The ops of the float64 mode: every op but the quantized ones, which stay bf16/fp16/fp32.
+QUANTIZED_OPS = ("dynamic_quant", "quant_matmul", "w4a8_matmul")
+FLOAT_OPS = tuple(op for op in OP_NAMES if op not in QUANTIZED_OPS)
 # Outputs that are fp32 by contract in the normal mode: accumulation_dtype of the activations.
 ACCUMULATION_OUTPUTS = {
     "indexer_prolog": ("weights",),
@@ -201,7 +190,7 @@ def test_mixing_fp64_and_fp32_is_a_named_dtype_error(case_id, dtype, arg, change
     assert not isinstance(info.value, Float64UnsupportedError)  # validation caught it, not dispatch
 
 
-@pytest.mark.parametrize("op", ["dynamic_quant", "quant_matmul", "w4a8_matmul"])
+@pytest.mark.parametrize("op", QUANTIZED_OPS)
 def test_quantized_ops_stay_out_of_the_float64_mode(op: str) -> None:
     case = cases_for(op, quick=True)[0]
     inputs = case.build(case_generator(case, torch.float32, SEED), torch.float32)

@@ -365,7 +365,6 @@ def test_state_dict_errors():
 def test_safetensors_checkpoint_round_trip(tmp_path):
     """float8_e4m3fn and its fp32 scales survive safetensors (F8_E4M3 / F32) and quantization.checkpoint's
     load_state_dict, then dequantize as in memory."""
-    pytest.importorskip("safetensors")
     import safetensors.torch
 
     state = _fp8_state(torch.Generator().manual_seed(9))
@@ -412,11 +411,9 @@ def _fp8_checkpoint(directory, state: dict[str, torch.Tensor], block: tuple[int,
 def test_quantize_command_reads_an_fp8_checkpoint(tmp_path, method: str) -> None:
     """An FP8 source (config.json quantization_config + weight_scale_inv tensors) quantizes exactly as its bf16
     dequantization does, by the streaming (rtn) and the in-memory (gptq) paths; no scale tensor is carried over."""
-    import argparse
-
+    from glm5_hal import cli as glm5_cli
     from glm5_hal.config import GLM5_MINI
     from glm5_hal.model import random_state_dict
-    from quantization import cli
     from quantization.checkpoint import load_state_dict as load
 
     state = random_state_dict(GLM5_MINI, seed=3, dtype=torch.bfloat16)
@@ -428,11 +425,8 @@ def test_quantize_command_reads_an_fp8_checkpoint(tmp_path, method: str) -> None
     (tmp_path / "bf16" / "config.json").write_text((tmp_path / "fp8" / "config.json").read_text())
 
     def run(source: str, out: str) -> None:
-        parser = argparse.ArgumentParser()
-        cli.register(parser.add_subparsers())
         argv = ["quantize", str(tmp_path / source), str(tmp_path / out), "--scheme", "w4a8", "--method", method]
-        args = parser.parse_args([*argv, "--eval-tokens", "0", "--calibration-sequences", "2"])
-        assert args.func(args) == 0
+        assert glm5_cli.main([*argv, "--eval-tokens", "0", "--calibration-sequences", "2"]) == 0
 
     run("fp8", "from_fp8")
     run("bf16", "from_bf16")

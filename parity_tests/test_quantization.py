@@ -417,8 +417,8 @@ def test_quantize_command_round_trip(tmp_path, scheme: str, capsys) -> None:
 
     import safetensors.torch
 
+    from glm5_hal import cli as glm5_cli
     from glm5_hal.model import CausalLM, random_state_dict
-    from quantization import cli
     from quantization.checkpoint import load_quantized_model
     from quantization.model_quant import quantize_model
     from quantization.quarot import quarot
@@ -426,11 +426,7 @@ def test_quantize_command_round_trip(tmp_path, scheme: str, capsys) -> None:
     cfg = glm5_hal.GLM5_MINI
     state = random_state_dict(cfg, seed=5)
     safetensors.torch.save_file(state, str(tmp_path / "in.safetensors"))
-    import argparse
-
-    parser = argparse.ArgumentParser()
-    cli.register(parser.add_subparsers())
-    args = parser.parse_args(
+    exit_code = glm5_cli.main(
         [
             "quantize",
             str(tmp_path / "in.safetensors"),
@@ -445,7 +441,7 @@ def test_quantize_command_round_trip(tmp_path, scheme: str, capsys) -> None:
             "8",
         ]
     )
-    assert args.func(args) == 0
+    assert exit_code == 0
     assert "logits SQNR" in capsys.readouterr().out
     description = json.loads((tmp_path / "out" / "quantization.json").read_text())
     stored = safetensors.torch.load_file(str(tmp_path / "out" / "model.safetensors"))

@@ -4,7 +4,6 @@ without any dequantized (float) copy of a quantized weight."""
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
@@ -12,6 +11,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from glm5_hal import cli as glm5_cli
 from glm5_hal.config import DEEPSEEK_V32, GLM5_MINI, PRESETS, ModelConfig
 from glm5_hal.model import CausalLM, random_state_dict
 from glm5_hal.model.hf_config import CONFIG_FILE, config_from_hf, config_to_hf, load_config
@@ -25,10 +25,8 @@ SCHEME = "w4a8"  # the mix: W8A8 linears and packed-int4 routed experts both loa
 
 
 def _run_quantize(*argv: str) -> int:
-    parser = argparse.ArgumentParser()
-    cli.register(parser.add_subparsers())
-    args = parser.parse_args(["quantize", *argv])
-    return args.func(args)
+    """`glm5-hal quantize ARGV...` through the real command line (its entry-point plugin included)."""
+    return glm5_cli.main(["quantize", *argv])
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +66,7 @@ def test_hf_config_round_trips_every_preset(preset: str) -> None:
 def test_transformers_to_dict_of_our_config_reads_back(preset: str) -> None:
     """transformers loads our config.json as its own config class; its to_dict() reads back to the preset, also
     when built from the class's declared fields only (the other keys then come from the documented defaults)."""
-    transformers = pytest.importorskip("transformers")
+    transformers = pytest.importorskip("transformers", reason="transformers (test-only dependency) not installed")
     import dataclasses
 
     cfg = PRESETS[preset]
@@ -84,7 +82,7 @@ def test_transformers_to_dict_of_our_config_reads_back(preset: str) -> None:
 @pytest.mark.parametrize("model_type", ["glm_moe_dsa", "deepseek_v32"])
 def test_missing_keys_take_the_transformers_class_defaults(model_type: str) -> None:
     """A file with only its model_type reads as transformers reads it: the same as its default config's to_dict()."""
-    transformers = pytest.importorskip("transformers")
+    transformers = pytest.importorskip("transformers", reason="transformers (test-only dependency) not installed")
     cls = {"glm_moe_dsa": transformers.GlmMoeDsaConfig, "deepseek_v32": transformers.DeepseekV32Config}[model_type]
     assert config_from_hf({"model_type": model_type}) == config_from_hf(cls().to_dict())
 

@@ -5,7 +5,6 @@ time."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import weakref
 from pathlib import Path
@@ -13,10 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from glm5_hal import cli as glm5_cli
 from glm5_hal.config import GLM5_MINI
 from glm5_hal.model import CausalLM, random_state_dict
 from glm5_hal.model.hf_config import CONFIG_FILE, config_to_hf
-from quantization import cli, quarot
+from quantization import quarot
 from quantization.checkpoint import (
     DESCRIPTION_FILE,
     INDEX_FILE,
@@ -63,10 +63,8 @@ def _save_sharded(state: dict[str, torch.Tensor], directory: Path, shards: int) 
 
 
 def _run_quantize(*argv: str) -> int:
-    parser = argparse.ArgumentParser()
-    cli.register(parser.add_subparsers())
-    args = parser.parse_args(["quantize", *argv])
-    return args.func(args)
+    """`glm5-hal quantize ARGV...` through the real command line (its entry-point plugin included)."""
+    return glm5_cli.main(["quantize", *argv])
 
 
 @pytest.fixture(scope="module")
