@@ -97,6 +97,7 @@ def run(args: argparse.Namespace, backends: list[str] | None, ops: list[str] | N
             write_report(merged, json_path=args.json, markdown_path=args.markdown)
             if failures:
                 print(f"{len(failures)} of {len(merged)} checks failed (rerun with --seed {seed[0]})")
+        dist.barrier()  # nobody tears the group down while a peer still talks (gloo aborts then)
         return 1 if failures else 0
     finally:
         dist.destroy_process_group()

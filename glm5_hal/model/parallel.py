@@ -96,6 +96,9 @@ class SafetensorsWeights(Mapping[str, Tensor]):
         self.read.append(name)
         return tensor
 
+    def __contains__(self, name: object) -> bool:
+        return name in self._file_of  # Mapping's default would read the tensor to find out
+
     def __iter__(self) -> Iterator[str]:
         return iter(self._file_of)
 
