@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 import glm5_hal
 from glm5_hal.parity.distributed import gather_results, run_distributed_parity
@@ -185,3 +186,42 @@ def model_from_checkpoint(rank: int, world: int, path: str, seed: int) -> dict[s
         "max_abs_diff": float((got - want).abs().max()),
         "scale": float(want.abs().max()),
     }
+
+
+def fake_mc2_rejects(rank: int, world: int, wheel: str) -> dict[str, str]:
+    """Calls the torch_npu documentation forbids, made on every rank: the strict fake must refuse each (the names of
+    the rules it cites come back)."""
+    fake = _install_fake(wheel)
+    from backends.ascend.expert_parallel import _comm_name, _mc2_group
+
+    group = _mc2_group(dist.group.WORLD)
+    name = _comm_name(group, torch.device("cpu"))
+    x, ids, w, e = _inputs(rank, world, hidden=1024)
+    sizes = {"ep_world_size": world, "ep_rank_id": rank, "moe_expert_num": e}
+    dispatch = fake.npu_moe_distribute_dispatch_v2
+    found = {
+        "fp32 tokens": _outcome(lambda: dispatch(x, ids, name, **sizes, shared_expert_num=0))[1],
+        "repeated expert": _outcome(
+            lambda: dispatch(x.bfloat16(), ids[:, [0, 0]].contiguous(), name, **sizes, shared_expert_num=0)
+        )[1],
+        "H below 1024": _outcome(lambda: dispatch(x[:, :512].bfloat16(), ids, name, **sizes, shared_expert_num=0))[1],
+    }
+    outs = dispatch(x.bfloat16(), ids, name, **sizes, shared_expert_num=0, global_bs=x.shape[0] * world)
+    tampered = outs[2].clone()
+    tampered[0] += 1
+    combine = fake.npu_moe_distribute_combine_v2
+    found["assist_info changed"] = _outcome(
+        lambda: combine(
+            outs[0],
+            ids,
+            tampered,
+            outs[4],
+            w,
+            name,
+            **sizes,
+            tp_send_counts=outs[5],
+            shared_expert_num=0,
+            global_bs=x.shape[0] * world,
+        )
+    )[1]
+    return found

@@ -281,3 +281,62 @@ def test_torchrun_parity_distributed_prints_the_table(tmp_path: Path) -> None:
     for op in ("ep_dispatch", "ep_combine", "ep_model"):
         assert any(line.split()[:3] == [op, "torch", "pass"] for line in done.stdout.splitlines()), done.stdout
     assert (tmp_path / "ep.json").is_file()
+
+
+# --- the Ascend mapping's conditions -------------------------------------------------------------------------------
+
+
+def _plan(**changes) -> EPPlan:
+    """An EPPlan for GLM-5's MoE on 8 ranks, 64 tokens each (inside MC2's documented range)."""
+    fields = dict(
+        group=None,
+        rank=0,
+        world_size=8,
+        num_experts=256,
+        hidden=6144,
+        top_k=8,
+        dtype=torch.bfloat16,
+        quantize=False,
+        tokens=(64,) * 8,
+        counts=((64 * 8 // 256,) * 256,) * 8,
+        rows_unique=True,
+        sequence=0,
+    )
+    return EPPlan(**{**fields, **changes})
+
+
+def test_mc2_is_used_only_where_its_documentation_allows(fake_torch_npu, monkeypatch) -> None:
+    from backends.ascend.expert_parallel import hccl_buffer_needed, mc2_unsupported
+
+    # The documented buffer need of GLM-5 on 8 ranks at 64 tokens each is 412 MB, above HCCL's 200 MB default.
+    assert "HCCL_BUFFSIZE is 200 MB, the exchange needs 412 MB" in mc2_unsupported(_plan())
+    monkeypatch.setenv("HCCL_BUFFSIZE", "1024")
+    assert mc2_unsupported(_plan()) is None  # GLM-5 on an A3, 8 ranks
+    assert mc2_unsupported(_plan(hidden=7168)) is None  # DeepSeek-V3.2
+    refused = {
+        "Atlas A3": _plan(),  # with an A2 SoC, below
+        "bf16 / fp16": _plan(dtype=torch.float32),
+        "ranks": _plan(world_size=512, tokens=(64,) * 512, counts=((1,) * 512,) * 512, num_experts=512),
+        "experts": _plan(num_experts=1024, counts=((1,) * 1024,) * 8),
+        "H in": _plan(hidden=512),
+        "tokens on every rank": _plan(tokens=(64, 0, 64, 64, 64, 64, 64, 64)),
+        "k <=": _plan(top_k=32),
+        "distinct experts": _plan(rows_unique=False),
+    }
+    for words, plan in refused.items():
+        if words == "Atlas A3":
+            monkeypatch.setattr(fake_torch_npu.npu, "soc_version", 223)  # an Atlas A2 (910B)
+            assert words in mc2_unsupported(plan)
+            monkeypatch.setattr(fake_torch_npu.npu, "soc_version", 250)
+        else:
+            assert words in (mc2_unsupported(plan) or ""), words
+    monkeypatch.setenv("HCCL_BUFFSIZE", str(hccl_buffer_needed(_plan()) // 2**20 - 1))
+    assert "HCCL_BUFFSIZE" in mc2_unsupported(_plan())
+
+
+def test_the_mc2_fake_refuses_what_the_documentation_forbids(torch_npu_schemas) -> None:
+    for found in _ranks(ep_ranks.fake_mc2_rejects, 2, str(torch_npu_schemas)):
+        assert "x must be 2-D bf16/fp16" in found["fp32 tokens"], found
+        assert "must be distinct" in found["repeated expert"], found
+        assert "H must lie in [1024, 8192]" in found["H below 1024"], found
+        assert "must be the dispatch's, untouched" in found["assist_info changed"], found

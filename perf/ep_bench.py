@@ -229,13 +229,13 @@ def run(args: argparse.Namespace, names: list[str], dtype: torch.dtype) -> int:
         common = (names, backend, "cpu", dtype, reps, warmup, args.seed)
         rows = run_ranks(_local_rank, args.ep_ranks, common, timeout_s=3600, collective_timeout_s=600)[0]
     print(format_rows(rows))
-    others = monitor.others_share()
+    busy = monitor.busy_share()
     print(f"CPU: {_cpu_name()}, {os.cpu_count()} cores shared by the ranks", end="")
-    print(f"; other processes used {100 * others:.0f}% of the CPU meanwhile" if others is not None else "")
+    print(f"; the CPU was {100 * busy:.0f}% busy meanwhile (ranks and other processes)" if busy is not None else "")
     if args.json:
         with open(args.json, "w") as f:
             meta = {"backend": backend, "device": args.device, "dtype": str(dtype), "torch": torch.__version__}
-            meta |= {"cpu": _cpu_name(), "cpu_share_of_other_processes": others}
+            meta |= {"cpu": _cpu_name(), "cpu_busy_share": busy}
             json.dump({**meta, "rows": [asdict(r) for r in rows]}, f, indent=2)
     if args.markdown:
         with open(args.markdown, "w") as f:

@@ -38,6 +38,14 @@ class LoadMonitor:
         self.start_own = _own_seconds()
         self.start_wall = time.monotonic()
 
+    def busy_share(self) -> float | None:
+        """The fraction of all CPU time (every core) anything used meanwhile, this process and its ranks included."""
+        end = _system_busy_seconds()
+        if end is None or self.start_system is None:
+            return None
+        total = end[1] - self.start_system[1]
+        return (end[0] - self.start_system[0]) / total if total > 0 else 0.0
+
     def others_share(self) -> float | None:
         end = _system_busy_seconds()
         if end is None or self.start_system is None:
