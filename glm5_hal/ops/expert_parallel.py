@@ -15,11 +15,11 @@ MC2 kernels where their documented constraints hold, the portable exchange other
 whose ep_dispatch made the handle, because the handle holds that backend's route (an MC2 dispatch can only be
 undone by its own combine).
 
-They are not torch.library custom ops like the others: a custom op's schema carries tensors and scalars only, not
-the opaque handle the way back needs; recv_x's row count is known only after the counts exchange, which a fake
-(meta) implementation cannot give without an unbacked symbolic size; and a collective must run on every rank in the
-same order, which tracing must not reorder or drop. Called under torch.compile they graph-break, as
-torch.distributed's own all_to_all_single with data-dependent splits does. Neither has an ONNX form.
+They are plain Python functions, not torch.library custom ops like the others: a custom op's schema carries tensors
+and scalars only, not the opaque handle the way back needs, and recv_x's row count is known only after the counts
+exchange, which a fake (meta) implementation cannot give without an unbacked symbolic size. Under torch.compile,
+torch handles the collectives and host reads inside them as it handles any torch.distributed code (the tests run
+them eagerly). Neither has an ONNX form.
 
 Failure behaviour (glm5_hal/distributed.py): a bad argument on any rank raises a ValueError / TypeError naming the
 argument on EVERY rank before any data moves; every collective runs under the process group's timeout.
