@@ -32,6 +32,7 @@ second group over the same ranks for them (once); the agreement exchanges stay o
 from __future__ import annotations
 
 import os
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -50,7 +51,8 @@ MAX_TOKENS = 512  # A3: 0 < BS <= 512 tokens per rank
 MAX_TOP_K = 16  # 0 < K <= 16
 DEFAULT_HCCL_BUFFSIZE_MB = 200
 QUANT_DYNAMIC = 2  # quant_mode 2: int8 codes + per-row dynamic scales
-_MC2_GROUPS: dict[str, dist.ProcessGroup] = {}
+# The MC2 kernels' own group, per user group (weak keys: it goes with the group it serves).
+_MC2_GROUPS: weakref.WeakKeyDictionary[dist.ProcessGroup, dist.ProcessGroup] = weakref.WeakKeyDictionary()
 
 
 def _align(value: int, to: int) -> int:
@@ -99,10 +101,9 @@ def mc2_unsupported(plan: EPPlan) -> str | None:
 
 def _mc2_group(group: dist.ProcessGroup) -> dist.ProcessGroup:
     """The group the MC2 kernels use for `group`'s ranks: created once, used by nothing else."""
-    if group.group_name not in _MC2_GROUPS:
-        ranks = dist.get_process_group_ranks(group)
-        _MC2_GROUPS[group.group_name] = dist.new_group(ranks, use_local_synchronization=True)
-    return _MC2_GROUPS[group.group_name]
+    if group not in _MC2_GROUPS:
+        _MC2_GROUPS[group] = dist.new_group(dist.get_process_group_ranks(group), use_local_synchronization=True)
+    return _MC2_GROUPS[group]
 
 
 def _comm_name(group: dist.ProcessGroup, device: torch.device) -> str:

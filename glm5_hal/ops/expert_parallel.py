@@ -27,6 +27,7 @@ argument on EVERY rank before any data moves; every collective runs under the pr
 
 from __future__ import annotations
 
+import weakref
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -60,8 +61,9 @@ from glm5_hal.selection import Resolution, check_float64_support, resolve
 # The values ep_dispatch / ep_combine agree on (see the require_same calls below).
 DISPATCH_HEADER = 8  # num_experts, D, k, dtype, quantize, device type, backend, earlier dispatches on the group
 COMBINE_HEADER = 3  # the handle's dispatch number, D', y's dtype
-# ep_dispatch calls made on each group (by group name), for the check that all ranks combine the same dispatch.
-_dispatch_counts: dict[str, int] = {}
+# ep_dispatch calls made on each live group, for the check that all ranks combine the same dispatch (weak keys: a
+# group re-created after destroy_process_group starts again at 0, like its peers).
+_dispatch_counts: weakref.WeakKeyDictionary[dist.ProcessGroup, int] = weakref.WeakKeyDictionary()
 
 
 @dataclass(frozen=True, eq=False)
@@ -168,7 +170,7 @@ def ep_dispatch(
         if x.dtype == torch.float64:
             check_float64_support(resolution)
         header = [num_experts, sizes["D"], sizes["k"], dtype_code(x.dtype), int(quantize)]
-        header += [_crc(x.device.type), _crc(resolution.backend), _dispatch_counts.get(group.group_name, 0)]
+        header += [_crc(x.device.type), _crc(resolution.backend), _dispatch_counts.get(group, 0)]
     except (ValueError, TypeError, RuntimeError) as exc:  # RuntimeError: the selected backend is unavailable here
         error = exc
     ctrl = control_device(group, device)
@@ -224,8 +226,8 @@ def _exchange_counts(
             f"topk_ids: expected expert ids in [0, num_experts = {num_experts}), got ids outside on {where} "
             f"[ep_dispatch raised this on all {world} ranks of the group before exchanging any data]"
         )
-    sequence = _dispatch_counts.get(group.group_name, 0)
-    _dispatch_counts[group.group_name] = sequence + 1
+    sequence = _dispatch_counts.get(group, 0)
+    _dispatch_counts[group] = sequence + 1
     return EPPlan(
         group=group,
         rank=rank,
