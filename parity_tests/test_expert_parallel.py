@@ -80,23 +80,30 @@ def test_reference_round_trip_is_fused_moe(world: int) -> None:
         np.testing.assert_allclose(out, want, rtol=1e-12, atol=1e-12)
 
 
-def test_plan_receive_order_by_hand() -> None:
-    """Rank 1 of 2, L = 2: source 0 sends (expert 2: 2 rows, expert 3: 1), source 1 sends (1, 2). The receive buffer
-    is source-major [s0e2 s0e2 s0e3 | s1e2 s1e3 s1e3]; recv_x is expert-major [s0e2 s0e2 s1e2 | s0e3 s1e3 s1e3]."""
-    plan = EPPlan(
+def _plan(**changes) -> EPPlan:
+    """An EPPlan for GLM-5's MoE on 8 ranks, 64 tokens each (inside MC2's documented range)."""
+    fields = dict(
         group=None,
-        rank=1,
-        world_size=2,
-        num_experts=4,
-        hidden=8,
-        top_k=2,
-        dtype=torch.float32,
+        rank=0,
+        world_size=8,
+        num_experts=256,
+        hidden=6144,
+        top_k=8,
+        dtype=torch.bfloat16,
         quantize=False,
-        tokens=(3, 3),
-        counts=((1, 2, 2, 1), (2, 0, 1, 2)),
+        tokens=(64,) * 8,
+        counts=((64 * 8 // 256,) * 256,) * 8,
         rows_unique=True,
         sequence=0,
     )
+    return EPPlan(**{**fields, **changes})
+
+
+def test_plan_receive_order_by_hand() -> None:
+    """Rank 1 of 2, L = 2: source 0 sends (expert 2: 2 rows, expert 3: 1), source 1 sends (1, 2). The receive buffer
+    is source-major [s0e2 s0e2 s0e3 | s1e2 s1e3 s1e3]; recv_x is expert-major [s0e2 s0e2 s1e2 | s0e3 s1e3 s1e3]."""
+    plan = _plan(rank=1, world_size=2, num_experts=4, hidden=8, top_k=2, tokens=(3, 3))
+    plan = _plan(**{**plan.__dict__, "counts": ((1, 2, 2, 1), (2, 0, 1, 2))})
     assert plan.send_splits == [2, 3] and plan.recv_splits == [3, 3] and plan.recv_rows == 6
     assert plan.receive_order(torch.device("cpu")).tolist() == [0, 1, 3, 2, 4, 5]
     assert plan.expert_offsets(torch.device("cpu")).tolist() == [0, 3, 6]
@@ -284,25 +291,6 @@ def test_torchrun_parity_distributed_prints_the_table(tmp_path: Path) -> None:
 
 
 # --- the Ascend mapping's conditions -------------------------------------------------------------------------------
-
-
-def _plan(**changes) -> EPPlan:
-    """An EPPlan for GLM-5's MoE on 8 ranks, 64 tokens each (inside MC2's documented range)."""
-    fields = dict(
-        group=None,
-        rank=0,
-        world_size=8,
-        num_experts=256,
-        hidden=6144,
-        top_k=8,
-        dtype=torch.bfloat16,
-        quantize=False,
-        tokens=(64,) * 8,
-        counts=((64 * 8 // 256,) * 256,) * 8,
-        rows_unique=True,
-        sequence=0,
-    )
-    return EPPlan(**{**fields, **changes})
 
 
 def test_mc2_is_used_only_where_its_documentation_allows(fake_torch_npu, monkeypatch) -> None:

@@ -29,6 +29,7 @@ import glm5_hal
 from glm5_hal.cli.progress import ProgressBar
 from glm5_hal.registry import OP_NAMES, registry
 from glm5_hal.selection import OpNotImplementedError, use_backend
+from glm5_hal.text_table import render_table
 from perf.baselines import BASELINES
 from perf.costs import Cost, cost
 from perf.ep_bench import EP_SCENARIOS
@@ -234,12 +235,7 @@ def format_table(rows: list[Row], *, markdown: bool = False) -> str:
         ]
         line += [_ratio(r.speedup)] * show_speedup + [_ratio(r.vs_baseline)] * show_baseline
         body.append(line)
-    if markdown:
-        lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-        return "\n".join(lines + ["| " + " | ".join(b) + " |" for b in body])
-    widths = [max(len(x) for x in col) for col in zip(head, *body)]
-    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
-    return "\n".join([fmt.format(*head), fmt.format(*("-" * w for w in widths))] + [fmt.format(*b) for b in body])
+    return render_table(head, body, markdown=markdown)
 
 
 def _ratio(value: float | None) -> str:

@@ -36,6 +36,7 @@ import glm5_hal
 from glm5_hal.config import GLM5, GLM5_MINI, ModelConfig
 from glm5_hal.ops.expert_parallel import COMBINE_HEADER, DISPATCH_HEADER
 from glm5_hal.selection import use_backend
+from glm5_hal.text_table import render_table
 from perf.load import LoadMonitor
 from perf.timing import synchronize
 
@@ -189,12 +190,7 @@ def format_rows(rows: list[EPRow], *, markdown: bool = False) -> str:
         ]
         for r in rows
     ]
-    if markdown:
-        lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-        return "\n".join(lines + ["| " + " | ".join(b) + " |" for b in body])
-    widths = [max(len(v) for v in col) for col in zip(head, *body)]
-    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
-    return "\n".join([fmt.format(*head), fmt.format(*("-" * w for w in widths))] + [fmt.format(*b) for b in body])
+    return render_table(head, body, markdown=markdown)
 
 
 def _local_rank(rank: int, world: int, names, backend, device_type, dtype, reps, warmup, seed) -> list[EPRow]:

@@ -73,6 +73,14 @@ def _buffer_check(op: str, local: int, max_bs: int, world: int, hidden: int, top
     require(needed <= budget, op, f"HCCL_BUFFSIZE ({budget >> 20} MB) is below the {needed} bytes this call needs")
 
 
+def _refuse_unused(op: str, group_tp: str, sizes: tuple[int, int, int, int, int]) -> None:
+    """What both kernels document but the backend never uses: a TP domain, shared experts and their cards.
+    sizes: (tp_world_size, tp_rank_id, expert_shard_type, shared_expert_num, shared_expert_rank_num)."""
+    tp_world_size, tp_rank_id, expert_shard_type, shared_expert_num, shared_expert_rank_num = sizes
+    not_modeled(group_tp == "" and tp_world_size in (0, 1) and tp_rank_id == 0, op, "a TP domain")
+    not_modeled(expert_shard_type == 0 and shared_expert_num == shared_expert_rank_num == 0, op, "shared experts")
+
+
 def _everyone(group: dist.ProcessGroup, payload: object) -> list:
     gathered: list[object] = [None] * group.size()
     dist.all_gather_object(gathered, payload, group=group)
@@ -114,8 +122,9 @@ def npu_moe_distribute_dispatch_v2(
     op = "npu_moe_distribute_dispatch_v2"
     not_modeled(scales is None and x_active_mask is None and expert_scales is None, op, "scales / masks")
     not_modeled(elastic_info is None and performance_info is None, op, "elastic_info / performance_info")
-    not_modeled(group_tp == "" and tp_world_size in (0, 1) and tp_rank_id == 0, op, "a TP domain")
-    not_modeled(expert_shard_type == 0 and shared_expert_num == 0 and shared_expert_rank_num == 0, op, "shared experts")
+    _refuse_unused(
+        op, group_tp, (tp_world_size, tp_rank_id, expert_shard_type, shared_expert_num, shared_expert_rank_num)
+    )
     not_modeled(zero_expert_num == copy_expert_num == const_expert_num == 0, op, "special experts")
     not_modeled(comm_alg in ("", "fullmesh_v1"), op, f"comm_alg {comm_alg!r}")
     not_modeled(y_dtype is None and x_dtype is None and scales_dtype is None, op, "dtype overrides")
@@ -239,8 +248,9 @@ def npu_moe_distribute_combine_v2(
     not_modeled(x_active_mask is None and expand_scales is None and shared_expert_x is None, op, "masks / extras")
     not_modeled(elastic_info is None and ori_x is None and performance_info is None, op, "elastic / special experts")
     not_modeled(const_expert_alpha_1 is None and const_expert_alpha_2 is None and const_expert_v is None, op, "consts")
-    not_modeled(group_tp == "" and tp_world_size in (0, 1) and tp_rank_id == 0, op, "a TP domain")
-    not_modeled(expert_shard_type == 0 and shared_expert_num == 0 and shared_expert_rank_num == 0, op, "shared experts")
+    _refuse_unused(
+        op, group_tp, (tp_world_size, tp_rank_id, expert_shard_type, shared_expert_num, shared_expert_rank_num)
+    )
     not_modeled(zero_expert_num == copy_expert_num == const_expert_num == 0, op, "special experts")
     not_modeled(comm_quant_mode == 0 and comm_alg in ("", "fullmesh_v1"), op, "communication quantization / comm_alg")
     record = _dispatched.get(group_ep)
