@@ -160,9 +160,6 @@ def quantized_transport(rank: int, world: int, seed: int) -> dict[str, float]:
         "scales_equal": float(torch.equal(sent.recv_scale, expected_scales)),
         "worst_error_over_half_scale": float(bound.max()) if bound.numel() else 0.0,
         "sqnr_db": float(10 * torch.log10(signal / noise)) if noise > 0 else float("inf"),
-        "rows": float(sent.recv_x.shape[0]),
-        "bytes_per_row_quantized": float(sent.recv_x.shape[1] + 4),
-        "bytes_per_row_fp32": float(4 * source_rows.shape[1]),
     }
 
 

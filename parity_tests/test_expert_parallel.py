@@ -235,12 +235,11 @@ def test_the_launcher_fails_fast_and_bounds_wall_time() -> None:
 def test_quantized_transport_error_bound(world: int) -> None:
     """Gaussian rows (std 3): every received row is dynamic_quant's codes and scale of its source row, bit for bit;
     each element is within half a scale step of the source value; and the MoE output keeps >= 35 dB SQNR against the
-    unquantized transport (the W8A8 policy of DESIGN.md), for D + 4 bytes per row instead of 4D."""
+    unquantized transport (the W8A8 policy of DESIGN.md)."""
     for stats in _ranks(ep_ranks.quantized_transport, world, session_seed()):
         assert stats["codes_equal"] == 1.0 and stats["scales_equal"] == 1.0, stats
         assert stats["worst_error_over_half_scale"] <= 1.0 + 1e-5, stats
         assert stats["sqnr_db"] >= 35.0, stats  # inf on a rank without tokens
-        assert stats["bytes_per_row_quantized"] < 0.3 * stats["bytes_per_row_fp32"]
 
 
 # --- the model on N ranks ------------------------------------------------------------------------------------------

@@ -12,9 +12,10 @@ transport (quantize=True, "-int8").
 Per repetition every rank enters a barrier, then the timed call, then waits for its device; the repetition's time is
 the slowest rank's (a collective ends for everyone when the last rank is done), and the row reports the median and
 10th / 90th percentiles over repetitions. ep_combine is timed on the rows its (untimed) dispatch delivered (identity
-experts). Bytes: the payload each rank sends to and receives from the OTHER ranks (rows x row bytes; a copy that
-stays on its rank moves nothing), the mean and the maximum over ranks, and the small agreement exchanges (header and
-per-expert counts) separately.
+experts). Bytes: the payload each rank sends to and receives from the OTHER ranks in that call, from its agreed
+split sizes times the row's size on the wire (2D for bf16, D + 4 for the int8 transport; a copy that stays on its
+rank moves nothing), the mean and the maximum over ranks; the small agreement exchanges (header and per-expert
+counts) are reported apart.
 """
 
 from __future__ import annotations

@@ -273,7 +273,7 @@ def ep_combine(y: Tensor, topk_weights: Tensor, handle: EPHandle) -> Tensor:
     error: Exception | None = None
     header: list[int] = []
     try:
-        sizes = {"R": plan.recv_rows, "T": plan.tokens[plan.rank], "k": plan.top_k}
+        sizes = {"T": plan.tokens[plan.rank], "k": plan.top_k}
         check_tensor("y", y, [None, None], FLOAT_OP_DTYPES)
         check(
             y.shape[0] == plan.recv_rows,

@@ -45,7 +45,8 @@ INTERMEDIATE = 32  # SwiGLU experts' intermediate width in the cases
 class EPCase:
     """One exchange on W ranks.
 
-    tokens: T per rank, cycled over the ranks. experts_per_rank: E / W. routing: "uniform" (distinct experts per
+    tokens: T per rank, cycled over the ranks. experts_per_rank: E / W, or num_experts: E whatever W is (the case
+    is left out where W does not divide it). top_k: k, None for k = E. routing: "uniform" (distinct experts per
     token), "even" (only even experts: odd ones get no rows), "first_rank" (every copy to rank 0's experts),
     "repeats" (a token may name one expert twice). experts: "swiglu" (D -> D, checked against fused_moe too),
     "linear" (D -> out_width) or "identity". strided: x, topk_ids, y and topk_weights are non-contiguous views.
@@ -57,7 +58,8 @@ class EPCase:
     tokens: tuple[int, ...]
     hidden: int = 64
     experts_per_rank: int = 3
-    top_k: int = 2
+    num_experts: int | None = None
+    top_k: int | None = 2
     routing: str = "uniform"
     experts: str = "swiglu"
     out_width: int | None = None
@@ -77,15 +79,13 @@ EP_CASES = [
     EPCase("experts_without_rows", (7, 4, 5, 2), experts_per_rank=4, routing="even"),
     EPCase("all_on_first_rank", (4, 6, 3, 5), experts_per_rank=4, routing="first_rank"),
     EPCase("repeated_experts_in_a_row", (5, 4, 6, 3), routing="repeats"),
-    EPCase("every_expert_per_token", (3, 2, 4, 1), experts_per_rank=2, top_k=-1),  # -1: k = E
+    EPCase("every_expert_per_token", (3, 2, 4, 1), experts_per_rank=2, top_k=None),
     EPCase("wider_output", (5, 3, 8, 1), experts="linear", out_width=96),
     EPCase("strided_views", (5, 3, 8, 1), strided=True),
     EPCase("quantized_transport", (6, 2, 5, 0), quantize=True),
     EPCase("hidden_1024", (3, 5, 2, 4), hidden=1024, experts_per_rank=2, experts="identity"),
     EPCase("hidden_1024_quantized", (3, 5, 2, 4), hidden=1024, experts_per_rank=2, quantize=True),
-    EPCase(
-        "glm5_decode_dims", (4, 2, 3, 1), hidden=6144, experts_per_rank=-256, top_k=8, experts="identity", slow=True
-    ),  # experts_per_rank -256: E = 256 (GLM-5) whatever W is, when W divides it
+    EPCase("glm5_decode_dims", (4, 2, 3, 1), hidden=6144, num_experts=256, top_k=8, experts="identity", slow=True),
 ]
 
 
@@ -110,9 +110,8 @@ class _World:
 
 
 def _experts_of(case: EPCase, world: int) -> int | None:
-    if case.experts_per_rank < 0:  # a fixed total
-        total = -case.experts_per_rank
-        return total if total % world == 0 else None
+    if case.num_experts is not None:
+        return case.num_experts if case.num_experts % world == 0 else None
     return case.experts_per_rank * world
 
 
@@ -126,8 +125,10 @@ def _quantizable_rows(tokens: int, width: int, gen: torch.Generator) -> Tensor:
 
 
 def _routing(case: EPCase, tokens: int, num_experts: int, top_k: int, world: int, gen: torch.Generator) -> Tensor:
-    if case.routing == "repeats":
-        return torch.randint(0, num_experts, (tokens, top_k), generator=gen).to(torch.int32)
+    if case.routing == "repeats":  # random ids, and the first token names one expert twice for sure
+        ids = torch.randint(0, num_experts, (tokens, top_k), generator=gen)
+        ids[:1, 1:2] = ids[:1, :1]
+        return ids.to(torch.int32)
     pool = {
         "uniform": torch.arange(num_experts),
         "even": torch.arange(0, num_experts, 2),
@@ -142,7 +143,7 @@ def build_world(case: EPCase, world: int, dtype: torch.dtype, seed: int) -> _Wor
     num_experts = _experts_of(case, world)
     if num_experts is None:
         return None
-    top_k = num_experts if case.top_k < 0 else case.top_k
+    top_k = num_experts if case.top_k is None else case.top_k
     gen = _generator(case.name, dtype, seed)
     xs, ids, weights = [], [], []
     for tokens in case.tokens_of(world):
