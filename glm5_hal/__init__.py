@@ -10,7 +10,11 @@ a vendor library.
 
 from glm5_hal.config import DEEPSEEK_V32, GLM5, GLM5_MINI, PRESETS, ModelConfig, get_preset
 from glm5_hal.ops import (
+    EPDispatch,
+    EPHandle,
     dynamic_quant,
+    ep_combine,
+    ep_dispatch,
     fused_moe,
     grouped_matmul,
     hadamard_transform,
@@ -25,7 +29,7 @@ from glm5_hal.ops import (
     sparse_flash_attention,
     w4a8_matmul,
 )
-from glm5_hal.registry import OP_NAMES, Availability, Backend, registry
+from glm5_hal.registry import ALL_OP_NAMES, EP_OP_NAMES, OP_NAMES, Availability, Backend, registry
 from glm5_hal.selection import (
     BackendError,
     BackendNotFoundError,
@@ -56,6 +60,11 @@ __all__ = [
     "quant_matmul",
     "w4a8_matmul",
     "hadamard_transform",
+    # expert parallelism (collectives over torch.distributed)
+    "ep_dispatch",
+    "ep_combine",
+    "EPDispatch",
+    "EPHandle",
     # model configs
     "ModelConfig",
     "GLM5",
@@ -65,6 +74,8 @@ __all__ = [
     "get_preset",
     # backends and selection
     "OP_NAMES",
+    "EP_OP_NAMES",
+    "ALL_OP_NAMES",
     "Backend",
     "Availability",
     "registry",

@@ -40,6 +40,13 @@ OP_NAMES: tuple[str, ...] = (
     "w4a8_matmul",
     "hadamard_transform",
 )
+# The collective ops of the contract (OPS.md section 6, expert parallelism). Selected per backend like the ops above
+# (a backend's op table names them, GLM5_HAL_BACKEND / GLM5_HAL_OP_BACKENDS / use_backend pick them), but they run on
+# every rank of a process group, return an opaque handle and have data-dependent output sizes, so they are not
+# torch.library custom ops, have no ONNX form and no single-device parity case (glm5_hal/ops/expert_parallel.py).
+EP_OP_NAMES: tuple[str, ...] = ("ep_dispatch", "ep_combine")
+# Every op a backend may implement.
+ALL_OP_NAMES: tuple[str, ...] = OP_NAMES + EP_OP_NAMES
 
 ANY_DEVICE = "*"
 
@@ -184,9 +191,9 @@ class Registry:
     def _load(self, name: str, backend: Backend) -> Mapping[str, Callable]:
         if name not in self._ops:
             table = dict(backend.load_ops())
-            unknown = sorted(set(table) - set(OP_NAMES))
+            unknown = sorted(set(table) - set(ALL_OP_NAMES))
             if unknown:
-                raise RuntimeError(f"backend {name!r} implements unknown ops {unknown}; known: {OP_NAMES}")
+                raise RuntimeError(f"backend {name!r} implements unknown ops {unknown}; known: {ALL_OP_NAMES}")
             self._ops[name] = table
         return self._ops[name]
 

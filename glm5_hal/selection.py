@@ -21,7 +21,7 @@ import warnings
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
-from glm5_hal.registry import OP_NAMES, registry
+from glm5_hal.registry import ALL_OP_NAMES, registry
 
 ENV_BACKEND = "GLM5_HAL_BACKEND"
 ENV_OP_BACKENDS = "GLM5_HAL_OP_BACKENDS"
@@ -78,9 +78,9 @@ _warn_lock = threading.Lock()
 
 def _check_op_names(ops: Iterable[str]) -> frozenset[str]:
     ops = frozenset(ops)
-    unknown = sorted(ops - set(OP_NAMES))
+    unknown = sorted(ops - set(ALL_OP_NAMES))
     if unknown:
-        raise ValueError(f"ops: expected op names from {list(OP_NAMES)}, got unknown {unknown}")
+        raise ValueError(f"ops: expected op names from {list(ALL_OP_NAMES)}, got unknown {unknown}")
     return ops
 
 

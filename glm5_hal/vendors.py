@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from glm5_hal.registry import OP_NAMES, Availability, Backend, registry
+from glm5_hal.registry import ALL_OP_NAMES, Availability, Backend, registry
 
 ENV_VENDOR = "GLM5_HAL_VENDOR"
 ENV_STAND_IN = "GLM5_HAL_STAND_IN_DEVICE"
@@ -194,8 +194,8 @@ def vendor_backend(spec: VendorSpec) -> Backend:
         triton_ops = reg.ops("triton") if vendor_triton_usable(spec, stand_in) else {}
         torch_ops = reg.ops("torch")
         delegates.clear()
-        delegates.update({op: "triton" if op in triton_ops else "torch" for op in OP_NAMES})
-        return {op: (triton_ops.get(op) or torch_ops[op]) for op in OP_NAMES}
+        delegates.update({op: "triton" if op in triton_ops else "torch" for op in ALL_OP_NAMES})
+        return {op: (triton_ops.get(op) or torch_ops[op]) for op in ALL_OP_NAMES}
 
     return Backend(
         name=spec.name,

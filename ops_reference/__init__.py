@@ -5,6 +5,7 @@ tolerance policy of DESIGN.md. Loops over tokens are deliberate where they make 
 """
 
 from ops_reference.attention import dense_mla_attention, sparse_flash_attention
+from ops_reference.expert_parallel import ep_combine, ep_dispatch
 from ops_reference.hadamard import HADAMARD_BASE_SIZES, hadamard_base_size, hadamard_matrix, hadamard_transform
 from ops_reference.indexer import indexer_logits, indexer_prolog, lightning_indexer
 from ops_reference.mla import mla_prolog
@@ -27,6 +28,8 @@ __all__ = [
     "HADAMARD_BASE_SIZES",
     "dense_mla_attention",
     "dynamic_quant",
+    "ep_combine",
+    "ep_dispatch",
     "fused_moe",
     "gather_keys",
     "grouped_matmul",

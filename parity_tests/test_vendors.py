@@ -23,7 +23,7 @@ import torch
 
 from glm5_hal.cli.info import op_table
 from glm5_hal.parity import CASES, run_case
-from glm5_hal.registry import OP_NAMES, Availability, Backend, registry
+from glm5_hal.registry import ALL_OP_NAMES, OP_NAMES, Availability, Backend, registry
 from glm5_hal.selection import resolve, use_backend
 from glm5_hal.vendors import ENV_STAND_IN, ENV_VENDOR, STAND_IN_ATTR, VendorSpec, vendor_triton_usable
 
@@ -154,8 +154,9 @@ def test_without_the_stand_in_a_detected_vendor_needs_its_device(monkeypatch, fr
 def test_info_shows_which_portable_backend_runs_each_op(name, monkeypatch, tmp_path, fresh_registry):
     _fake_vendor(name, monkeypatch, tmp_path)
     table = op_table(name)
-    assert set(table) == set(OP_NAMES)
+    assert set(table) == set(ALL_OP_NAMES)
     assert set(table.values()) <= {"via torch", "via triton"}
+    assert table["ep_dispatch"] == table["ep_combine"] == "via torch"  # the portable exchange
     triton_ok = vendor_triton_usable(_load_spec(name), stand_in=True)
     assert (table["moe_gate"] == "via triton") == (triton_ok and "moe_gate" in registry().ops("triton"))
     assert table["sparse_flash_attention"] == (

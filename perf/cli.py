@@ -3,6 +3,8 @@
     glm5-hal bench --quick                                    one mini case of every op (well under a minute)
     glm5-hal bench --scenarios decode,quant --backends torch,reference --json out.json --markdown out.md
     glm5-hal bench --scenarios context --plot context.png     latency against context length (4K..128K)
+    glm5-hal bench --scenarios ep-decode,ep-prefill --ep-ranks 2   ep_dispatch / ep_combine on 2 local ranks
+                                                              (or under torchrun: perf/ep_bench.py)
 
 For every (scenario, backend): warm-up calls, then timed calls over rotated input sets (perf/timing.py); the op's
 FLOPs and minimum bytes (perf/costs.py) turn the median into TFLOP/s, GB/s and the fraction of the roofline
@@ -27,8 +29,10 @@ import glm5_hal
 from glm5_hal.cli.progress import ProgressBar
 from glm5_hal.registry import OP_NAMES, registry
 from glm5_hal.selection import OpNotImplementedError, use_backend
+from glm5_hal.text_table import render_table
 from perf.baselines import BASELINES
 from perf.costs import Cost, cost
+from perf.ep_bench import EP_SCENARIOS
 from perf.load import LoadMonitor
 from perf.peaks import Peaks, measure_peaks, table_peaks
 from perf.scenarios import SCENARIOS, Scenario, select
@@ -72,7 +76,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--backends", default="torch", help="comma-separated backends, side by side (default torch)")
-    parser.add_argument("--scenarios", default="decode", help=f"comma-separated sets: {', '.join(SCENARIOS)}")
+    parser.add_argument(
+        "--scenarios",
+        default="decode",
+        help=f"comma-separated sets: {', '.join(SCENARIOS)}; expert parallel: {', '.join(EP_SCENARIOS)}",
+    )
+    parser.add_argument(
+        "--ep-ranks", type=int, default=2, help="EP sets without torchrun: local CPU ranks over gloo (default 2)"
+    )
     parser.add_argument("--quick", action="store_true", help="the quick set, 3 repetitions, measured peaks (< 1 min)")
     parser.add_argument("--ops", help="only these ops (comma-separated; their baselines stay)")
     parser.add_argument("--device", default=_default_device(), help="torch device (default: %(default)s)")
@@ -224,12 +235,7 @@ def format_table(rows: list[Row], *, markdown: bool = False) -> str:
         ]
         line += [_ratio(r.speedup)] * show_speedup + [_ratio(r.vs_baseline)] * show_baseline
         body.append(line)
-    if markdown:
-        lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-        return "\n".join(lines + ["| " + " | ".join(b) + " |" for b in body])
-    widths = [max(len(x) for x in col) for col in zip(head, *body)]
-    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
-    return "\n".join([fmt.format(*head), fmt.format(*("-" * w for w in widths))] + [fmt.format(*b) for b in body])
+    return render_table(head, body, markdown=markdown)
 
 
 def _ratio(value: float | None) -> str:
@@ -257,6 +263,14 @@ def run(args: argparse.Namespace) -> int:
         if not availability.available:
             print(f"--backends: {b} is unavailable here: {availability.reason}", file=sys.stderr)
             return 2
+    ep_sets = [name for name in _split(args.scenarios) if name in EP_SCENARIOS]
+    if ep_sets:
+        if len(ep_sets) != len(_split(args.scenarios)) or args.ep_ranks < 1:
+            print("--scenarios: run the EP sets apart from the per-op sets (--ep-ranks >= 1)", file=sys.stderr)
+            return 2
+        from perf import ep_bench
+
+        return ep_bench.run(args, ep_sets, DTYPES[args.dtype])
     ops = _split(args.ops) or None
     bad_ops = [op for op in ops or () if op not in OP_NAMES and op not in BASELINES]
     if bad_ops:

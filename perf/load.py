@@ -25,8 +25,8 @@ def _system_busy_seconds() -> tuple[float, float] | None:
 
 
 def _own_seconds() -> float:
-    t = os.times()
-    return t.user + t.system
+    t = os.times()  # this process and its finished children (e.g. the local ranks of an EP bench)
+    return t.user + t.system + t.children_user + t.children_system
 
 
 class LoadMonitor:
@@ -37,6 +37,14 @@ class LoadMonitor:
         self.start_system = _system_busy_seconds()
         self.start_own = _own_seconds()
         self.start_wall = time.monotonic()
+
+    def busy_share(self) -> float | None:
+        """The fraction of all CPU time (every core) anything used meanwhile, this process and its ranks included."""
+        end = _system_busy_seconds()
+        if end is None or self.start_system is None:
+            return None
+        total = end[1] - self.start_system[1]
+        return (end[0] - self.start_system[0]) / total if total > 0 else 0.0
 
     def others_share(self) -> float | None:
         end = _system_busy_seconds()

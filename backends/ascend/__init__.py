@@ -1,7 +1,8 @@
 """The `ascend` backend: Huawei Ascend NPUs through torch_npu's fused operators (the ones vllm-ascend runs for
 GLM-5 and DeepSeek-V3.2), with layouts and conventions converted at the edge.
 
-[detect: lazy torch_npu import, NPU visibility] -> [ops: mla_prolog, indexer, sparse_attention, moe, quant adapters]
+[detect: lazy torch_npu import, NPU visibility] -> [ops: mla_prolog, indexer, sparse_attention, moe, quant,
+                                                    expert_parallel adapters]
     adapters use [layouts: pure conversions] and [runtime: torch_npu, portable fallback, weights prepared once]
 
 Importing this package imports neither torch_npu nor any adapter: the registry calls `probe` when asked, then
@@ -26,6 +27,9 @@ NOTES = (
     "npu_kv_rmsnorm_rope_cache path otherwise (GLM-5: q_lora 2048, qk_nope 192)",
     "shapes outside a kernel's documented range (block size not a multiple of 16, > 64 indexer heads, ...) run the "
     "portable torch path; see docs/ascend.md",
+    "ep_dispatch / ep_combine use the MC2 kernels npu_moe_distribute_dispatch_v2 / combine_v2 on Atlas A3 within "
+    "their documented limits (bf16/fp16, 2..384 ranks, H 1024..7168, 1..512 tokens per rank), the portable "
+    "all_to_all_single exchange otherwise (A2 included)",
     "validated here only against a strict fake of torch_npu 2.14.0's schemas and docs, not on an NPU",
 )
 

@@ -2,6 +2,7 @@
 
 from collections.abc import Callable
 
+from backends.ascend.expert_parallel import ep_combine, ep_dispatch
 from backends.ascend.indexer import indexer_prolog, lightning_indexer
 from backends.ascend.mla_prolog import mla_prolog
 from backends.ascend.moe import fused_moe, grouped_matmul, moe_combine, moe_dispatch, moe_gate
@@ -21,4 +22,6 @@ OPS: dict[str, Callable] = {
     "dynamic_quant": dynamic_quant,
     "quant_matmul": quant_matmul,
     "w4a8_matmul": w4a8_matmul,
+    "ep_dispatch": ep_dispatch,
+    "ep_combine": ep_combine,
 }

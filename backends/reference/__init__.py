@@ -10,9 +10,10 @@ from glm5_hal.registry import ANY_DEVICE, Availability, Backend
 
 
 def _load_ops():
+    from backends.reference.expert_parallel import ep_combine, ep_dispatch
     from backends.reference.ops import OPS
 
-    return OPS
+    return {**OPS, "ep_dispatch": ep_dispatch, "ep_combine": ep_combine}
 
 
 BACKEND = Backend(

@@ -2,6 +2,7 @@
 
 [paged: token positions, key slots, cache writes] + [primitives: fp32 linear, norms, RoPE]
   -> mla_prolog | indexer (prolog, logits, top-k) | sparse_attention | moe | quant | hadamard
+  -> expert_parallel (ep_dispatch / ep_combine over torch.distributed.all_to_all_single)
 
 Arguments arrive validated by the public ops in glm5_hal; each implementation takes and returns exactly what its
 public op does. bf16/fp16 inputs are computed in fp32 and outputs cast back. Large working sets (the indexer's
@@ -10,6 +11,7 @@ scores, sparse attention's gathered rows) are tiled so that memory stays bounded
 
 from collections.abc import Callable
 
+from backends.torch_eager.expert_parallel import ep_combine, ep_dispatch
 from backends.torch_eager.hadamard import hadamard_transform
 from backends.torch_eager.indexer import indexer_logits, indexer_prolog, lightning_indexer
 from backends.torch_eager.mla_prolog import mla_prolog
@@ -32,6 +34,8 @@ OPS: dict[str, Callable] = {
     "quant_matmul": quant_matmul,
     "w4a8_matmul": w4a8_matmul,
     "hadamard_transform": hadamard_transform,
+    "ep_dispatch": ep_dispatch,
+    "ep_combine": ep_combine,
 }
 
 __all__ = ["OPS"]

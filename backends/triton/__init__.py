@@ -48,4 +48,6 @@ BACKEND = Backend(
     probe=_probe,
     load_ops=_load_ops,
     auto_priority=20,
+    # The expert-parallel exchange is communication, not a kernel: the portable all_to_all_single path runs it.
+    delegates={"ep_dispatch": "torch", "ep_combine": "torch"},
 )

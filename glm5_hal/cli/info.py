@@ -8,7 +8,7 @@ import platform
 
 import torch
 
-from glm5_hal.registry import OP_NAMES, registry
+from glm5_hal.registry import ALL_OP_NAMES, OP_NAMES, registry
 from glm5_hal.selection import BackendError, requested_backend, resolve
 
 
@@ -41,7 +41,7 @@ def op_table(name: str) -> dict[str, str]:
         return {}
     ops = reg.ops(name)
     table = {}
-    for op in OP_NAMES:
+    for op in ALL_OP_NAMES:
         if op in backend.delegates:  # checked first: a delegating backend's table holds the delegate's function
             table[op] = f"via {backend.delegates[op]}"
         elif op in ops:
@@ -71,7 +71,7 @@ def collect() -> dict[str, object]:
             }
         )
     selection = {}
-    for op in OP_NAMES:
+    for op in ALL_OP_NAMES:
         try:
             res = resolve(op, "cpu")
             selection[op] = {"backend": res.backend, "reason": res.reason}

@@ -30,6 +30,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--json", metavar="FILE", help="write every result and the summary as JSON")
     parser.add_argument("--markdown", metavar="FILE", help="write the summary table as Markdown")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument(
+        "--distributed",
+        action="store_true",
+        help="check ep_dispatch / ep_combine and the model on N ranks (ops ep_dispatch, ep_combine, ep_model); "
+        "start it with `torchrun --nproc-per-node N -m glm5_hal.cli parity --distributed`",
+    )
+    parser.add_argument(
+        "--timeout", type=float, default=300.0, help="--distributed: seconds a collective may wait (default 300)"
+    )
     parser.set_defaults(func=run)
 
 
@@ -50,6 +59,10 @@ def run(args: argparse.Namespace) -> int:
         os.environ["GLM5_HAL_PARITY_SEED"] = str(args.seed)
     from glm5_hal.parity import cases_for, format_table, parity_device, run_all, session_seed, summarise, write_report
 
+    if args.distributed:
+        from glm5_hal.cli.parity_distributed import run as run_distributed
+
+        return run_distributed(args, _split(args.backends), _split(args.ops))
     reg = registry()
     backends = _split(args.backends) or default_backends()
     unknown = [b for b in backends if b not in reg.names()]

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -41,10 +41,31 @@ class LayerChoices:
     routing: Routing | None
 
 
+def build_moe(cfg: ModelConfig, state: Mapping[str, Tensor], prefix: str, experts: Sequence[int] | None = None) -> MoE:
+    """The MoE block at `prefix` ("model.layers.N.mlp") with the routed `experts` (default: all), in that order."""
+    experts = range(cfg.n_routed_experts) if experts is None else experts
+    return MoE(
+        cfg,
+        TopkRouter(state[f"{prefix}.gate.weight"], state[f"{prefix}.gate.e_score_correction_bias"]),
+        RoutedExperts.from_expert_weights(
+            [state[f"{prefix}.experts.{e}.gate_proj.weight"] for e in experts],
+            [state[f"{prefix}.experts.{e}.up_proj.weight"] for e in experts],
+            [state[f"{prefix}.experts.{e}.down_proj.weight"] for e in experts],
+        ),
+        _mlp(state, f"{prefix}.shared_experts"),
+    )
+
+
+# Builds a MoE layer's block from (cfg, state, prefix); the expert-parallel model (parallel.py) passes its own.
+MoEBuilder = Callable[[ModelConfig, Mapping[str, Tensor], str], nn.Module]
+
+
 class DecoderLayer(nn.Module):
     """h + attn(input_layernorm(h)), then h + mlp(post_attention_layernorm(h)); h [T, hidden]."""
 
-    def __init__(self, cfg: ModelConfig, layer: int, state: dict[str, Tensor]) -> None:
+    def __init__(
+        self, cfg: ModelConfig, layer: int, state: Mapping[str, Tensor], moe_builder: MoEBuilder = build_moe
+    ) -> None:
         super().__init__()
         p = layer_prefix(layer)
         a, i = f"{p}.self_attn", f"{p}.self_attn.indexer"
@@ -72,17 +93,7 @@ class DecoderLayer(nn.Module):
         )
         m = f"{p}.mlp"
         if is_moe_layer(cfg, layer):
-            experts = range(cfg.n_routed_experts)
-            self.mlp: nn.Module = MoE(
-                cfg,
-                TopkRouter(state[f"{m}.gate.weight"], state[f"{m}.gate.e_score_correction_bias"]),
-                RoutedExperts.from_expert_weights(
-                    [state[f"{m}.experts.{e}.gate_proj.weight"] for e in experts],
-                    [state[f"{m}.experts.{e}.up_proj.weight"] for e in experts],
-                    [state[f"{m}.experts.{e}.down_proj.weight"] for e in experts],
-                ),
-                _mlp(state, f"{m}.shared_experts"),
-            )
+            self.mlp: nn.Module = moe_builder(cfg, state, m)
         else:
             self.mlp = _mlp(state, m)
 
@@ -111,7 +122,7 @@ class DecoderLayer(nn.Module):
         return h + self.mlp(x), LayerChoices(topk_indices, None)
 
 
-def _mlp(state: dict[str, Tensor], prefix: str) -> MLP:
+def _mlp(state: Mapping[str, Tensor], prefix: str) -> MLP:
     return MLP(*(state[f"{prefix}.{name}.weight"] for name in ("gate_proj", "up_proj", "down_proj")))
 
 
@@ -129,10 +140,12 @@ class Embedding(nn.Module):
 class DecoderStack(nn.Module):
     """The `model.` part of the checkpoint: embed_tokens, layers, norm."""
 
-    def __init__(self, cfg: ModelConfig, state: dict[str, Tensor]) -> None:
+    def __init__(self, cfg: ModelConfig, state: Mapping[str, Tensor], moe_builder: MoEBuilder = build_moe) -> None:
         super().__init__()
         self.embed_tokens = Embedding(state["model.embed_tokens.weight"])
-        self.layers = nn.ModuleList(DecoderLayer(cfg, layer, state) for layer in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, layer, state, moe_builder) for layer in range(cfg.num_hidden_layers)
+        )
         self.norm = RMSNorm(state["model.norm.weight"], cfg.rms_norm_eps)
 
 

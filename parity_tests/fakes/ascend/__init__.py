@@ -18,7 +18,7 @@ from types import ModuleType
 
 import torch
 
-from fakes.ascend import attention, basic, mla, moe, quant
+from fakes.ascend import attention, basic, mc2, mla, moe, quant
 from fakes.ascend.common import STATE, FakeNpuError
 from fakes.ascend.wheel import VERSION, schemas
 
@@ -41,6 +41,8 @@ KERNELS: dict[str, Callable] = {
     "npu_quant_matmul": quant.npu_quant_matmul,
     "npu_convert_weight_to_int4pack": quant.npu_convert_weight_to_int4pack,
     "npu_weight_quant_batchmatmul": quant.npu_weight_quant_batchmatmul,
+    "npu_moe_distribute_dispatch_v2": mc2.npu_moe_distribute_dispatch_v2,
+    "npu_moe_distribute_combine_v2": mc2.npu_moe_distribute_combine_v2,
 }
 NAMESPACE = "npu"
 STAND_IN_DEVICE = "cpu"
@@ -56,7 +58,13 @@ def _counted(name: str, kernel: Callable) -> Callable:
 
 
 class _NpuDevice(ModuleType):
-    """torch_npu.npu: the device module. No NPU exists behind this fake."""
+    """torch_npu.npu: the device module. No NPU exists behind this fake; it answers as an Atlas A3 (soc_version
+    250; tests set `soc_version` to play another SoC)."""
+
+    soc_version = 250
+
+    def get_soc_version(self) -> int:
+        return self.soc_version
 
     @staticmethod
     def is_available() -> bool:

@@ -48,3 +48,17 @@ def fake_torch_npu_fixture(torch_npu_schemas: Path, monkeypatch: pytest.MonkeyPa
     yield module
     PREPARED.clear()
     registry().refresh()  # re-probed lazily once monkeypatch has removed the fake
+
+
+def install_in_process(wheel: Path) -> ModuleType:
+    """The fake torch_npu as `torch_npu` for the rest of this process, gloo groups answering get_hccl_comm_name, and
+    a fresh registry: for the ranks the distributed tests spawn (a process of its own, where no fixture runs)."""
+    from fakes.ascend.mc2 import install_hccl_comm_names
+
+    module = build(wheel)
+    sys.modules["torch_npu"] = module
+    install_hccl_comm_names()
+    STATE.reset()
+    PREPARED.clear()
+    registry().refresh()
+    return module
