@@ -125,7 +125,7 @@ def test_compressed_tensors_package_decompresses_every_weight_exactly(written, v
         assert torch.equal(decompressed[name], stored[name]), name
     assert set(decompressed) == {*floats, *reference}
     qc = json.loads((directory / CONFIG_FILE).read_text())["quantization_config"]
-    assert qc["version"] == ct.__version__ == ct_format.SCHEMA_VERSION
+    assert qc["version"] == ct_format.SCHEMA_VERSION and ct.__version__.startswith("0.20.")
 
 
 def test_compressed_tensors_matcher_assigns_every_call_site_to_its_scheme(written) -> None:
