@@ -224,11 +224,12 @@ def test_msmodelslim_description_names_every_tensor(written, scheme: str) -> Non
     assert set(index["weight_map"]) == set(stored)
 
 
-def test_msmodelslim_refuses_grouped_int4(source: Path, tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match=r"per-channel int4 only.*group_size 32"):
-        quantize_checkpoint_streaming(
-            source, tmp_path / "out", CFG, "w4a8", group_size=GROUP_SIZE, layout=layout_for("msmodelslim")
-        )
+def test_msmodelslim_refuses_grouped_int4_before_writing(source: Path, tmp_path: Path) -> None:
+    message = r"group_size: the msModelSlim format stores per-channel int4 only.*got 32"
+    layout = layout_for("msmodelslim")
+    with pytest.raises(ValueError, match=message):
+        quantize_checkpoint_streaming(source, tmp_path / "out", CFG, "w4a8", group_size=GROUP_SIZE, layout=layout)
+    assert not (tmp_path / "out").exists()
 
 
 # ------------------------------------------------------------------------------------------ round trip

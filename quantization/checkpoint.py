@@ -164,6 +164,10 @@ class CheckpointLayout:
     def index_file(self) -> str:
         return f"{self.file_prefix}.safetensors.index.json"
 
+    def check_group_size(self, group_size: int | None) -> None:
+        """ValueError when the format cannot store int4 weights with this group size (None: per channel); the
+        writers call it before writing anything."""
+
     def store_float(self, name: str, value: Tensor) -> dict[str, tuple[Tensor, dict]]:
         """{stored name: (tensor, entry)} for the float source tensor `name` (stored as it is by default)."""
         return {name: (value.contiguous(), float_entry(value))}
@@ -300,7 +304,10 @@ def save_quantized(
     docstring): one shard of weights, and the layout's metadata (config.json included). float_state: the (rotated)
     floating state dict; its entries named in `quantized` are replaced by their integer codes and scales. dropped:
     source tensor names left out of float_state (MTP layers), recorded in the metadata. Returns the directory;
-    FileExistsError when it already holds a checkpoint (prepare_output_dir)."""
+    FileExistsError when it already holds a checkpoint (prepare_output_dir); ValueError when the layout cannot store
+    an int4 group size used (check_group_size)."""
+    for group_size in {q.spec.group_size for q in quantized.values() if q.spec.bits == 4}:
+        layout.check_group_size(group_size)
     directory = prepare_output_dir(directory)
     writer = ShardWriter(directory, layout, max_bytes=float("inf"))
     entries: dict[str, dict] = {}

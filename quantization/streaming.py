@@ -188,6 +188,8 @@ def quantize_checkpoint_streaming(
         raise ValueError(f"scheme: expected one of {SCHEMES}, got {scheme!r}")
     if max_shard_bytes <= 0:
         raise ValueError(f"max_shard_bytes: expected a positive byte count, got {max_shard_bytes}")
+    if scheme == "w4a8":
+        layout.check_group_size(group_size)
     found = _inventory(checkpoint_files(checkpoint))
     dropped = sorted(name for name in found if is_mtp_tensor(name, config))
     kept = {name: where for name, where in found.items() if not is_mtp_tensor(name, config)}

@@ -190,11 +190,12 @@ def _matches(name: str, targets: Iterable[str]) -> bool:
     return any(re.match(t[3:], name) is not None if t.startswith("re:") else t in (name, "Linear") for t in targets)
 
 
-def _parse_scheme(group_name: str, group: dict, source: str) -> tuple[str, int | None]:
-    """(kind, group_size) of one config group; ValueError naming the group for what the HAL ops cannot run."""
+def _parse_scheme(group_name: str, group: dict, default_format: str | None, source: str) -> tuple[str, int | None]:
+    """(kind, group_size) of one config group (its format defaults to the config's); ValueError naming the group for
+    what the HAL ops cannot run."""
     weights, acts = group.get("weights") or {}, group.get("input_activations") or {}
     where = f"{source}: quantization_config.config_groups.{group_name}"
-    fmt = group.get("format") or COMPRESSION_FORMAT
+    fmt = group.get("format") or default_format
     if fmt not in (COMPRESSION_FORMAT, "naive-quantized"):
         raise ValueError(f"{where}.format: expected {COMPRESSION_FORMAT!r} (int8 storage of the codes), got {fmt!r}")
     bits, strategy, group_size = weights.get("num_bits"), weights.get("strategy"), weights.get("group_size")
@@ -255,7 +256,9 @@ def load_compressed_tensors(directory: str | Path, config: ModelConfig | None = 
         raise ValueError(f"{source}: quantization_config.kv_cache_scheme (a quantized KV cache) is not supported")
     config = load_config(directory) if config is None else config
     groups = qc.get("config_groups") or {}
-    schemes = [(_parse_scheme(g, group, source), group.get("targets") or []) for g, group in groups.items()]
+    schemes = [
+        (_parse_scheme(g, group, qc.get("format"), source), group.get("targets") or []) for g, group in groups.items()
+    ]
     ignore = qc.get("ignore") or []
     stored = load_state_dict(directory)
     quantized: dict[str, StoredQuantWeight] = {}

@@ -101,15 +101,18 @@ class _MsModelSlimLayout(CheckpointLayout):
     def store_float(self, name: str, value: Tensor) -> dict[str, tuple[Tensor, dict]]:
         return {name: (value.contiguous(), {"type": FLOAT, "dtype": str(value.dtype).removeprefix("torch.")})}
 
+    def check_group_size(self, group_size: int | None) -> None:
+        if group_size is not None:
+            raise ValueError(
+                f"group_size: the msModelSlim format stores per-channel int4 only (description version "
+                f"{DESCRIPTION_VERSION}, group_size 0), got {group_size}"
+            )
+
     def store_quantized(self, name: str, q: QuantizedWeight) -> dict[str, tuple[Tensor, dict]]:
         kind = W8A8 if q.spec.bits == 8 else W4A8
         quant_type = _QUANT_TYPES[kind]
+        self.check_group_size(q.spec.group_size)
         base, scale = name.removesuffix(".weight"), q.scale[:, :1].to(torch.float32).contiguous()
-        if q.spec.group_size is not None:
-            raise ValueError(
-                f"{name}: the msModelSlim format stores per-channel int4 only (description version "
-                f"{DESCRIPTION_VERSION}, group_size 0), got group_size {q.spec.group_size}"
-            )
         weight = q.codes.contiguous() if kind == W8A8 else pack_int4_along_n(q.codes)
         stored = {
             name: (weight, {"type": quant_type}),
@@ -152,7 +155,7 @@ def load_msmodelslim(directory: str | Path, config: ModelConfig | None = None) -
     directory = Path(directory)
     path = directory / DESCRIPTION_FILE
     description = json.loads(path.read_text())
-    tensor_types = {k: v for k, v in description.items() if k not in _META_KEYS}
+    tensor_types = {k: v for k, v in description.items() if k not in _META_KEYS and isinstance(v, str)}
     quant_types = set(tensor_types.values()) - {FLOAT}
     version = description.get("version")
     if quant_types and version != DESCRIPTION_VERSION:
