@@ -19,14 +19,13 @@ from pathlib import Path
 
 from glm5_hal.config import ModelConfig
 from glm5_hal.model import CausalLM
-from glm5_hal.model.hf_config import CONFIG_FILE
+from glm5_hal.model.hf_config import CONFIG_FILE, read_config_json
 from quantization.checkpoint import DESCRIPTION_FILE, GLM5_HAL_LAYOUT, CheckpointLayout, load_quantized_model
 from quantization.formats.compressed_tensors import (
     COMPRESSED_TENSORS_LAYOUT,
     is_compressed_tensors,
     load_compressed_tensors,
 )
-from quantization.formats.engine_config import read_config_json
 from quantization.formats.msmodelslim import DESCRIPTION_FILE as MSMODELSLIM_DESCRIPTION_FILE
 from quantization.formats.msmodelslim import MSMODELSLIM_LAYOUT, load_msmodelslim
 

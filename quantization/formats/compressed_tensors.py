@@ -34,7 +34,7 @@ from torch import Tensor
 import ops_reference as ref
 from glm5_hal.config import ModelConfig
 from glm5_hal.model import CausalLM, expert_module_names, linear_module_names
-from glm5_hal.model.hf_config import CONFIG_FILE, load_config
+from glm5_hal.model.hf_config import CONFIG_FILE, load_config, read_config_json
 from quantization.checkpoint import (
     CheckpointInfo,
     CheckpointLayout,
@@ -42,7 +42,7 @@ from quantization.checkpoint import (
     build_quantized_model,
     load_state_dict,
 )
-from quantization.formats.engine_config import engine_config, read_config_json, write_engine_config
+from quantization.formats.engine_config import engine_config, write_engine_config
 from quantization.linear import W4A8, W8A8
 from quantization.quantizers import QuantizedWeight
 

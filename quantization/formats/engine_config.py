@@ -39,17 +39,3 @@ def engine_config(info: CheckpointInfo, entries: dict[str, dict], format_name: s
 
 def write_engine_config(directory: Path, hf: dict) -> None:
     (directory / CONFIG_FILE).write_text(json.dumps(hf, indent=2))
-
-
-def read_config_json(directory: str | Path) -> dict:
-    """The parsed <dir>/config.json (FileNotFoundError / ValueError naming the file)."""
-    path = Path(directory) / CONFIG_FILE
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: no such file (a quantized checkpoint directory has a {CONFIG_FILE})")
-    try:
-        hf = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{path}: not valid JSON ({exc})") from None
-    if not isinstance(hf, dict):
-        raise ValueError(f"{path}: expected a JSON object, got {type(hf).__name__}")
-    return hf
