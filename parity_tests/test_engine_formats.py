@@ -388,7 +388,7 @@ _VLLM_REASON = (
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)
-def test_vllm_selects_the_int8_schemes_and_ignores_the_float_layers(written, scheme: str) -> None:
+def test_vllm_selects_the_int8_schemes_and_ignores_the_float_layers(written, scheme: str, monkeypatch) -> None:
     """vLLM's own CompressedTensorsConfig on our config.json: the scheme class of every layer of its DeepSeek-V3.2 /
     GLM-5 model (fused names included), and the MoE method of the routed experts. Stubbed: the MoE kernel-backend
     selection and FusedMoEMethodBase.__init__ (they probe the device), nothing on the config path."""
@@ -437,8 +437,8 @@ def test_vllm_selects_the_int8_schemes_and_ignores_the_float_layers(written, sch
         ("compressed_tensors_moe_w8a8_int8", "select_int8_moe_backend"),
     ):
         backends = importlib.import_module(f"{moe_pkg}.{module}")
-        setattr(backends, fn, lambda *args, **kwargs: (None, None))
-    FusedMoEMethodBase.__init__ = lambda self, moe: setattr(self, "moe", moe)
+        monkeypatch.setattr(backends, fn, lambda *args, **kwargs: (None, None))
+    monkeypatch.setattr(FusedMoEMethodBase, "__init__", lambda self, moe: setattr(self, "moe", moe))
     moe = types.SimpleNamespace(
         hidden_dim=CFG.hidden_size,
         intermediate_size_per_partition=CFG.moe_intermediate_size,
