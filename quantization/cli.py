@@ -1,7 +1,7 @@
 """`glm5-hal quantize`: read a checkpoint (safetensors, Hugging Face names), QuaRot-rotate it, quantize it with a
 named scheme, write the quantized checkpoint (weights, config.json, JSON description), and print a quality report.
 
-    glm5-hal quantize CHECKPOINT_DIR OUT_DIR --scheme w4a8 [--method gptq] [--no-rotate]
+    glm5-hal quantize CHECKPOINT_DIR OUT_DIR --scheme w4a8 [--method gptq] [--no-rotate] [--format FORMAT]
     glm5-hal quantize model.safetensors OUT_DIR --preset glm5-mini --scheme w4a8
 
 The model config comes from CHECKPOINT_DIR/config.json (a Hugging Face checkpoint directory: GLM-5
@@ -9,7 +9,9 @@ The model config comes from CHECKPOINT_DIR/config.json (a Hugging Face checkpoin
 is needed for a checkpoint without one (a single .safetensors file). OUT_DIR (new or empty) gets the weights
 (model.safetensors, or model-0000i-of-0000n.safetensors shards of at most --max-shard-bytes plus
 model.safetensors.index.json), quantization.json and config.json, so `load_quantized_model(OUT_DIR)` needs
-nothing else.
+nothing else. `--format compressed-tensors` (vLLM / SGLang) or `--format msmodelslim` (vllm-ascend) writes the same
+weights in that engine's layout instead (quantization/formats/); `formats.load_checkpoint(OUT_DIR)` reads any of
+the three.
 
 `--method rtn` (the default) streams: quantization/streaming.py reads the checkpoint one tensor at a time, so a
 real-size GLM-5 (~1.5 TB of bf16) quantizes in the memory of its largest tensor plus one output shard.
@@ -39,7 +41,8 @@ from torch import Tensor
 from glm5_hal.config import PRESETS, ModelConfig, get_preset
 from glm5_hal.model import CausalLM
 from glm5_hal.model.hf_config import CONFIG_FILE, load_config
-from quantization.checkpoint import checkpoint_files, load_quantized_model, load_state_dict, save_quantized
+from quantization.checkpoint import checkpoint_files, load_state_dict, save_quantized
+from quantization.formats import FORMATS, layout_for, load_checkpoint
 from quantization.fp8 import dequantize_fp8_state_dict, fp8_block_size
 from quantization.metrics import cosine, sqnr_db
 from quantization.model_quant import METHODS, SCHEMES, quantize_model
@@ -72,6 +75,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         choices=METHODS,
         help="rtn (default): streamed tensor by tensor, for any checkpoint size; gptq: calibrates through the whole "
         "model, so loads the checkpoint into memory",
+    )
+    p.add_argument(
+        "--format",
+        default="glm5-hal",
+        choices=FORMATS,
+        help="the output layout: glm5-hal (default; glm5_hal.model), compressed-tensors (vLLM / SGLang), msmodelslim "
+        "(vllm-ascend --quantization ascend); the same weights in each (docs/quantization.md)",
     )
     p.add_argument("--no-rotate", action="store_true", help="skip QuaRot (fold + rotate)")
     p.add_argument("--seed", type=int, default=0, help="QuaRot sign seed and the calibration / evaluation tokens")
@@ -149,6 +159,7 @@ def run(args: argparse.Namespace) -> int:
                 mse_clip=args.mse_clip,
                 max_shard_bytes=args.max_shard_bytes,
                 fp8_block_size=source_fp8_block_size(args.checkpoint),
+                layout=layout_for(args.format),
             )
             out, kinds, floats, dropped = result.directory, result.quantized, result.float_tensors, result.dropped
         else:
@@ -192,6 +203,7 @@ def _quantize_in_memory(
         method=args.method,
         quarot_seed=quarot_seed,
         dropped=dropped,
+        layout=layout_for(args.format),
     )
     kinds: dict[str, int] = {}
     for q in quantized.values():
@@ -224,7 +236,7 @@ def _quality_report(args: argparse.Namespace, cfg: ModelConfig, out: Path) -> No
     state = {n: v for n, v in load_float_checkpoint(args.checkpoint).items() if not is_mtp_tensor(n, cfg)}
     reference = CausalLM(cfg, state).prefill(ids)
     del state
-    loaded = load_quantized_model(out).prefill(ids)  # its own config.json
+    loaded = load_checkpoint(out).prefill(ids)  # its own format and config.json
     print(
         f"quality vs the floating checkpoint on {args.eval_tokens} random tokens: logits SQNR "
         f"{sqnr_db(reference.logits, loaded.logits):.2f} dB, cosine {cosine(reference.logits, loaded.logits):.5f}"

@@ -13,9 +13,10 @@ output shard, never the model.
 The output is what the in-memory path (`quarot` -> CausalLM -> `quantize_model(..., "rtn")` -> `save_quantized`)
 writes, tensor for tensor and bit for bit: the same per-tensor fold + rotation, the same RTN on the same values
 (a routed expert's gate and up are quantized apart here and stacked there; RTN is per row, so the codes and
-scales agree), the same quantization.json entries (checkpoint.py's shared helpers). Only the file layout differs:
-one model.safetensors when everything fits in one shard, else model-0000i-of-0000n.safetensors plus the Hugging
-Face model.safetensors.index.json; `checkpoint.load_quantized_model` reads both.
+scales agree), the same stored tensors and metadata (the output format's checkpoint.CheckpointLayout: the
+glm5-hal one by default, or an engine's from quantization/formats/). Only the sharding differs: one
+model.safetensors when everything fits in one shard, else model-0000i-of-0000n.safetensors plus the Hugging Face
+model.safetensors.index.json (msModelSlim's names for its format); `formats.load_checkpoint` reads all of them.
 
 MTP layers (`model.layers.{i}.*`, i >= num_hidden_layers) are not read: glm5_hal.model does not implement them
 and QuaRot cannot rotate them; their names are returned and recorded under "dropped" in quantization.json.
@@ -26,7 +27,6 @@ keeps the in-memory path for `--method gptq`).
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -38,14 +38,12 @@ from torch import Tensor
 from glm5_hal.config import ModelConfig
 from glm5_hal.model import check_state_dict, expert_module_names, linear_module_names
 from quantization.checkpoint import (
-    INDEX_FILE,
-    WEIGHTS_FILE,
-    build_description,
+    GLM5_HAL_LAYOUT,
+    CheckpointInfo,
+    CheckpointLayout,
+    ShardWriter,
     checkpoint_files,
-    float_entry,
     prepare_output_dir,
-    quantized_tensors,
-    write_metadata,
 )
 from quantization.fp8 import dequantize_fp8_block, is_fp8_scale_name, scale_name_for
 from quantization.model_quant import SCHEMES, linear_scheme, weight_spec
@@ -97,52 +95,6 @@ def _inventory(files: list[Path]) -> dict[str, tuple[Path, list[int]]]:
     return found
 
 
-class _ShardWriter:
-    """Collects output tensors and writes a shard whenever the next tensor would take it past max_bytes (a tensor
-    larger than max_bytes gets a shard of its own). Shards get temporary names until finish() knows their count."""
-
-    def __init__(self, directory: Path, max_bytes: int) -> None:
-        self.directory, self.max_bytes = directory, max_bytes
-        self.pending: dict[str, Tensor] = {}
-        self.pending_bytes = 0
-        self.written: list[tuple[Path, list[str]]] = []  # (temporary file, its tensor names)
-        self.total_bytes = 0
-
-    def add(self, name: str, tensor: Tensor) -> None:
-        size = tensor.numel() * tensor.element_size()
-        if self.pending and self.pending_bytes + size > self.max_bytes:
-            self._flush()
-        self.pending[name] = tensor
-        self.pending_bytes += size
-        self.total_bytes += size
-
-    def _flush(self) -> None:
-        import safetensors.torch
-
-        path = self.directory / f"model-part-{len(self.written) + 1:05d}.safetensors.tmp"
-        safetensors.torch.save_file(self.pending, str(path))
-        self.written.append((path, list(self.pending)))
-        self.pending, self.pending_bytes = {}, 0
-
-    def finish(self) -> list[str]:
-        """Write the last shard, give the shards their final names (model.safetensors when there is one; else
-        model-0000i-of-0000n.safetensors and the index) and return the file names."""
-        if self.pending or not self.written:
-            self._flush()
-        count = len(self.written)
-        names = (
-            [WEIGHTS_FILE] if count == 1 else [f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
-        )
-        weight_map: dict[str, str] = {}
-        for (path, tensors), final in zip(self.written, names, strict=True):
-            path.rename(self.directory / final)
-            weight_map.update(dict.fromkeys(tensors, final))
-        if count > 1:
-            index = {"metadata": {"total_size": self.total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
-            (self.directory / INDEX_FILE).write_text(json.dumps(index, indent=2))
-        return names
-
-
 class _TensorQuantizer:
     """The per-tensor step: rotate (when rotations are given), then RTN-quantize when the tensor's call site is
     quantized under the scheme, exactly as quantize_model selects and quantizes them."""
@@ -155,9 +107,10 @@ class _TensorQuantizer:
         group_size: int | None,
         gains: dict[str, Tensor] | None,
         rotations: QuaRotRotations | None,
+        layout: CheckpointLayout,
     ) -> None:
         self.config, self.scheme, self.mse_clip, self.group_size = config, scheme, mse_clip, group_size
-        self.gains, self.rotations = gains, rotations
+        self.gains, self.rotations, self.layout = gains, rotations, layout
         # quantize_model's candidates: every linear call site and every routed-experts block (a real GLM-5 has
         # ~1000 of them: sets, built once).
         self.linear_sites = frozenset(linear_module_names(config))
@@ -175,13 +128,13 @@ class _TensorQuantizer:
         return linear_scheme(block, self.scheme) if block in self.expert_sites else None
 
     def convert(self, name: str, value: Tensor) -> dict[str, tuple[Tensor, dict]]:
-        """{stored name: (tensor, quantization.json entry)} for the source tensor `name` = value."""
+        """{stored name: (tensor, the layout's entry)} for the source tensor `name` = value."""
         if self.rotations is not None:
             value = rotate_tensor(name, value, self.gains, self.config, self.rotations)
         kind = self.kind(name)
         if kind is None:
-            return {name: (value.contiguous(), float_entry(value))}
-        return quantized_tensors(name, rtn_quantize(value, weight_spec(kind, self.mse_clip, self.group_size)))
+            return self.layout.store_float(name, value)
+        return self.layout.store_quantized(name, rtn_quantize(value, weight_spec(kind, self.mse_clip, self.group_size)))
 
 
 def _dequantized(name: str, weight: Tensor, scale_file: Path, block_size: tuple[int, int]) -> Tensor:
@@ -203,6 +156,7 @@ def quantize_checkpoint_streaming(
     group_size: int | None = None,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     fp8_block_size: tuple[int, int] | None = None,
+    layout: CheckpointLayout = GLM5_HAL_LAYOUT,
 ) -> StreamingResult:
     """QuaRot + RTN-quantize a checkpoint tensor by tensor and write the quantized checkpoint (module docstring).
 
@@ -220,6 +174,7 @@ def quantize_checkpoint_streaming(
         fp8_block_size: an FP8 block-scaled source (quantization/fp8.py: config.json's quantization_config, read
             by fp8.fp8_block_size): each `X.weight` with an `X.weight_scale_inv` is dequantized to bf16 as it is
             read, and the scales are not carried over. None: a floating source.
+        layout: the output format (checkpoint.CheckpointLayout; quantization/formats/ has the engine ones).
 
     Returns:
         A StreamingResult (files written, quantized / float counts, the MTP tensors dropped).
@@ -233,6 +188,8 @@ def quantize_checkpoint_streaming(
         raise ValueError(f"scheme: expected one of {SCHEMES}, got {scheme!r}")
     if max_shard_bytes <= 0:
         raise ValueError(f"max_shard_bytes: expected a positive byte count, got {max_shard_bytes}")
+    if scheme == "w4a8":
+        layout.check_group_size(group_size)
     found = _inventory(checkpoint_files(checkpoint))
     dropped = sorted(name for name in found if is_mtp_tensor(name, config))
     kept = {name: where for name, where in found.items() if not is_mtp_tensor(name, config)}
@@ -255,8 +212,8 @@ def quantize_checkpoint_streaming(
                 gains.update({name: handle.get_tensor(name) for name in names if is_norm_gain(name)})
         rotations = QuaRotRotations.for_config(config, seed)
 
-    quantizer = _TensorQuantizer(config, scheme, mse_clip, group_size, gains, rotations)
-    writer = _ShardWriter(directory, max_shard_bytes)
+    quantizer = _TensorQuantizer(config, scheme, mse_clip, group_size, gains, rotations, layout)
+    writer = ShardWriter(directory, layout, max_shard_bytes)
     result = StreamingResult(directory, [], dropped=dropped)
     described: dict[str, dict] = {}
     for path, names in by_file.items():
@@ -277,13 +234,6 @@ def quantize_checkpoint_streaming(
                     described[stored_name] = entry
                 del source
     result.files = writer.finish()
-    description = build_description(
-        config=config,
-        scheme=scheme,
-        method="rtn",
-        quarot_seed=seed if rotate else None,
-        tensors=described,
-        dropped=dropped,
-    )
-    write_metadata(directory, description, config)
+    info = CheckpointInfo(config, scheme, "rtn", seed if rotate else None, dropped)
+    layout.write_metadata(directory, info, described)
     return result

@@ -307,9 +307,9 @@ def config_to_hf(cfg: ModelConfig, model_type: str | None = None) -> dict:
     }
 
 
-def load_config(directory: str | Path, name: str | None = None) -> ModelConfig:
-    """The ModelConfig of a checkpoint directory's config.json (see config_from_hf); name defaults to the file's
-    `_name_or_path`, else the directory's name. FileNotFoundError when the directory has no config.json."""
+def read_config_json(directory: str | Path) -> dict:
+    """The parsed <dir>/config.json: FileNotFoundError when there is none, ValueError (naming the file) when it is not
+    a JSON object."""
     path = Path(directory) / CONFIG_FILE
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such file (a Hugging Face checkpoint directory has a {CONFIG_FILE})")
@@ -319,4 +319,12 @@ def load_config(directory: str | Path, name: str | None = None) -> ModelConfig:
         raise ValueError(f"{path}: not valid JSON ({exc})") from None
     if not isinstance(hf, dict):
         raise ValueError(f"{path}: expected a JSON object, got {type(hf).__name__}")
+    return hf
+
+
+def load_config(directory: str | Path, name: str | None = None) -> ModelConfig:
+    """The ModelConfig of a checkpoint directory's config.json (see config_from_hf); name defaults to the file's
+    `_name_or_path`, else the directory's name. FileNotFoundError when the directory has no config.json."""
+    hf = read_config_json(directory)
+    path = Path(directory) / CONFIG_FILE
     return config_from_hf(hf, name or hf.get("_name_or_path") or Path(directory).resolve().name, source=str(path))
