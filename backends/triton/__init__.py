@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.metadata
 import importlib.util
 
+from glm5_hal.kv_formats import FORMATS
 from glm5_hal.registry import Availability, Backend
 
 
@@ -48,4 +49,5 @@ BACKEND = Backend(
     probe=_probe,
     load_ops=_load_ops,
     auto_priority=20,
+    kv_cache_dtypes=tuple(FORMATS),
 )
