@@ -57,11 +57,23 @@ ROUTE_EXCEPTIONS = {
 }
 
 
+# Quantized-cache cases (named <float case>_<format>): their route where it differs from their op's row above.
+QUANTIZED_ROUTES = {
+    "int8_mla": {"sparse_flash_attention": "npu_kv_quant_sparse_flash_attention"},
+    "fp8_ds_mla": {"sparse_flash_attention": None},  # no A2/A3 kernel reads an e4m3 cache
+    "fp8_index": {"lightning_indexer": None},  # npu_quant_lightning_indexer needs int8 queries and split keys
+    "int8_index": {"lightning_indexer": None},
+}
+
+
 def expected_kernel(case, dtype_name: str) -> str | None:
     """The fused kernel `case` must run in `dtype_name`, or None if it must run the portable torch path."""
     dtypes, kernel = FUSED_KERNEL.get(case.op, ((), None))
     if dtype_name not in dtypes:
         return None
+    for fmt, routes in QUANTIZED_ROUTES.items():
+        if case.name.endswith(fmt) and case.op in routes:
+            return routes[case.op]
     return ROUTE_EXCEPTIONS.get(case.id, kernel)
 
 

@@ -21,7 +21,9 @@ import torch
 from torch import Tensor
 
 from backends.ascend.layouts import key_slots, natural_lse, uniform_prefix_sums, valid_first
+from backends.ascend.quantized_cache import KERNEL_FORMATS, sparse_flash_attention_int8
 from backends.ascend.runtime import half_or_bf16, npu, portable
+from glm5_hal.kv_formats import AUTO
 from glm5_hal.paged import token_sequences
 
 LATENT = 512  # npu_sparse_flash_attention in attention_mode 2: query/key/value D = 512, rope D = 64
@@ -72,17 +74,27 @@ def _attend_tile(q: Tensor, rows: Tensor, local: Tensor, sm_scale: float) -> tup
     return out, natural_lse(softmax_max, softmax_sum)
 
 
-def sparse_flash_attention(q, kv_cache, indices, block_table, seq_lens_k, cu_seqlens_q, sm_scale, d_v=512):
+def sparse_flash_attention(
+    q, kv_cache, indices, block_table, seq_lens_k, cu_seqlens_q, sm_scale, d_v=512, kv_cache_dtype=AUTO
+):
     """glm5_hal.sparse_flash_attention on torch_npu: -> (out [T, H, d_v] in q's dtype, lse [T, H] fp32).
 
     q [T, H, 576]; kv_cache [blocks, bs, 576]; indices [T, topk] int32 request-local positions (-1 and positions
     >= seq_lens_k[b] are invalid); block_table [B, max_blocks] int32; seq_lens_k [B] int32; cu_seqlens_q [B+1].
+    An int8_mla cache runs npu_kv_quant_sparse_flash_attention, fp8_ds_mla the portable path
+    (backends/ascend/quantized_cache.py).
     """
     unsupported = sparse_flash_attention_unsupported(q, d_v)
+    if kv_cache_dtype != AUTO and kv_cache_dtype not in KERNEL_FORMATS:
+        unsupported = f"{kv_cache_dtype}: no A2/A3 sparse attention kernel reads an e4m3 cache"
+    elif kv_cache_dtype != AUTO and unsupported is None and q.dtype != torch.bfloat16:
+        unsupported = f"npu_kv_quant_sparse_flash_attention takes a bf16 query, got {q.dtype}"
     if unsupported is not None:
         return portable("sparse_flash_attention", unsupported)(
-            q, kv_cache, indices, block_table, seq_lens_k, cu_seqlens_q, sm_scale, d_v
+            q, kv_cache, indices, block_table, seq_lens_k, cu_seqlens_q, sm_scale, d_v, kv_cache_dtype=kv_cache_dtype
         )
+    if kv_cache_dtype != AUTO:
+        return sparse_flash_attention_int8(q, kv_cache, indices, block_table, seq_lens_k, cu_seqlens_q, sm_scale)
     num_tokens, num_heads, width = q.shape
     topk = indices.shape[1]
     seqs = token_sequences(cu_seqlens_q, num_tokens)
