@@ -28,17 +28,33 @@ from ops_reference.kv_cache import AUTO, E4M3_MAX, FORMATS, INT8_MAX, TILE, KVCa
 LATENT = "latent"
 INDEX = "index"
 CACHE_DTYPE = torch.uint8
+# The ops that write or read a cache, and which: they take `kv_cache_dtype=`.
+OP_CACHE: dict[str, str] = {
+    "mla_prolog": LATENT,
+    "indexer_prolog": INDEX,
+    "indexer_logits": INDEX,
+    "lightning_indexer": INDEX,
+    "sparse_flash_attention": LATENT,
+}
+# A deployment's choice for both caches at once ("fp8": FlashMLA's layout on NVIDIA / Hygon; "int8": Ascend "C8").
+FAMILIES: dict[str, dict[str, str]] = {
+    AUTO: {LATENT: AUTO, INDEX: AUTO},
+    "fp8": {LATENT: "fp8_ds_mla", INDEX: "fp8_index"},
+    "int8": {LATENT: "int8_mla", INDEX: "int8_index"},
+}
 
 __all__ = [
     "AUTO",
     "CACHE_DTYPE",
     "E4M3_MAX",
+    "FAMILIES",
     "FORMATS",
     "INDEX",
     "INT8_MAX",
     "KVCacheFormat",
     "KVCacheFormatUnsupportedError",
     "LATENT",
+    "OP_CACHE",
     "TILE",
     "bytes_per_token",
     "cache_format",

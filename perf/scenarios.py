@@ -13,6 +13,8 @@ moves them to the device), through the same `glm5_hal.parity.cases` builders the
                                attention over the whole context (the baseline)
     quant                      GLM-5's four attention projections at 4 tokens (decode: weight traffic dominates)
                                and 64 tokens (arithmetic dominates): W8A8, W4A8, and fp32 (the baseline)
+    kv-cache, mini-kv-cache    the attention side of a decode step (batch 4 at 16K and 64K keys; mini: 512) with
+                               float, fp8 (fp8_ds_mla + fp8_index) and int8 (int8_mla + int8_index) caches
 
 GLM-5 has 256 routed experts of 75 MB (bf16 w13 + w2) each; a MoE scenario holds at most MAX_EXPERTS_HELD of them
 (see there), so a one-token decode moves exactly what it would with the full table.
@@ -20,12 +22,14 @@ GLM-5 has 256 routed experts of 75 MB (bf16 w13 + w2) each; a MoE scenario holds
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from glm5_hal.config import GLM5, GLM5_MINI, ModelConfig
+from glm5_hal.kv_formats import AUTO, FAMILIES, FORMATS, OP_CACHE, encode_rows
 from glm5_hal.parity import cases as builders
 from glm5_hal.parity.inputs import SeqSpec
 from perf.baselines import float_matmul_inputs
@@ -149,6 +153,37 @@ def _context(context: int) -> list[Scenario]:
     ]
 
 
+CACHE_ARGUMENT = {"latent": "kv_cache", "index": "index_k_cache"}
+
+
+def _with_cache_format(build: Build, op: str, kv_cache_dtype: str) -> Build:
+    """`build`'s inputs with the op's cache encoded in `kv_cache_dtype` (torch encoder: the bytes only need to be a
+    valid cache of that format) and passed as kv_cache_dtype=."""
+    fmt = FORMATS[kv_cache_dtype]
+    name = CACHE_ARGUMENT[fmt.cache]
+
+    def build_quantized(gen: torch.Generator, dtype: torch.dtype) -> dict:
+        inputs = build(gen, dtype)
+        cache = inputs[name]
+        rows = encode_rows(cache.reshape(-1, cache.shape[-1]), fmt)
+        return {**inputs, name: rows.reshape(*cache.shape[:2], fmt.row_bytes), "kv_cache_dtype": kv_cache_dtype}
+
+    return build_quantized
+
+
+def _cache_formats(cfg: ModelConfig, contexts: tuple[int, ...]) -> list[Scenario]:
+    """Decode, batch 4: the four attention ops on float, fp8 and int8 caches (kv_formats.FAMILIES)."""
+    found = []
+    for context in contexts:
+        seqs = [SeqSpec(1, context)] * DECODE_BATCH
+        for family, formats in FAMILIES.items():
+            name = f"{cfg.name}/decode-b{DECODE_BATCH}-{_keys(context)}/{family}-cache"
+            for s in _attention(cfg, name, seqs, context):
+                fmt = formats[OP_CACHE[s.op]]
+                found.append(s if fmt == AUTO else dataclasses.replace(s, build=_with_cache_format(s.build, s.op, fmt)))
+    return found
+
+
 def _quick() -> list[Scenario]:
     first: dict[str, builders.Case] = {}
     for case in builders.CASES:
@@ -174,6 +209,8 @@ SCENARIOS: dict[str, Callable[[], list[Scenario]]] = {
     "batch": _batch,
     "context": lambda: [s for context in CONTEXTS for s in _context(context)],
     "quant": lambda: _projections(GLM5, DECODE_BATCH) + _projections(GLM5, 64),
+    "kv-cache": lambda: _cache_formats(GLM5, (16384, 65536)),
+    "mini-kv-cache": lambda: _cache_formats(GLM5_MINI, (512,)),
 }
 
 

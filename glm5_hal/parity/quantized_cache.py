@@ -22,19 +22,13 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from glm5_hal.kv_formats import OP_CACHE
 from glm5_hal.parity.compare import TOLERANCE, Verdict, to_numpy
 from ops_reference.kv_cache import FORMATS, TILE, KVCacheFormat, decode_rows, encode_rows
 
 CACHE_ARGUMENT = {"latent": "kv_cache", "index": "index_k_cache"}
-READERS = ("indexer_logits", "lightning_indexer", "sparse_flash_attention")
 WRITERS = ("mla_prolog", "indexer_prolog")
-CACHE_OF_OP = {
-    "mla_prolog": "latent",
-    "indexer_prolog": "index",
-    "indexer_logits": "index",
-    "lightning_indexer": "index",
-    "sparse_flash_attention": "latent",
-}
+CACHE_OF_OP = OP_CACHE
 ZERO_TILE_EVERY = 7  # every 7th cache slot's first tile is zeroed before encoding (scale 1, codes 0)
 
 if TYPE_CHECKING:  # cases.py builds its list with quantized_variants(), so it cannot be imported from here
