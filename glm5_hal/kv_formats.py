@@ -186,7 +186,8 @@ def _reinterpret(data: Tensor, dtype: torch.dtype) -> Tensor:
 def decode_rows(data: Tensor, fmt: KVCacheFormat) -> Tensor:
     """Cache rows uint8 [..., row_bytes] -> their values, fp32 [..., width] (code * scale; bf16 RoPE as stored).
 
-    Exact: every code times its fp32 scale is one fp32 multiply of two exactly converted numbers.
+    Codes and scales convert to fp32 exactly, so each value is the exact product code * scale rounded once to fp32
+    (the reference keeps it exact in float64).
     """
     lead = data.shape[:-1]
     codes = data[..., : fmt.scales_offset]
