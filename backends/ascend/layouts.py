@@ -79,6 +79,18 @@ def valid_first(indices: Tensor, valid: Tensor) -> Tensor:
     return torch.where(valid.gather(1, order), moved, torch.full_like(moved, -1))
 
 
+def selected_positions(indices: Tensor, seq_lens_k: Tensor, seqs: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The valid selections of sparse attention in the NPU kernels' order: (positions [T, k] int64, valid first,
+    -1 after; their validity [T, k]; each valid entry's rank in its row [T, k] int32, -1 after), from indices
+    [T, k] (invalid: -1 or >= seq_lens_k [B] of the token's sequence seqs [T])."""
+    idx = indices.to(torch.int64)
+    valid = (idx >= 0) & (idx < seq_lens_k.to(torch.int64)[seqs, None])
+    idx = valid_first(idx, valid)
+    ordered_valid = idx >= 0
+    rank = torch.arange(indices.shape[1], device=indices.device)
+    return idx, ordered_valid, torch.where(ordered_valid, rank, -1).to(torch.int32)
+
+
 def natural_lse(softmax_max: Tensor, softmax_sum: Tensor) -> Tensor:
     """[N2, T, G] row max and sum of exp(score - max) -> [T, N2 * G] fp32 natural-log logsumexp.
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from backends.ascend.layouts import key_slots, valid_first
+from backends.ascend.layouts import key_slots, selected_positions
 from backends.ascend.runtime import npu, write_cache_rows
 from glm5_hal.kv_formats import AUTO, FORMATS, decode_rows, encode_rows
 from glm5_hal.paged import token_sequences
@@ -78,11 +78,7 @@ def sparse_flash_attention_int8(q, kv_cache, indices, block_table, seq_lens_k, c
     topk = indices.shape[1]
     row_bytes = kv_cache.shape[-1]
     seqs = token_sequences(cu_seqlens_q, num_tokens)
-    idx = indices.to(torch.int64)
-    valid = (idx >= 0) & (idx < seq_lens_k.to(torch.int64)[seqs, None])  # [T, topk]
-    idx = valid_first(idx, valid)
-    ordered_valid = idx >= 0
-    local = torch.where(ordered_valid, torch.arange(topk, device=q.device), -1).to(torch.int32)
+    idx, ordered_valid, local = selected_positions(indices, seq_lens_k, seqs)  # [T, topk] each, valid first
     flat = kv_cache.view(-1, row_bytes)
     blocks_per_token = -(-topk // KERNEL_BLOCK)
     padded = blocks_per_token * KERNEL_BLOCK

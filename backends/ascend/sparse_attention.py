@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from backends.ascend.layouts import key_slots, natural_lse, uniform_prefix_sums, valid_first
+from backends.ascend.layouts import key_slots, natural_lse, selected_positions, uniform_prefix_sums
 from backends.ascend.quantized_cache import KERNEL_FORMATS, sparse_flash_attention_int8
 from backends.ascend.runtime import half_or_bf16, npu, portable
 from glm5_hal.kv_formats import AUTO
@@ -98,13 +98,8 @@ def sparse_flash_attention(
     num_tokens, num_heads, width = q.shape
     topk = indices.shape[1]
     seqs = token_sequences(cu_seqlens_q, num_tokens)
-    idx = indices.to(torch.int64)
-    valid = (idx >= 0) & (idx < seq_lens_k.to(torch.int64)[seqs, None])  # [T, topk]
-    count = valid.sum(dim=1)  # [T]
-    idx = valid_first(idx, valid)
-    ordered_valid = idx >= 0
+    idx, ordered_valid, local = selected_positions(indices, seq_lens_k, seqs)  # [T, topk] each, valid first
     rows_of = kv_cache.reshape(-1, width)
-    local = torch.where(ordered_valid, torch.arange(topk, device=q.device), -1).to(torch.int32)
 
     out = torch.empty(num_tokens, num_heads, LATENT, dtype=q.dtype, device=q.device)
     lse = torch.empty(num_tokens, num_heads, dtype=torch.float32, device=q.device)
@@ -115,7 +110,7 @@ def sparse_flash_attention(
         rows = rows_of[slots.clamp(min=0)]  # [t, topk, 576]; rows of invalid entries are never referenced
         out[part], lse[part] = _attend_tile(q[part], rows, local[part], float(sm_scale))
     # The kernel leaves a row without any valid index undefined; the contract says out = 0 and lse = -inf.
-    empty = count == 0
+    empty = ~ordered_valid.any(dim=1)
     out = out.masked_fill(empty[:, None, None], 0)
     lse = lse.masked_fill(empty[:, None], float("-inf"))
     return out, lse

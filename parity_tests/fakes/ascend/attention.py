@@ -64,6 +64,17 @@ def _causal_keep(indices: np.ndarray, cu_q: np.ndarray, kv_lens: np.ndarray) -> 
     return indices <= ref.token_positions(kv_lens, cu_q)[:, None]
 
 
+def _sparse_indices(op: str, indices: np.ndarray, cu_q: np.ndarray, kv_lens: np.ndarray, sparse_mode: int):
+    """The documented sparse_indices rules of the sparse attention kernels: invalid entries are -1 and come after
+    the valid ones, no entry is past its sequence's keys. -> [T, k] with the entries sparse_mode 3 hides set to -1."""
+    invalid = indices < 0
+    require(bool((indices[invalid] == -1).all()), op, "invalid sparse indices are -1")
+    require(bool((np.cumsum(invalid, axis=1)[~invalid] == 0).all()), op, "each row must hold its valid indices first")
+    seqs = ref.token_sequences(cu_q)
+    require(bool((indices < kv_lens[seqs][:, None]).all()), op, "a sparse index is past its sequence's keys")
+    return np.where(_causal_keep(indices, cu_q, kv_lens), indices, -1) if sparse_mode == 3 else indices
+
+
 def npu_lightning_indexer(
     query: Tensor,
     key: Tensor,
@@ -218,14 +229,8 @@ def npu_sparse_flash_attention(
     cache, table, kv_lens = _sfa_keys(op, key, key_rope, block_table, actual_seq_lengths_kv, layout_kv, batch)
     require(bool((np.diff(cu_q) <= kv_lens).all()), op, "a sequence has more query tokens than keys")
 
-    indices = host(sparse_indices)[:, 0, :]  # [T, k]
-    invalid = indices < 0
-    require(bool((indices[invalid] == -1).all()), op, "invalid sparse indices are -1")
-    require(bool((np.cumsum(invalid, axis=1)[~invalid] == 0).all()), op, "each row must hold its valid indices first")
+    indices = _sparse_indices(op, host(sparse_indices)[:, 0, :], cu_q, kv_lens, sparse_mode)  # [T, k]
     seqs = ref.token_sequences(cu_q)
-    require(bool((indices < kv_lens[seqs][:, None]).all()), op, "a sparse index is past its sequence's keys")
-    if sparse_mode == 3:
-        indices = np.where(_causal_keep(indices, cu_q, kv_lens), indices, -1)
 
     q = np.concatenate([host(query), host(query_rope)], axis=-1)  # [T, N1, 576]
     out, lse = ref.sparse_flash_attention(q, cache, indices, table, kv_lens, cu_q, scale_value, 512)
@@ -339,14 +344,7 @@ def npu_kv_quant_sparse_flash_attention(
     table = _block_table(op, block_table, kv_lens, block_size, blocks)
 
     cu_q = np.arange(batch + 1) * q_len
-    indices = host(sparse_indices).reshape(batch * q_len, -1)  # [T, k]
-    invalid = indices < 0
-    require(bool((indices[invalid] == -1).all()), op, "invalid sparse indices are -1")
-    require(bool((np.cumsum(invalid, axis=1)[~invalid] == 0).all()), op, "each row must hold its valid indices first")
-    seqs = ref.token_sequences(cu_q)
-    require(bool((indices < kv_lens[seqs][:, None]).all()), op, "a sparse index is past its sequence's keys")
-    if sparse_mode == 3:
-        indices = np.where(_causal_keep(indices, cu_q, kv_lens), indices, -1)
+    indices = _sparse_indices(op, host(sparse_indices).reshape(batch * q_len, -1), cu_q, kv_lens, sparse_mode)
     cache = _decode_kv_quant_rows(key)[:, :, 0]  # [blocks, bs, 576]
     q = host(query).reshape(batch * q_len, heads, 576)
     out, lse = ref.sparse_flash_attention(q, cache, indices, table, kv_lens, cu_q, scale_value, 512)
