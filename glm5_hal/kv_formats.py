@@ -36,6 +36,8 @@ OP_CACHE: dict[str, str] = {
     "lightning_indexer": INDEX,
     "sparse_flash_attention": LATENT,
 }
+# The argument each cache is passed as.
+CACHE_ARGUMENT: dict[str, str] = {LATENT: "kv_cache", INDEX: "index_k_cache"}
 # A deployment's choice for both caches at once ("fp8": FlashMLA's layout on NVIDIA / Hygon; "int8": Ascend "C8").
 FAMILIES: dict[str, dict[str, str]] = {
     AUTO: {LATENT: AUTO, INDEX: AUTO},
@@ -45,6 +47,7 @@ FAMILIES: dict[str, dict[str, str]] = {
 
 __all__ = [
     "AUTO",
+    "CACHE_ARGUMENT",
     "CACHE_DTYPE",
     "E4M3_MAX",
     "FAMILIES",

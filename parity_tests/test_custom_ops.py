@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import glm5_hal
+from glm5_hal.kv_formats import OP_CACHE
 from glm5_hal.parity.cases import cases_for
-from glm5_hal.parity.quantized_cache import CACHE_OF_OP
 from glm5_hal.parity.runner import case_generator
 from glm5_hal.registry import OP_NAMES
 
@@ -33,7 +33,7 @@ def test_opcheck(op: str) -> None:
     )
 
 
-@pytest.mark.parametrize("op", sorted(CACHE_OF_OP))
+@pytest.mark.parametrize("op", sorted(OP_CACHE))
 def test_opcheck_quantized_cache(op: str) -> None:
     # The same on uint8 caches of a quantized format: the fake shapes must not read the row width as DI / D.
     torch.library.opcheck(

@@ -22,46 +22,56 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from glm5_hal.kv_formats import OP_CACHE
+from glm5_hal.kv_formats import CACHE_ARGUMENT, OP_CACHE
+from glm5_hal.kv_formats import encode_rows as torch_encode_rows
 from glm5_hal.parity.compare import TOLERANCE, Verdict, to_numpy
 from ops_reference.kv_cache import FORMATS, TILE, KVCacheFormat, decode_rows, encode_rows
 
-CACHE_ARGUMENT = {"latent": "kv_cache", "index": "index_k_cache"}
 WRITERS = ("mla_prolog", "indexer_prolog")
-CACHE_OF_OP = OP_CACHE
 ZERO_TILE_EVERY = 7  # every 7th cache slot's first tile is zeroed before encoding (scale 1, codes 0)
 
 if TYPE_CHECKING:  # cases.py builds its list with quantized_variants(), so it cannot be imported from here
-    from glm5_hal.parity.cases import Case
+    from glm5_hal.parity.cases import Build, Case
 
 
 def formats_of(op: str) -> list[str]:
     """The quantized formats of the cache `op` reads or writes."""
-    return [name for name, f in FORMATS.items() if f.cache == CACHE_OF_OP[op]]
+    return [name for name, f in FORMATS.items() if f.cache == OP_CACHE[op]]
 
 
-def encode_cache(cache: torch.Tensor, fmt: KVCacheFormat, *, zero_tiles: bool = True) -> torch.Tensor:
-    """A float cache [num_blocks, block_size, width] as the reference's bytes uint8 [num_blocks, block_size,
-    row_bytes]; with zero_tiles, the first tile of every ZERO_TILE_EVERY-th slot is zeroed first."""
+def encode_cache(cache: torch.Tensor, fmt: KVCacheFormat, *, zero_tiles: bool = True, reference: bool = True):
+    """A float cache [num_blocks, block_size, width] as uint8 [num_blocks, block_size, row_bytes]: the reference's
+    bytes (NumPy, float64), or with reference=False the torch encoder's (fast at long contexts). With zero_tiles,
+    the first tile of every ZERO_TILE_EVERY-th slot is zeroed first."""
     blocks, block_size, width = cache.shape
-    rows = cache.detach().to(torch.float64).reshape(-1, width).cpu().numpy().copy()
+    rows = cache.detach().reshape(-1, width).clone()
     if zero_tiles:
         rows[::ZERO_TILE_EVERY, :TILE] = 0.0
-    return torch.from_numpy(encode_rows(rows, fmt)).reshape(blocks, block_size, fmt.row_bytes)
+    if not reference:
+        return torch_encode_rows(rows, fmt).reshape(blocks, block_size, fmt.row_bytes)
+    encoded = encode_rows(rows.cpu().to(torch.float64).numpy(), fmt)
+    return torch.from_numpy(encoded).reshape(blocks, block_size, fmt.row_bytes)
 
 
-def with_quantized_cache(case: Case, kv_cache_dtype: str) -> Case:
-    """`case` with its cache argument encoded in `kv_cache_dtype` and passed as kv_cache_dtype=."""
+def quantized_build(build: Build, kv_cache_dtype: str, *, zero_tiles: bool = True, reference: bool = True) -> Build:
+    """`build` with its cache argument encoded in `kv_cache_dtype` (encode_cache) and passed as kv_cache_dtype=."""
     fmt = FORMATS[kv_cache_dtype]
     name = CACHE_ARGUMENT[fmt.cache]
 
-    def build(gen: torch.Generator, dtype: torch.dtype) -> dict:
-        inputs = case.build(gen, dtype)
-        inputs[name] = encode_cache(inputs[name], fmt)
+    def build_quantized(gen: torch.Generator, dtype: torch.dtype) -> dict:
+        inputs = build(gen, dtype)
+        inputs[name] = encode_cache(inputs[name], fmt, zero_tiles=zero_tiles, reference=reference)
         inputs["kv_cache_dtype"] = kv_cache_dtype
         return inputs
 
-    return dataclasses.replace(case, name=f"{case.name}_{kv_cache_dtype}", build=build)
+    return build_quantized
+
+
+def with_quantized_cache(case: Case, kv_cache_dtype: str) -> Case:
+    """`case` with its cache argument encoded in `kv_cache_dtype` (the reference's bytes, some tiles zeroed)."""
+    return dataclasses.replace(
+        case, name=f"{case.name}_{kv_cache_dtype}", build=quantized_build(case.build, kv_cache_dtype)
+    )
 
 
 def with_zero_written_tile(case: Case, kv_cache_dtype: str) -> Case:
@@ -87,7 +97,7 @@ def quantized_variants(cases: Sequence[Case]) -> list[Case]:
     widths (576 / 128), and the projection GEMMs around them, not the write, are what real dims add."""
     found = []
     for case in cases:
-        if case.op in CACHE_OF_OP and not (case.slow and case.op in WRITERS):
+        if case.op in OP_CACHE and not (case.slow and case.op in WRITERS):
             found += [with_quantized_cache(case, fmt) for fmt in formats_of(case.op)]
     for op in WRITERS:
         first = next(c for c in cases if c.op == op and not c.slow)
