@@ -334,3 +334,38 @@ def test_quality_at_real_dims_small_context(cfg):
     assert rows["int8_index"].topk_overlap_mean >= rows["fp8_index"].topk_overlap_mean
     assert rows["int8_mla"].out_rel_err < 0.03 and rows["fp8_ds_mla"].out_rel_err < 0.1
     assert rows["int8_mla"].out_rel_err < rows["fp8_ds_mla"].out_rel_err / 2  # 7 bits per tile vs 3 mantissa bits
+
+
+def test_the_write_judge_catches_wrong_bytes():
+    """compare_quantized_cache passes the reference's own bytes and fails a code off by two steps, a scale off by
+    1%, a row written where no token writes, and RoPE values shifted by one place."""
+    from glm5_hal.parity.quantized_cache import compare_quantized_cache
+
+    fmt = FORMATS["int8_mla"]
+    gen = np.random.default_rng(6)
+    rows = gen.standard_normal((5, fmt.width))
+    slots = np.array([3, -1, 0, 7, 5])
+    before = gen.integers(0, 256, (2, 4, fmt.row_bytes), dtype=np.uint8)
+    after = before.copy().reshape(-1, fmt.row_bytes)
+    keep = slots >= 0
+    after[slots[keep]] = ref.encode_rows(rows[keep], fmt)
+
+    def judge(stored: np.ndarray) -> bool:
+        out = torch.from_numpy(stored.reshape(before.shape))
+        return compare_quantized_cache("kv_cache", out, before, rows, after, slots, fmt, torch.float32).passed
+
+    assert judge(after)
+    code_off = after.copy()
+    code_off[3, 10] = np.uint8((int(code_off[3, 10].view(np.int8)) + 2) % 256)  # two int8 steps
+    assert not judge(code_off)
+    scale_off = after.copy()
+    scale_off[0, 512:516] = np.frombuffer(
+        (np.frombuffer(after[0, 512:516].tobytes(), "<f4") * 1.01).tobytes(), np.uint8
+    )
+    assert not judge(scale_off)
+    stray = after.copy()
+    stray[1] = after[0]  # slot 1 belongs to no token
+    assert not judge(stray)
+    rope_off = after.copy()
+    rope_off[7, 528:] = np.roll(after[7, 528:].reshape(-1, 2), 1, axis=0).reshape(-1)  # RoPE values shifted
+    assert not judge(rope_off)
