@@ -216,8 +216,13 @@ def dispatch_kwargs(kv_cache_dtype: str) -> dict[str, str]:
 
 def check_format_support(resolution: Resolution, kv_cache_dtype: str) -> None:
     """Refuse a quantized cache for a backend that does not declare its format, naming the backends that do."""
-    backend = registry().get(resolution.backend)
+    reg = registry()
+    backend = reg.get(resolution.backend)
     if backend is not None and kv_cache_dtype in backend.kv_cache_dtypes:
+        return
+    # A backend that runs this op through another one (the vendor backends) supports what that one supports.
+    delegate = reg.get(backend.delegates.get(resolution.op, "")) if backend is not None else None
+    if delegate is not None and kv_cache_dtype in delegate.kv_cache_dtypes:
         return
     capable = [
         n for n in registry().names() if (b := registry().get(n)) is not None and kv_cache_dtype in b.kv_cache_dtypes
