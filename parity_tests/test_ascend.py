@@ -290,10 +290,17 @@ MUTATIONS = [
     ("no zero-row rule", "backends.ascend.quant.contract_quant_scale", _keep_pair, "dynamic_quant/zero_row_3d", "q"),
     (
         "invalid indices masked in place, not moved last",
-        "backends.ascend.sparse_attention.valid_first",
+        "backends.ascend.layouts.valid_first",
         lambda indices, valid: torch.where(valid, indices, -1),
         "sparse_flash_attention/ragged_with_invalid",
         "valid indices first",  # the fake refuses the call: the kernel needs them first
+    ),
+    (
+        "int8_mla rows passed as stored (scales before RoPE)",
+        "backends.ascend.quantized_cache.kernel_rows",
+        lambda rows: rows.view(torch.int8),
+        "sparse_flash_attention/decode_int8_mla",
+        "out:",
     ),
 ]
 
