@@ -19,6 +19,8 @@ ops_reference in parity_tests/test_ascend_adapters.py.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 from torch import Tensor
 
@@ -89,6 +91,18 @@ def selected_positions(indices: Tensor, seq_lens_k: Tensor, seqs: Tensor) -> tup
     ordered_valid = idx >= 0
     rank = torch.arange(indices.shape[1], device=indices.device)
     return idx, ordered_valid, torch.where(ordered_valid, rank, -1).to(torch.int32)
+
+
+def gathered_rows(
+    rows_of: Tensor, block_table: Tensor, seqs: Tensor, idx: Tensor, valid: Tensor, block_size: int, tile: int
+) -> Iterator[tuple[slice, Tensor]]:
+    """(tokens, their selected cache rows [t, k, row]) for tiles of `tile` tokens: rows_of [slots, row] is the
+    cache as flat slots, idx / valid [T, k] from selected_positions. Rows of invalid entries are slot 0's (never
+    referenced by the kernels, which take the validity separately). Tiles bound the rows held at once."""
+    for start in range(0, idx.shape[0], tile):
+        part = slice(start, start + tile)
+        slots = key_slots(block_table, seqs[part], idx[part], valid[part], block_size)
+        yield part, rows_of[slots.clamp(min=0)]
 
 
 def natural_lse(softmax_max: Tensor, softmax_sum: Tensor) -> Tensor:

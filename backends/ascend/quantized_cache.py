@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from backends.ascend.layouts import key_slots, selected_positions
+from backends.ascend.layouts import gathered_rows, selected_positions
 from backends.ascend.runtime import npu, write_cache_rows
 from glm5_hal.kv_formats import AUTO, FORMATS, decode_rows, encode_rows
 from glm5_hal.paged import token_sequences
@@ -86,11 +86,8 @@ def sparse_flash_attention_int8(q, kv_cache, indices, block_table, seq_lens_k, c
     out = torch.empty(num_tokens, num_heads, 512, dtype=q.dtype, device=q.device)
     lse = torch.empty(num_tokens, num_heads, dtype=torch.float32, device=q.device)
     tile = max(1, GATHER_BUDGET // (padded * row_bytes))
-    for start in range(0, num_tokens, tile):  # tiles bound the gathered rows, not a loop over tokens
-        part = slice(start, start + tile)
-        slots = key_slots(block_table, seqs[part], idx[part], ordered_valid[part], kv_cache.shape[1])
-        rows = flat[slots.clamp(min=0)]  # [t, topk, 656]; rows of invalid entries are never referenced
-        tokens = rows.shape[0]
+    for part, rows in gathered_rows(flat, block_table, seqs, idx, ordered_valid, kv_cache.shape[1], tile):
+        tokens = rows.shape[0]  # rows: [t, topk, 656]
         scratch = torch.zeros(tokens, padded, row_bytes, dtype=torch.int8, device=q.device)
         scratch[:, :topk] = kernel_rows(rows)
         key = scratch.view(tokens * blocks_per_token, KERNEL_BLOCK, 1, row_bytes)  # PA_BSND, one sequence a token

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from backends.ascend.layouts import key_slots, natural_lse, selected_positions, uniform_prefix_sums
+from backends.ascend.layouts import gathered_rows, natural_lse, selected_positions, uniform_prefix_sums
 from backends.ascend.quantized_cache import KERNEL_FORMATS, sparse_flash_attention_int8
 from backends.ascend.runtime import half_or_bf16, npu, portable
 from glm5_hal.kv_formats import AUTO
@@ -104,11 +104,8 @@ def sparse_flash_attention(
     out = torch.empty(num_tokens, num_heads, LATENT, dtype=q.dtype, device=q.device)
     lse = torch.empty(num_tokens, num_heads, dtype=torch.float32, device=q.device)
     tile = max(1, GATHER_BUDGET // (topk * width))
-    for start in range(0, num_tokens, tile):  # tiles bound the gathered rows, not a loop over tokens
-        part = slice(start, start + tile)
-        slots = key_slots(block_table, seqs[part], idx[part], ordered_valid[part], kv_cache.shape[1])
-        rows = rows_of[slots.clamp(min=0)]  # [t, topk, 576]; rows of invalid entries are never referenced
-        out[part], lse[part] = _attend_tile(q[part], rows, local[part], float(sm_scale))
+    for part, rows in gathered_rows(rows_of, block_table, seqs, idx, ordered_valid, kv_cache.shape[1], tile):
+        out[part], lse[part] = _attend_tile(q[part], rows, local[part], float(sm_scale))  # rows [t, topk, 576]
     # The kernel leaves a row without any valid index undefined; the contract says out = 0 and lse = -inf.
     empty = ~ordered_valid.any(dim=1)
     out = out.masked_fill(empty[:, None, None], 0)
