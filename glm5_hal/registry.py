@@ -86,6 +86,8 @@ class Backend:
     float64: runs the float64 verification mode (docs/ops.md): float ops given float64 activations compute in
         float64 and return float64 (fp32-by-contract tensors included). A backend that would upcast to fp32 or
         below must leave it False; the public ops then refuse float64 inputs for it instead of losing precision.
+    kv_cache_dtypes: the quantized cache formats (glm5_hal.kv_formats) its cache-reading and -writing ops take as
+        `kv_cache_dtype=`; the public ops refuse the others for it. Float caches ("auto") need no entry.
     """
 
     name: str
@@ -96,6 +98,7 @@ class Backend:
     delegates: Mapping[str, str] = field(default_factory=dict)
     notes: tuple[str, ...] = ()
     float64: bool = False
+    kv_cache_dtypes: tuple[str, ...] = ()
 
 
 def unavailable_backend(name: str, summary: str, reason: str) -> Backend:

@@ -8,6 +8,16 @@ from ops_reference.attention import dense_mla_attention, sparse_flash_attention
 from ops_reference.expert_parallel import ep_combine, ep_dispatch
 from ops_reference.hadamard import HADAMARD_BASE_SIZES, hadamard_base_size, hadamard_matrix, hadamard_transform
 from ops_reference.indexer import indexer_logits, indexer_prolog, lightning_indexer
+from ops_reference.kv_cache import (
+    FORMATS,
+    KVCacheFormat,
+    cache_format,
+    decode_e4m3,
+    decode_rows,
+    dequantize_cache,
+    encode_e4m3,
+    encode_rows,
+)
 from ops_reference.mla import mla_prolog
 from ops_reference.moe import fused_moe, grouped_matmul, moe_combine, moe_dispatch, moe_gate, silu
 from ops_reference.norms import layer_norm, rms_norm
@@ -25,7 +35,15 @@ from ops_reference.quant import (
 from ops_reference.rope import rope, rope_cos_sin
 
 __all__ = [
+    "FORMATS",
     "HADAMARD_BASE_SIZES",
+    "KVCacheFormat",
+    "cache_format",
+    "decode_e4m3",
+    "decode_rows",
+    "dequantize_cache",
+    "encode_e4m3",
+    "encode_rows",
     "dense_mla_attention",
     "dynamic_quant",
     "ep_combine",

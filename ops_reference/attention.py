@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ops_reference.kv_cache import AUTO, dequantize_cache
 from ops_reference.paged_cache import gather_keys, token_positions, token_sequences
 
 
@@ -18,10 +19,14 @@ def _attend(q: np.ndarray, keys: np.ndarray, sm_scale: float, d_v: int) -> tuple
     return (p / total) @ keys[:, :d_v], (peak + np.log(total))[:, 0]
 
 
-def sparse_flash_attention(q, kv_cache, indices, block_table, seq_lens_k, cu_seqlens_q, sm_scale, d_v=512):
+def sparse_flash_attention(
+    q, kv_cache, indices, block_table, seq_lens_k, cu_seqlens_q, sm_scale, d_v=512, kv_cache_dtype=AUTO
+):
     """-> (out [T,H,d_v], lse [T,H]). Token t attends to the cache rows of its valid indices (>= 0 and
-    < seq_lens_k of its sequence); K = the whole row, V = its first d_v dims."""
+    < seq_lens_k of its sequence); K = the whole row, V = its first d_v dims. A quantized cache is read as its
+    decoded values."""
     q = np.asarray(q, np.float64)
+    kv_cache = dequantize_cache(kv_cache, kv_cache_dtype)
     seqs, seq_lens_k = token_sequences(cu_seqlens_q), np.asarray(seq_lens_k, np.int64)
     out, lse = np.zeros((q.shape[0], q.shape[1], d_v)), np.zeros(q.shape[:2])
     for t in range(q.shape[0]):

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from ops_reference.kv_cache import AUTO, cache_format, encode_rows
+
 
 def token_sequences(cu_seqlens_q: np.ndarray) -> np.ndarray:
     """[T] the sequence each query token belongs to."""
@@ -33,11 +35,16 @@ def gather_keys(cache: np.ndarray, block_table: np.ndarray, b: int, positions: n
     return np.asarray(cache, np.float64)[blocks, positions % block_size]
 
 
-def write_cache(cache: np.ndarray, slot_mapping: np.ndarray, rows: np.ndarray) -> np.ndarray:
-    """A copy of `cache` with rows[t] written to flat slot slot_mapping[t]; slot -1 is not written."""
-    new = np.array(cache, np.float64, copy=True)
+def write_cache(
+    cache: np.ndarray, slot_mapping: np.ndarray, rows: np.ndarray, kv_cache_dtype: str = AUTO
+) -> np.ndarray:
+    """A copy of `cache` with rows[t] written to flat slot slot_mapping[t]; slot -1 is not written. A quantized
+    cache (kv_cache_dtype one of ops_reference.kv_cache.FORMATS, uint8 rows) gets the rows encoded."""
+    fmt = cache_format(kv_cache_dtype)
+    new = np.array(cache, np.float64 if fmt is None else np.uint8, copy=True)
     flat = new.reshape(-1, new.shape[-1])
     slots = np.asarray(slot_mapping, np.int64)
     keep = slots >= 0
-    flat[slots[keep]] = np.asarray(rows, np.float64)[keep]
+    kept = np.asarray(rows, np.float64)[keep]
+    flat[slots[keep]] = kept if fmt is None else encode_rows(kept, fmt)
     return new

@@ -57,11 +57,23 @@ ROUTE_EXCEPTIONS = {
 }
 
 
+# Quantized-cache cases (named <float case>_<format>): their route where it differs from their op's row above.
+QUANTIZED_ROUTES = {
+    "int8_mla": {"sparse_flash_attention": "npu_kv_quant_sparse_flash_attention"},
+    "fp8_ds_mla": {"sparse_flash_attention": None},  # no A2/A3 kernel reads an e4m3 cache
+    "fp8_index": {"lightning_indexer": None},  # npu_quant_lightning_indexer needs int8 queries and split keys
+    "int8_index": {"lightning_indexer": None},
+}
+
+
 def expected_kernel(case, dtype_name: str) -> str | None:
     """The fused kernel `case` must run in `dtype_name`, or None if it must run the portable torch path."""
     dtypes, kernel = FUSED_KERNEL.get(case.op, ((), None))
     if dtype_name not in dtypes:
         return None
+    for fmt, routes in QUANTIZED_ROUTES.items():
+        if case.name.endswith(fmt) and case.op in routes:
+            return routes[case.op]
     return ROUTE_EXCEPTIONS.get(case.id, kernel)
 
 
@@ -278,10 +290,17 @@ MUTATIONS = [
     ("no zero-row rule", "backends.ascend.quant.contract_quant_scale", _keep_pair, "dynamic_quant/zero_row_3d", "q"),
     (
         "invalid indices masked in place, not moved last",
-        "backends.ascend.sparse_attention.valid_first",
+        "backends.ascend.layouts.valid_first",
         lambda indices, valid: torch.where(valid, indices, -1),
         "sparse_flash_attention/ragged_with_invalid",
         "valid indices first",  # the fake refuses the call: the kernel needs them first
+    ),
+    (
+        "int8_mla rows passed as stored (scales before RoPE)",
+        "backends.ascend.quantized_cache.kernel_rows",
+        lambda rows: rows.view(torch.int8),
+        "sparse_flash_attention/decode_int8_mla",
+        "out:",
     ),
 ]
 

@@ -89,7 +89,7 @@ def test_fp32_by_contract_outputs_follow_accumulation_dtype(op: str, dtype: torc
 def _schema_args(op: str, inputs: dict) -> tuple:
     """`inputs` in the custom op's schema order (what the public wrapper passes to torch.ops.glm5_hal.<op>)."""
     schema = getattr(torch.ops.glm5_hal, op).default._schema
-    defaults = {"eps": 1e-6}  # filled in by the public wrappers
+    defaults = {"eps": 1e-6, "kv_cache_dtype": "auto"}  # filled in by the public wrappers
     return tuple(inputs.get(a.name, defaults.get(a.name)) for a in schema.arguments)
 
 

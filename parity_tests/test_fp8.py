@@ -1,5 +1,5 @@
 """FP8 block-scaled source checkpoints (quantization/fp8.py): dequantization against an independent NumPy fp32
-reference (its own float8_e4m3fn decoder, not torch's cast), a hand-checked example, ragged shapes, the
+reference (ops_reference's float8_e4m3fn decoder, not torch's cast), a hand-checked example, ragged shapes, the
 quantize -> dequantize round-trip bound of the format, every error, the config.json reader and the state-dict
 conversion."""
 
@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from ops_reference.kv_cache import decode_e4m3 as decode_e4m3fn
 from quantization.checkpoint import load_state_dict
 from quantization.fp8 import (
     dequantize_fp8_block,
@@ -25,20 +26,6 @@ NAN_CODES = (0x7F, 0xFF)  # float8_e4m3fn: S.1111.111 is NaN; there is no infini
 
 # DeepSeek-V3's config.json (README_WEIGHTS.md, "FP8 Configuration").
 DEEPSEEK_QC = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128]}
-
-
-def decode_e4m3fn(bits: np.ndarray) -> np.ndarray:
-    """float32 values of float8_e4m3fn codes (uint8), from the bit layout: 1 sign, 4 exponent (bias 7), 3 mantissa
-    bits; exponent 0 is subnormal (m / 8 * 2^-6); S.1111.111 is NaN."""
-    bits = bits.astype(np.int64)
-    sign = np.where(bits & 0x80, -1.0, 1.0)
-    exponent = (bits >> 3) & 0xF
-    mantissa = bits & 0x7
-    normal = (1.0 + mantissa / 8.0) * np.exp2(exponent - 7.0)
-    subnormal = (mantissa / 8.0) * 2.0**-6
-    value = sign * np.where(exponent == 0, subnormal, normal)
-    value = np.where((exponent == 0xF) & (mantissa == 0x7), np.nan, value)
-    return value.astype(np.float32)  # every e4m3fn value is exact in float32
 
 
 def reference_dequant(bits: np.ndarray, scales: np.ndarray, block: tuple[int, int]) -> np.ndarray:
@@ -66,7 +53,7 @@ def fp32_bits(x: np.ndarray) -> np.ndarray:
 
 
 def test_decoder_hand_values():
-    """The test's own decoder, on values read off the format's definition."""
+    """The NumPy decoder (ops_reference.kv_cache), on values read off the format's definition."""
     codes = np.array([0x00, 0x80, 0x38, 0xB8, 0x7E, 0xFE, 0x01, 0x08, 0x3C, 0x7F, 0xFF], dtype=np.uint8)
     want = [0.0, -0.0, 1.0, -1.0, 448.0, -448.0, 2.0**-9, 2.0**-6, 1.5]
     got = decode_e4m3fn(codes)

@@ -3,7 +3,8 @@
 FLOPs count a multiply-add as 2 and leave out the small elementwise work (norms, RoPE, softmax) beside the
 matmuls. Bytes are the minimum traffic: every input read once, every output written once, at the tensors' own
 element sizes; for the sparse ops the gathered cache rows count once per selected key (a row picked by two tokens
-is read twice), since that is what a kernel without cross-token reuse must move. `inputs` are the public op's
+is read twice), since that is what a kernel without cross-token reuse must move. A quantized cache (uint8 rows of
+glm5_hal.kv_formats) counts its stored bytes: 656 per latent row, 132 per index key. `inputs` are the public op's
 keyword arguments (what the glm5_hal.parity.cases builders return).
 
 API (also used by perf/triton_gpu.py):
@@ -70,16 +71,18 @@ def _mla_prolog(a: dict) -> Cost:
 def _indexer_prolog(a: dict) -> Cost:
     t = a["x"].shape[0]
     macs = a["w_iq"].numel() + a["w_ik"].numel() + a["w_iw"].numel()
-    heads, dim = a["w_iw"].shape[0], a["index_k_cache"].shape[-1]
+    heads, dim = a["w_iw"].shape[0], a["w_ik"].shape[0]
     reads = _nbytes(a["x"], a["q_norm"], a["w_iq"], a["w_ik"], a["k_norm_weight"], a["k_norm_bias"], a["w_iw"])
-    writes = t * (heads * dim + dim) * a["x"].element_size() + t * heads * 4
+    key_rows = t * a["index_k_cache"].shape[-1] * a["index_k_cache"].element_size()  # a quantized row's bytes
+    writes = t * heads * dim * a["x"].element_size() + key_rows + t * heads * 4
     return Cost(2.0 * t * macs, reads + writes + _nbytes(a["cos"], a["sin"], a["slot_mapping"]))
 
 
 def _indexer_scores(a: dict) -> tuple[float, int]:
     heads, dim = a["q_idx"].shape[1:]
     pairs = visible_keys(a["seq_lens_k"], a["cu_seqlens_q"])
-    keys = int(a["seq_lens_k"].long().sum()) * dim * a["index_k_cache"].element_size()  # each key read once
+    cache = a["index_k_cache"]  # each key read once: its row's bytes (132 for a quantized one)
+    keys = int(a["seq_lens_k"].long().sum()) * cache.shape[-1] * cache.element_size()
     return 2.0 * pairs * heads * (dim + 1), keys + _nbytes(a["q_idx"], a["weights"], a["block_table"])
 
 
@@ -97,13 +100,13 @@ def _lightning_indexer(a: dict) -> Cost:
 
 def _sparse_flash_attention(a: dict) -> Cost:
     q, kv, indices = a["q"], a["kv_cache"], a["indices"]
-    heads, width, d_v = q.shape[1], kv.shape[-1], a.get("d_v", 512)
+    heads, width, d_v = q.shape[1], q.shape[-1], a.get("d_v", 512)
     # valid picks: >= 0 and inside the token's sequence (the contract ignores the rest, so no kernel moves them)
     seq_of_token = torch.repeat_interleave(torch.arange(len(a["seq_lens_k"])), _q_lens(a["cu_seqlens_q"]).cpu())
     limit = a["seq_lens_k"].long().cpu()[seq_of_token]
     idx = indices.long().cpu()
     selected = int(((idx >= 0) & (idx < limit[:, None])).sum())
-    gathered = selected * width * kv.element_size()
+    gathered = selected * kv.shape[-1] * kv.element_size()  # a quantized row's bytes (656), or 576 elements
     out = q.shape[0] * heads * (d_v * q.element_size() + 4)
     return Cost(2.0 * selected * heads * (width + d_v), _nbytes(q, indices, a["block_table"]) + gathered + out)
 

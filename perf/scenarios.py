@@ -13,6 +13,8 @@ moves them to the device), through the same `glm5_hal.parity.cases` builders the
                                attention over the whole context (the baseline)
     quant                      GLM-5's four attention projections at 4 tokens (decode: weight traffic dominates)
                                and 64 tokens (arithmetic dominates): W8A8, W4A8, and fp32 (the baseline)
+    kv-cache, mini-kv-cache    the attention side of a decode step (batch 4 at 16K and 64K keys; mini: 512) with
+                               float, fp8 (fp8_ds_mla + fp8_index) and int8 (int8_mla + int8_index) caches
 
 GLM-5 has 256 routed experts of 75 MB (bf16 w13 + w2) each; a MoE scenario holds at most MAX_EXPERTS_HELD of them
 (see there), so a one-token decode moves exactly what it would with the full table.
@@ -20,14 +22,17 @@ GLM-5 has 256 routed experts of 75 MB (bf16 w13 + w2) each; a MoE scenario holds
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from glm5_hal.config import GLM5, GLM5_MINI, ModelConfig
+from glm5_hal.kv_formats import AUTO, FAMILIES, OP_CACHE
 from glm5_hal.parity import cases as builders
 from glm5_hal.parity.inputs import SeqSpec
+from glm5_hal.parity.quantized_cache import quantized_build
 from perf.baselines import float_matmul_inputs
 
 Build = Callable[[torch.Generator, torch.dtype], dict]
@@ -149,6 +154,21 @@ def _context(context: int) -> list[Scenario]:
     ]
 
 
+def _cache_formats(cfg: ModelConfig, contexts: tuple[int, ...]) -> list[Scenario]:
+    """Decode, batch 4: the four attention ops on float, fp8 and int8 caches (kv_formats.FAMILIES)."""
+    found = []
+    for context in contexts:
+        seqs = [SeqSpec(1, context)] * DECODE_BATCH
+        for family, formats in FAMILIES.items():
+            name = f"{cfg.name}/decode-b{DECODE_BATCH}-{_keys(context)}/{family}-cache"
+            for s in _attention(cfg, name, seqs, context):
+                fmt = formats[OP_CACHE[s.op]]
+                # The torch encoder: at 64K keys the bytes only need to be a valid cache of the format.
+                build = s.build if fmt == AUTO else quantized_build(s.build, fmt, zero_tiles=False, reference=False)
+                found.append(dataclasses.replace(s, build=build))
+    return found
+
+
 def _quick() -> list[Scenario]:
     first: dict[str, builders.Case] = {}
     for case in builders.CASES:
@@ -174,6 +194,8 @@ SCENARIOS: dict[str, Callable[[], list[Scenario]]] = {
     "batch": _batch,
     "context": lambda: [s for context in CONTEXTS for s in _context(context)],
     "quant": lambda: _projections(GLM5, DECODE_BATCH) + _projections(GLM5, 64),
+    "kv-cache": lambda: _cache_formats(GLM5, (16384, 65536)),
+    "mini-kv-cache": lambda: _cache_formats(GLM5_MINI, (512,)),
 }
 
 

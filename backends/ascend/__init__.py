@@ -12,6 +12,7 @@ Importing this package imports neither torch_npu nor any adapter: the registry c
 from collections.abc import Callable, Mapping
 
 from backends.ascend.detect import probe
+from glm5_hal.kv_formats import FORMATS
 from glm5_hal.registry import Backend
 
 # Ops no torch_npu kernel expresses; the registry runs them through the `torch` backend on the npu device.
@@ -31,6 +32,10 @@ NOTES = (
     "their documented limits (bf16/fp16, 2..384 ranks, H 1024..7168, 1..512 tokens per rank), the portable "
     "all_to_all_single exchange otherwise (A2 included)",
     "validated here only against a strict fake of torch_npu 2.14.0's schemas and docs, not on an NPU",
+    "quantized caches: int8_mla reads run npu_kv_quant_sparse_flash_attention on the selected rows; writes encode in "
+    "torch after the NPU prolog kernels; fp8 formats and quantized index keys read on the portable path",
+    "lightning_indexer: npu_lightning_indexer does not document which of exactly tied keys it keeps; the contract's "
+    "lower-position rule is guaranteed on the portable path only",
 )
 
 
@@ -49,4 +54,5 @@ BACKEND = Backend(
     auto_priority=30,
     delegates=DELEGATES,
     notes=NOTES,
+    kv_cache_dtypes=tuple(FORMATS),
 )

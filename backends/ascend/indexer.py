@@ -19,7 +19,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from backends.ascend.layouts import key_slots, rope_table_halves, rope_table_pairs, tnd_prefix_sums
-from backends.ascend.runtime import half_or_bf16, npu, portable, write_cache_rows
+from backends.ascend.quantized_cache import store_rows
+from backends.ascend.runtime import half_or_bf16, npu, portable
+from glm5_hal.kv_formats import AUTO
 from glm5_hal.paged import token_sequences
 
 # npu_lightning_indexer's documented ranges (torch_npu 2.14.0 docs and vllm-ascend's kernel README).
@@ -47,14 +49,15 @@ def indexer_prolog(
     *,
     rope_interleaved,
     eps=1e-6,
+    kv_cache_dtype=AUTO,
 ):
     """glm5_hal.indexer_prolog on torch_npu (validated arguments; shapes as in the public op).
 
     x [T, hidden], q_norm [T, q_lora], w_iq [HI*DI, q_lora], w_ik [DI, hidden], k_norm_* [DI], w_iw [HI, hidden],
-    cos/sin [T, rope/2] fp32, index_k_cache [blocks, bs, DI] written at slot_mapping [T] int64.
-    Returns (q_idx [T, HI, DI] in x's dtype, weights [T, HI] fp32).
+    cos/sin [T, rope/2] fp32, index_k_cache [blocks, bs, DI] (or uint8 rows of a quantized kv_cache_dtype, encoded
+    in torch) written at slot_mapping [T] int64. Returns (q_idx [T, HI, DI] in x's dtype, weights [T, HI] fp32).
     """
-    num_tokens, head_dim = x.shape[0], index_k_cache.shape[-1]
+    num_tokens, head_dim = x.shape[0], w_ik.shape[0]
     num_heads, rope = w_iw.shape[0], 2 * cos.shape[1]
     if num_tokens == 0 or not index_k_cache.is_contiguous() or rope >= ROTARY_MAX_DIM or num_heads >= ROTARY_MAX_HEADS:
         reason = "no tokens, a non-contiguous cache, or a RoPE shape npu_rotary_mul does not take"
@@ -72,6 +75,7 @@ def indexer_prolog(
             slot_mapping,
             rope_interleaved=rope_interleaved,
             eps=eps,
+            kv_cache_dtype=kv_cache_dtype,
         )
     kernels = npu()
     q = (q_norm @ w_iq.t()).view(num_tokens, num_heads, head_dim)
@@ -89,7 +93,7 @@ def indexer_prolog(
     q = torch.cat([q_rot.view(num_tokens, num_heads, rope), q[..., rope:]], dim=-1)
     k = torch.cat([k_rot.view(num_tokens, rope), k[:, rope:]], dim=-1)
 
-    write_cache_rows(index_k_cache, slot_mapping, k)
+    store_rows(index_k_cache, slot_mapping, k, kv_cache_dtype)
     return q.to(x.dtype), weights.float()
 
 
@@ -127,17 +131,20 @@ def _picked_scores(q_idx, weights, index_k_cache, block_table, seqs, indices) ->
     return scores
 
 
-def lightning_indexer(q_idx, weights, index_k_cache, block_table, seq_lens_k, cu_seqlens_q, topk):
+def lightning_indexer(q_idx, weights, index_k_cache, block_table, seq_lens_k, cu_seqlens_q, topk, kv_cache_dtype=AUTO):
     """glm5_hal.lightning_indexer on torch_npu: -> (indices [T, topk] int32, scores [T, topk] fp32).
 
     q_idx [T, HI, DI]; weights [T, HI] fp32; index_k_cache [blocks, bs, DI]; block_table [B, max_blocks] int32;
     seq_lens_k [B] int32; cu_seqlens_q [B+1] int32. Query token i of sequence b sees keys up to its position
     seq_lens_k[b] - q_len[b] + i: exactly the kernel's sparse_mode 3 ("rightDownCausal") with these lengths.
+    A quantized key cache runs the portable path (backends/ascend/quantized_cache.py says why).
     """
     unsupported = lightning_indexer_unsupported(q_idx, index_k_cache, topk)
+    if kv_cache_dtype != AUTO:
+        unsupported = f"{kv_cache_dtype} keys: npu_quant_lightning_indexer needs separate int8 keys and int8 queries"
     if unsupported is not None:
         return portable("lightning_indexer", unsupported)(
-            q_idx, weights, index_k_cache, block_table, seq_lens_k, cu_seqlens_q, topk
+            q_idx, weights, index_k_cache, block_table, seq_lens_k, cu_seqlens_q, topk, kv_cache_dtype=kv_cache_dtype
         )
     num_tokens, _, head_dim = q_idx.shape
     blocks, block_size, _ = index_k_cache.shape

@@ -19,6 +19,8 @@ ops_reference in parity_tests/test_ascend_adapters.py.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 from torch import Tensor
 
@@ -77,6 +79,30 @@ def valid_first(indices: Tensor, valid: Tensor) -> Tensor:
     order = torch.sort((~valid).to(torch.int8), dim=1, stable=True).indices
     moved = indices.gather(1, order)
     return torch.where(valid.gather(1, order), moved, torch.full_like(moved, -1))
+
+
+def selected_positions(indices: Tensor, seq_lens_k: Tensor, seqs: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The valid selections of sparse attention in the NPU kernels' order: (positions [T, k] int64, valid first,
+    -1 after; their validity [T, k]; each valid entry's rank in its row [T, k] int32, -1 after), from indices
+    [T, k] (invalid: -1 or >= seq_lens_k [B] of the token's sequence seqs [T])."""
+    idx = indices.to(torch.int64)
+    valid = (idx >= 0) & (idx < seq_lens_k.to(torch.int64)[seqs, None])
+    idx = valid_first(idx, valid)
+    ordered_valid = idx >= 0
+    rank = torch.arange(indices.shape[1], device=indices.device)
+    return idx, ordered_valid, torch.where(ordered_valid, rank, -1).to(torch.int32)
+
+
+def gathered_rows(
+    rows_of: Tensor, block_table: Tensor, seqs: Tensor, idx: Tensor, valid: Tensor, block_size: int, tile: int
+) -> Iterator[tuple[slice, Tensor]]:
+    """(tokens, their selected cache rows [t, k, row]) for tiles of `tile` tokens: rows_of [slots, row] is the
+    cache as flat slots, idx / valid [T, k] from selected_positions. Rows of invalid entries are slot 0's (never
+    referenced by the kernels, which take the validity separately). Tiles bound the rows held at once."""
+    for start in range(0, idx.shape[0], tile):
+        part = slice(start, start + tile)
+        slots = key_slots(block_table, seqs[part], idx[part], valid[part], block_size)
+        yield part, rows_of[slots.clamp(min=0)]
 
 
 def natural_lse(softmax_max: Tensor, softmax_sum: Tensor) -> Tensor:

@@ -21,7 +21,9 @@ import torch
 from torch import Tensor
 
 from backends.ascend.layouts import interleave_rope_pairs, rope_table_halves
-from backends.ascend.runtime import ACL_FORMAT_FRACTAL_NZ, PREPARED, half_or_bf16, npu, portable, write_cache_rows
+from backends.ascend.quantized_cache import store_rows
+from backends.ascend.runtime import ACL_FORMAT_FRACTAL_NZ, PREPARED, half_or_bf16, npu, portable
+from glm5_hal.kv_formats import AUTO
 
 # npu_mla_prolog_v3's documented shape ranges (torch_npu 2.14.0): He hidden, Hcq q_lora, D qk_nope, Dr rope,
 # Hckv kv_lora, N heads. GLM-5 (Hcq 2048, D 192) is outside them and takes the unfused path.
@@ -137,20 +139,23 @@ def _prolog_unfused(x, w_dq, gamma_cq, w_uq_qr, w_uk, w_dkv_kr, gamma_ckv, cos, 
     return q_lat, q_pe, q_norm, c_kv.view(num_tokens, KV_LORA), k_pe.view(num_tokens, ROPE)
 
 
-def mla_prolog(x, w_dq, gamma_cq, w_uq_qr, w_uk, w_dkv_kr, gamma_ckv, cos, sin, kv_cache, slot_mapping, eps):
+def mla_prolog(
+    x, w_dq, gamma_cq, w_uq_qr, w_uk, w_dkv_kr, gamma_ckv, cos, sin, kv_cache, slot_mapping, eps, kv_cache_dtype=AUTO
+):
     """glm5_hal.mla_prolog on torch_npu (arguments validated by the public op; see its docstring for shapes).
 
     x: [T, hidden]; w_dq [q_lora, hidden]; w_uq_qr [H*(nope+rope), q_lora]; w_uk [H, nope, kv_lora];
-    w_dkv_kr [kv_lora+rope, hidden]; cos, sin [T, rope/2] fp32; kv_cache [blocks, bs, kv_lora+rope] written at
-    slot_mapping [T] int64. Returns (q_lat [T,H,kv_lora], q_pe [T,H,rope] interleaved pairs, q_norm [T,q_lora]).
+    w_dkv_kr [kv_lora+rope, hidden]; cos, sin [T, rope/2] fp32; kv_cache [blocks, bs, kv_lora+rope] (or uint8 rows
+    of a quantized kv_cache_dtype, encoded in torch: backends/ascend/quantized_cache.py) written at slot_mapping
+    [T] int64. Returns (q_lat [T,H,kv_lora], q_pe [T,H,rope] interleaved pairs, q_norm [T,q_lora]).
     """
     args = (x, w_dq, gamma_cq, w_uq_qr, w_uk, w_dkv_kr, gamma_ckv, cos, sin, kv_cache, slot_mapping, eps)
     rope = 2 * cos.shape[1]
     unsupported = unfused_unsupported(x, w_uk, rope, kv_cache)
     if unsupported is not None:
-        return portable("mla_prolog", unsupported)(*args)
+        return portable("mla_prolog", unsupported)(*args, kv_cache_dtype=kv_cache_dtype)
     inputs = (x, w_dq, gamma_cq, w_uq_qr, w_uk, w_dkv_kr, gamma_ckv, cos, sin, eps)
     fused = v3_unsupported(x, w_dq, w_uk, rope) is None
     q_lat, q_pe_halves, q_norm, c_kv, k_pe_halves = _prolog_v3(*inputs) if fused else _prolog_unfused(*inputs)
-    write_cache_rows(kv_cache, slot_mapping, torch.cat([c_kv, interleave_rope_pairs(k_pe_halves)], dim=-1))
+    store_rows(kv_cache, slot_mapping, torch.cat([c_kv, interleave_rope_pairs(k_pe_halves)], dim=-1), kv_cache_dtype)
     return q_lat.to(x.dtype), interleave_rope_pairs(q_pe_halves).to(x.dtype), q_norm.to(x.dtype)

@@ -20,8 +20,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from backends.ascend.layouts import key_slots, natural_lse, uniform_prefix_sums, valid_first
+from backends.ascend.layouts import gathered_rows, natural_lse, selected_positions, uniform_prefix_sums
+from backends.ascend.quantized_cache import KERNEL_FORMATS, sparse_flash_attention_int8
 from backends.ascend.runtime import half_or_bf16, npu, portable
+from glm5_hal.kv_formats import AUTO
 from glm5_hal.paged import token_sequences
 
 LATENT = 512  # npu_sparse_flash_attention in attention_mode 2: query/key/value D = 512, rope D = 64
@@ -72,38 +74,40 @@ def _attend_tile(q: Tensor, rows: Tensor, local: Tensor, sm_scale: float) -> tup
     return out, natural_lse(softmax_max, softmax_sum)
 
 
-def sparse_flash_attention(q, kv_cache, indices, block_table, seq_lens_k, cu_seqlens_q, sm_scale, d_v=512):
+def sparse_flash_attention(
+    q, kv_cache, indices, block_table, seq_lens_k, cu_seqlens_q, sm_scale, d_v=512, kv_cache_dtype=AUTO
+):
     """glm5_hal.sparse_flash_attention on torch_npu: -> (out [T, H, d_v] in q's dtype, lse [T, H] fp32).
 
     q [T, H, 576]; kv_cache [blocks, bs, 576]; indices [T, topk] int32 request-local positions (-1 and positions
     >= seq_lens_k[b] are invalid); block_table [B, max_blocks] int32; seq_lens_k [B] int32; cu_seqlens_q [B+1].
+    An int8_mla cache runs npu_kv_quant_sparse_flash_attention, fp8_ds_mla the portable path
+    (backends/ascend/quantized_cache.py).
     """
     unsupported = sparse_flash_attention_unsupported(q, d_v)
+    if kv_cache_dtype != AUTO and kv_cache_dtype not in KERNEL_FORMATS:
+        unsupported = f"{kv_cache_dtype}: no A2/A3 sparse attention kernel reads an e4m3 cache"
+    elif kv_cache_dtype != AUTO and unsupported is None and q.dtype != torch.bfloat16:
+        unsupported = f"npu_kv_quant_sparse_flash_attention takes a bf16 query, got {q.dtype}"
     if unsupported is not None:
         return portable("sparse_flash_attention", unsupported)(
-            q, kv_cache, indices, block_table, seq_lens_k, cu_seqlens_q, sm_scale, d_v
+            q, kv_cache, indices, block_table, seq_lens_k, cu_seqlens_q, sm_scale, d_v, kv_cache_dtype=kv_cache_dtype
         )
+    if kv_cache_dtype != AUTO:
+        return sparse_flash_attention_int8(q, kv_cache, indices, block_table, seq_lens_k, cu_seqlens_q, sm_scale)
     num_tokens, num_heads, width = q.shape
     topk = indices.shape[1]
     seqs = token_sequences(cu_seqlens_q, num_tokens)
-    idx = indices.to(torch.int64)
-    valid = (idx >= 0) & (idx < seq_lens_k.to(torch.int64)[seqs, None])  # [T, topk]
-    count = valid.sum(dim=1)  # [T]
-    idx = valid_first(idx, valid)
-    ordered_valid = idx >= 0
+    idx, ordered_valid, local = selected_positions(indices, seq_lens_k, seqs)  # [T, topk] each, valid first
     rows_of = kv_cache.reshape(-1, width)
-    local = torch.where(ordered_valid, torch.arange(topk, device=q.device), -1).to(torch.int32)
 
     out = torch.empty(num_tokens, num_heads, LATENT, dtype=q.dtype, device=q.device)
     lse = torch.empty(num_tokens, num_heads, dtype=torch.float32, device=q.device)
     tile = max(1, GATHER_BUDGET // (topk * width))
-    for start in range(0, num_tokens, tile):  # tiles bound the gathered rows, not a loop over tokens
-        part = slice(start, start + tile)
-        slots = key_slots(block_table, seqs[part], idx[part], ordered_valid[part], kv_cache.shape[1])
-        rows = rows_of[slots.clamp(min=0)]  # [t, topk, 576]; rows of invalid entries are never referenced
-        out[part], lse[part] = _attend_tile(q[part], rows, local[part], float(sm_scale))
+    for part, rows in gathered_rows(rows_of, block_table, seqs, idx, ordered_valid, kv_cache.shape[1], tile):
+        out[part], lse[part] = _attend_tile(q[part], rows, local[part], float(sm_scale))  # rows [t, topk, 576]
     # The kernel leaves a row without any valid index undefined; the contract says out = 0 and lse = -inf.
-    empty = count == 0
+    empty = ~ordered_valid.any(dim=1)
     out = out.masked_fill(empty[:, None, None], 0)
     lse = lse.masked_fill(empty[:, None], float("-inf"))
     return out, lse

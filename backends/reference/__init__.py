@@ -6,6 +6,7 @@ backend inside a model (`GLM5_HAL_OP_BACKENDS=sparse_flash_attention=reference`)
 float64 verification mode: with float64 inputs nothing is rounded on the way in or out.
 """
 
+from glm5_hal.kv_formats import FORMATS
 from glm5_hal.registry import ANY_DEVICE, Availability, Backend
 
 
@@ -23,4 +24,5 @@ BACKEND = Backend(
     load_ops=_load_ops,
     auto_priority=None,
     float64=True,
+    kv_cache_dtypes=tuple(FORMATS),
 )

@@ -15,6 +15,7 @@ from torch import Tensor
 
 import ops_reference as ref
 from glm5_hal.checks import accumulation_dtype
+from glm5_hal.kv_formats import AUTO
 
 
 def _host(t: Tensor | None) -> np.ndarray | None:
@@ -31,13 +32,18 @@ def _back(a: np.ndarray, like: Tensor, dtype: torch.dtype | None = None) -> Tens
 
 
 def _write_back(cache: Tensor, new_cache: np.ndarray) -> None:
-    # Rows the op did not write round-trip exactly (dtype -> float64 -> dtype), so copying all of it is safe.
+    # Rows the op did not write round-trip exactly (dtype -> float64 -> dtype; uint8 bytes as they are), so
+    # copying all of it is safe.
     cache.copy_(_back(new_cache, cache))
 
 
-def mla_prolog(x, w_dq, gamma_cq, w_uq_qr, w_uk, w_dkv_kr, gamma_ckv, cos, sin, kv_cache, slot_mapping, eps):
+def mla_prolog(
+    x, w_dq, gamma_cq, w_uq_qr, w_uk, w_dkv_kr, gamma_ckv, cos, sin, kv_cache, slot_mapping, eps, kv_cache_dtype=AUTO
+):
     q_lat, q_pe, q_norm, new_cache = ref.mla_prolog(
-        *map(_host, (x, w_dq, gamma_cq, w_uq_qr, w_uk, w_dkv_kr, gamma_ckv, cos, sin, kv_cache, slot_mapping)), eps
+        *map(_host, (x, w_dq, gamma_cq, w_uq_qr, w_uk, w_dkv_kr, gamma_ckv, cos, sin, kv_cache, slot_mapping)),
+        eps,
+        kv_cache_dtype,
     )
     _write_back(kv_cache, new_cache)
     return _back(q_lat, x), _back(q_pe, x), _back(q_norm, x)
@@ -58,31 +64,37 @@ def indexer_prolog(
     *,
     rope_interleaved,
     eps=1e-6,
+    kv_cache_dtype=AUTO,
 ):
     q_idx, weights, new_cache = ref.indexer_prolog(
         *map(_host, (x, q_norm, w_iq, w_ik, k_norm_weight, k_norm_bias, w_iw, cos, sin, index_k_cache, slot_mapping)),
         rope_interleaved=rope_interleaved,
         eps=eps,
+        kv_cache_dtype=kv_cache_dtype,
     )
     _write_back(index_k_cache, new_cache)
     return _back(q_idx, x), _back(weights, x, accumulation_dtype(x.dtype))
 
 
-def indexer_logits(q_idx, weights, index_k_cache, block_table, seq_lens_k, cu_seqlens_q):
-    logits = ref.indexer_logits(*map(_host, (q_idx, weights, index_k_cache, block_table, seq_lens_k, cu_seqlens_q)))
+def indexer_logits(q_idx, weights, index_k_cache, block_table, seq_lens_k, cu_seqlens_q, kv_cache_dtype=AUTO):
+    logits = ref.indexer_logits(
+        *map(_host, (q_idx, weights, index_k_cache, block_table, seq_lens_k, cu_seqlens_q)), kv_cache_dtype
+    )
     return _back(logits, q_idx, accumulation_dtype(q_idx.dtype))
 
 
-def lightning_indexer(q_idx, weights, index_k_cache, block_table, seq_lens_k, cu_seqlens_q, topk):
+def lightning_indexer(q_idx, weights, index_k_cache, block_table, seq_lens_k, cu_seqlens_q, topk, kv_cache_dtype=AUTO):
     indices, scores = ref.lightning_indexer(
-        *map(_host, (q_idx, weights, index_k_cache, block_table, seq_lens_k, cu_seqlens_q)), topk
+        *map(_host, (q_idx, weights, index_k_cache, block_table, seq_lens_k, cu_seqlens_q)), topk, kv_cache_dtype
     )
     return _back(indices, q_idx, torch.int32), _back(scores, q_idx, accumulation_dtype(q_idx.dtype))
 
 
-def sparse_flash_attention(q, kv_cache, indices, block_table, seq_lens_k, cu_seqlens_q, sm_scale, d_v=512):
+def sparse_flash_attention(
+    q, kv_cache, indices, block_table, seq_lens_k, cu_seqlens_q, sm_scale, d_v=512, kv_cache_dtype=AUTO
+):
     out, lse = ref.sparse_flash_attention(
-        *map(_host, (q, kv_cache, indices, block_table, seq_lens_k, cu_seqlens_q)), sm_scale, d_v
+        *map(_host, (q, kv_cache, indices, block_table, seq_lens_k, cu_seqlens_q)), sm_scale, d_v, kv_cache_dtype
     )
     return _back(out, q), _back(lse, q, accumulation_dtype(q.dtype))
 

@@ -1,5 +1,6 @@
 """Descriptor of the `torch` backend: the portable PyTorch-eager implementation of every op."""
 
+from glm5_hal.kv_formats import FORMATS
 from glm5_hal.registry import ANY_DEVICE, Availability, Backend
 
 
@@ -16,4 +17,5 @@ BACKEND = Backend(
     load_ops=_load_ops,
     # The floor of `auto`: every device torch has runs it, so every op has somewhere to go.
     auto_priority=0,
+    kv_cache_dtypes=tuple(FORMATS),
 )

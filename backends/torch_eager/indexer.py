@@ -10,9 +10,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from backends.torch_eager.paged import write_cache
 from backends.torch_eager.primitives import COMPUTE_DTYPE, layer_norm, linear, rope_leading, rows_per_tile
+from backends.torch_eager.quantized_cache import row_reader, write_rows
+from glm5_hal.kv_formats import AUTO
 from glm5_hal.paged import token_positions, token_sequences
+from glm5_hal.topk import topk_lower_position_ties
 
 # Key positions scored per step; the token tile is then sized so that the gathered keys and the per-head dot
 # products of one step stay within the tile budget.
@@ -34,29 +36,31 @@ def indexer_prolog(
     *,
     rope_interleaved: bool,
     eps: float = 1e-6,
+    kv_cache_dtype: str = AUTO,
 ) -> tuple[Tensor, Tensor]:
     """Indexer queries and head weights of T new tokens; writes their keys (validated by glm5_hal.indexer_prolog).
 
     x: [T, hidden]. q_norm: [T, q_lora]. w_iq: [HI * DI, q_lora]. w_ik: [DI, hidden]. k_norm_weight, k_norm_bias:
     [DI]. w_iw: [HI, hidden]. cos, sin: [T, rope / 2] fp32 (RoPE on the FIRST rope dims). index_k_cache:
-    [num_blocks, block_size, DI], written in place at slot_mapping [T] int64 (-1 = skip).
+    [num_blocks, block_size, DI], written in place at slot_mapping [T] int64 (-1 = skip); uint8
+    [num_blocks, block_size, row_bytes] with the keys encoded for a quantized kv_cache_dtype.
 
     Returns (q_idx [T, HI, DI] in x's dtype, weights [T, HI] fp32 = (x @ w_iw^T) * HI^-0.5 * DI^-0.5).
     """
-    num_heads, head_dim = w_iw.shape[0], index_k_cache.shape[-1]
+    num_heads, head_dim = w_iw.shape[0], w_ik.shape[0]
     x32 = x.to(COMPUTE_DTYPE)
     q = linear(q_norm.to(COMPUTE_DTYPE), w_iq).view(x.shape[0], num_heads, head_dim)  # [T, HI, DI]
     k = layer_norm(linear(x32, w_ik), k_norm_weight, k_norm_bias, eps)  # [T, DI]
     q = rope_leading(q, cos, sin, interleaved=rope_interleaved)
     k = rope_leading(k, cos, sin, interleaved=rope_interleaved)
     weights = linear(x32, w_iw) * (num_heads**-0.5 * head_dim**-0.5)  # [T, HI]
-    write_cache(index_k_cache, slot_mapping, k)
+    write_rows(index_k_cache, slot_mapping, k, kv_cache_dtype)
     return q.to(x.dtype), weights
 
 
 class _ScoringBatch:
     """What every tile of one scoring call shares: queries, fp32 head weights, token sequences and positions, and
-    the cache as rows of flat slots."""
+    the cache as rows of flat slots (float, or uint8 rows of a quantized format, decoded as they are gathered)."""
 
     def __init__(
         self,
@@ -66,8 +70,10 @@ class _ScoringBatch:
         block_table: Tensor,
         seq_lens_k: Tensor,
         cu_seqlens_q: Tensor,
+        kv_cache_dtype: str = AUTO,
     ) -> None:
         num_tokens, num_heads, head_dim = q_idx.shape
+        self.read_rows = row_reader(kv_cache_dtype)
         self.q = q_idx  # upcast per tile, so a bf16 batch never exists whole in fp32
         self.weights = weights.to(COMPUTE_DTYPE)  # [T, HI]
         self.cache = index_k_cache  # [num_blocks, block_size, DI]
@@ -97,7 +103,7 @@ class _ScoringBatch:
         for first_block in range(0, self.block_table.shape[1], self.blocks_per_chunk):
             # Table entries past a sequence's blocks may hold anything: clamp them; their keys are masked below.
             block_ids = self.block_table[seqs, first_block : first_block + self.blocks_per_chunk].long()  # [t, nb]
-            keys = self.cache[block_ids.clamp_(0, last_block)].flatten(1, 2).to(COMPUTE_DTYPE)  # [t, c, DI]
+            keys = self.read_rows(self.cache[block_ids.clamp_(0, last_block)].flatten(1, 2))  # [t, c, DI] fp32
             key_start = first_block * self.block_size
             key_pos = torch.arange(key_start, key_start + keys.shape[1], device=q.device)  # [c]
             relu_dots = torch.bmm(q, keys.transpose(1, 2)).relu_()  # [t, HI, c]
@@ -113,15 +119,16 @@ def indexer_logits(
     block_table: Tensor,
     seq_lens_k: Tensor,
     cu_seqlens_q: Tensor,
+    kv_cache_dtype: str = AUTO,
 ) -> Tensor:
     """The full score matrix (validated by glm5_hal.indexer_logits).
 
-    q_idx: [T, HI, DI]. weights: [T, HI] fp32. index_k_cache: [num_blocks, block_size, DI]. block_table:
-    [B, max_blocks] int32; seq_lens_k: [B] int32; cu_seqlens_q: [B+1] int32.
+    q_idx: [T, HI, DI]. weights: [T, HI] fp32. index_k_cache: [num_blocks, block_size, DI] (or uint8 rows of a
+    quantized kv_cache_dtype). block_table: [B, max_blocks] int32; seq_lens_k: [B] int32; cu_seqlens_q: [B+1] int32.
 
     Returns logits [T, max_blocks * block_size] fp32, -inf where key position s is not visible to token t.
     """
-    batch = _ScoringBatch(q_idx, weights, index_k_cache, block_table, seq_lens_k, cu_seqlens_q)
+    batch = _ScoringBatch(q_idx, weights, index_k_cache, block_table, seq_lens_k, cu_seqlens_q, kv_cache_dtype)
     logits = torch.empty(q_idx.shape[0], batch.width, dtype=COMPUTE_DTYPE, device=q_idx.device)
     for start in batch.token_tiles():
         batch.row_logits(start, logits[start : start + batch.token_tile])
@@ -136,14 +143,15 @@ def lightning_indexer(
     seq_lens_k: Tensor,
     cu_seqlens_q: Tensor,
     topk: int,
+    kv_cache_dtype: str = AUTO,
 ) -> tuple[Tensor, Tensor]:
     """Top-`topk` visible keys per token (validated by glm5_hal.lightning_indexer); arguments as `indexer_logits`.
 
-    Returns (indices [T, topk] int32: request-local key positions, best first, -1 after the visible keys run out;
-    scores [T, topk] fp32: their logits, -inf where indices is -1). Only one token tile's logit rows exist at a
-    time.
+    Returns (indices [T, topk] int32: request-local key positions, best first, equal scores by lower position,
+    -1 after the visible keys run out; scores [T, topk] fp32: their logits, -inf where indices is -1). Only one
+    token tile's logit rows exist at a time.
     """
-    batch = _ScoringBatch(q_idx, weights, index_k_cache, block_table, seq_lens_k, cu_seqlens_q)
+    batch = _ScoringBatch(q_idx, weights, index_k_cache, block_table, seq_lens_k, cu_seqlens_q, kv_cache_dtype)
     num_tokens, device = q_idx.shape[0], q_idx.device
     # A block table narrower than topk: rank all its columns, the -1 / -inf padding comes from the fill below.
     ranked = min(topk, batch.width)
@@ -153,7 +161,7 @@ def lightning_indexer(
     for start in batch.token_tiles():
         tile = row_logits[: min(batch.token_tile, num_tokens - start)]
         batch.row_logits(start, tile)
-        best, columns = torch.topk(tile, ranked, dim=1)  # sorted, so invisible (-inf) keys come last
+        best, columns = topk_lower_position_ties(tile, ranked)  # sorted, so invisible (-inf) keys come last
         rows = slice(start, start + tile.shape[0])
         scores[rows, :ranked] = best
         indices[rows, :ranked] = torch.where(torch.isfinite(best), columns, -1).to(torch.int32)

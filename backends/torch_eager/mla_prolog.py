@@ -6,8 +6,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from backends.torch_eager.paged import write_cache
 from backends.torch_eager.primitives import COMPUTE_DTYPE, linear, rms_norm, rope
+from backends.torch_eager.quantized_cache import write_rows
+from glm5_hal.kv_formats import AUTO
 
 
 def mla_prolog(
@@ -23,13 +24,15 @@ def mla_prolog(
     kv_cache: Tensor,
     slot_mapping: Tensor,
     eps: float,
+    kv_cache_dtype: str = AUTO,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Absorbed MLA queries and latent cache rows of T new tokens (arguments validated by glm5_hal.mla_prolog).
 
     x: [T, hidden]. w_dq: [q_lora, hidden]. gamma_cq: [q_lora]. w_uq_qr: [H * (nope + rope), q_lora], per head
     [q_nope | q_pe]. w_uk: [H, nope, kv_lora]. w_dkv_kr: [kv_lora + rope, hidden], rows [c_kv | k_pe].
     gamma_ckv: [kv_lora]. cos, sin: [T, rope / 2] fp32. kv_cache: [num_blocks, block_size, kv_lora + rope],
-    written in place at slot_mapping [T] int64 (-1 = skip).
+    written in place at slot_mapping [T] int64 (-1 = skip); a uint8 [num_blocks, block_size, row_bytes] cache
+    of a quantized kv_cache_dtype gets the rows encoded (glm5_hal.kv_formats).
 
     Returns (q_lat [T, H, kv_lora], q_pe [T, H, rope], q_norm [T, q_lora]), all in x's dtype. The MLA RoPE is
     interleaved for both GLM-5 and DeepSeek-V3.2.
@@ -48,7 +51,7 @@ def mla_prolog(
     cache_row = torch.cat(
         (rms_norm(kv[:, :kv_lora], gamma_ckv, eps), rope(kv[:, kv_lora:], cos, sin, interleaved=True)), dim=-1
     )
-    write_cache(kv_cache, slot_mapping, cache_row)
+    write_rows(kv_cache, slot_mapping, cache_row, kv_cache_dtype)
     return (
         q_lat.to(x.dtype).contiguous(),  # the transpose above leaves it head-major in memory
         q_pe.to(x.dtype),

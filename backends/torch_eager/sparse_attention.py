@@ -12,6 +12,8 @@ from torch import Tensor
 
 from backends.torch_eager.paged import slot_rows
 from backends.torch_eager.primitives import COMPUTE_DTYPE, rows_per_tile
+from backends.torch_eager.quantized_cache import row_reader
+from glm5_hal.kv_formats import AUTO
 from glm5_hal.paged import key_slots, token_sequences
 
 
@@ -24,10 +26,12 @@ def sparse_flash_attention(
     cu_seqlens_q: Tensor,
     sm_scale: float,
     d_v: int = 512,
+    kv_cache_dtype: str = AUTO,
 ) -> tuple[Tensor, Tensor]:
     """Attention of each token over its selected keys (validated by glm5_hal.sparse_flash_attention).
 
-    q: [T, H, D]. kv_cache: [num_blocks, block_size, D]; K = the whole row, V = its first d_v dims. indices:
+    q: [T, H, D]. kv_cache: [num_blocks, block_size, D], or uint8 rows of a quantized kv_cache_dtype, decoded as
+    they are gathered; K = the whole row, V = its first d_v dims. indices:
     [T, topk] int32 request-local key positions; -1 and positions >= seq_lens_k[b] are ignored. block_table:
     [B, max_blocks] int32; seq_lens_k: [B] int32; cu_seqlens_q: [B+1] int32.
 
@@ -37,7 +41,8 @@ def sparse_flash_attention(
     num_tokens, num_heads, width = q.shape
     topk = indices.shape[1]
     block_size = kv_cache.shape[1]
-    rows = slot_rows(kv_cache)  # [num_slots, D]
+    rows = slot_rows(kv_cache)  # [num_slots, D] (or [num_slots, row_bytes] uint8)
+    read_rows = row_reader(kv_cache_dtype)
     seqs = token_sequences(cu_seqlens_q, num_tokens)  # [T]
     key_limit = seq_lens_k.to(torch.int64)[seqs]  # [T]
 
@@ -50,7 +55,7 @@ def sparse_flash_attention(
         idx = indices[tokens].to(torch.int64)  # [t, topk]
         valid = (idx >= 0) & (idx < key_limit[tokens, None])  # [t, topk]
         slots = key_slots(block_table, seqs[tokens], idx, block_size)  # [t, topk]
-        kv = rows[slots].to(COMPUTE_DTYPE)  # [t, topk, D]: gathered once, shared by all heads
+        kv = read_rows(rows[slots])  # [t, topk, D] fp32: gathered once, shared by all heads
 
         scores = torch.bmm(q[tokens].to(COMPUTE_DTYPE), kv.transpose(1, 2)).mul_(sm_scale)  # [t, H, topk]
         scores.masked_fill_(~valid[:, None, :], float("-inf"))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.metadata
 import importlib.util
 
+from glm5_hal.kv_formats import FORMATS
 from glm5_hal.registry import Availability, Backend
 
 
@@ -50,4 +51,5 @@ BACKEND = Backend(
     auto_priority=20,
     # The expert-parallel exchange is communication, not a kernel: the portable all_to_all_single path runs it.
     delegates={"ep_dispatch": "torch", "ep_combine": "torch"},
+    kv_cache_dtypes=tuple(FORMATS),
 )

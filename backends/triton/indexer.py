@@ -5,7 +5,11 @@
                      head reduction with the token's weights, in registers: [T, HI, S] never exists. Key
                      positions past the token's own (the causal rule) are -inf; a tile wholly past it is not
                      read at all.
-[lightning_indexer]  the logits kernel over a tile of tokens at a time, then torch.topk on each row.
+[lightning_indexer]  the logits kernel over a tile of tokens at a time, then torch.topk on each row, over
+                     composite (score, lower position) keys so that ties always pick the same keys
+                     (glm5_hal.topk).
+A quantized key cache (fp8_index, int8_index) is read as codes in the load path: the dot runs on the codes (exact
+in the query's dtype) and each key's score is multiplied by its scale afterwards.
 
 Why torch.topk rather than a Triton radix select: a topk of 2048 of 64K+ keys per row is what torch.topk's
 CUDA path (a radix select over the row for large k, then a sort of the k winners) is built for; it reads each
@@ -22,8 +26,11 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from backends.triton.quantized_cache import code_of, index_key_scale, layout_of, load_index_codes, needs_copy
 from backends.triton.runtime import DOT_UPCAST, interpreting
 from backends.triton.sparse_attention import key_slots, token_sequence
+from glm5_hal.kv_formats import AUTO
+from glm5_hal.topk import topk_lower_position_ties
 
 # Key positions per program: a [HI, DI] x [DI, 128] tensor-core dot on GPU (64 x 128 x 128 at GLM-5), and few
 # enough programs for the interpreter, whose cost is per program.
@@ -37,7 +44,7 @@ def _indexer_logits_kernel(
     # Pointers
     q_ptr,  # [T, HI, DI]
     weights_ptr,  # [T, HI] fp32
-    k_ptr,  # [num_blocks, BLOCK_SIZE, DI] viewed as flat slots: row s at k_ptr + s * stride_k_slot
+    k_ptr,  # [num_blocks, BLOCK_SIZE, DI] (or uint8 rows of a format) as flat slots: row s at k_ptr + s * stride_k_slot
     block_table_ptr,  # [B, max_blocks] int32
     seq_lens_k_ptr,  # [B] int32
     cu_seqlens_q_ptr,  # [B+1] int32
@@ -67,6 +74,8 @@ def _indexer_logits_kernel(
     BLOCK_D: tl.constexpr,  # >= DI
     BLOCK_S: tl.constexpr,  # key positions per program
     DOT_UPCAST: tl.constexpr,  # the interpreter's bf16 dot is wrong: widen operands to fp32 there
+    KEY_CODE: tl.constexpr,  # CODE_FLOAT, or the code kind of a quantized key cache (triton/quantized_cache.py)
+    KEY_SCALES_OFFSET: tl.constexpr,  # byte offset of a quantized key's fp32 scale
 ):
     row = tl.program_id(0).to(tl.int64)
     token = token_offset + row
@@ -88,17 +97,16 @@ def _indexer_logits_kernel(
         )
         w = tl.load(weights_ptr + token * stride_wt + heads * stride_wh, mask=head_ok, other=0.0)
         slots = key_slots(block_table_ptr, stride_bt_b, seq, key_pos, max_blocks, BLOCK_SIZE)
-        keys = tl.load(
-            k_ptr + slots[:, None] * stride_k_slot + dims[None, :] * stride_kd,
-            mask=visible[:, None] & dim_ok[None, :],
-            other=0.0,
-        )
+        key_rows = k_ptr + slots * stride_k_slot  # [BLOCK_S]
+        key_mask = visible[:, None] & dim_ok[None, :]
+        keys = load_index_codes(key_rows[:, None], dims[None, :], key_mask, stride_kd, q.dtype, KEY_CODE)
         if DOT_UPCAST:
             q = q.to(tl.float32)
             keys = keys.to(tl.float32)
         # "ieee": fp32 operands must not be rounded to tf32 (fp32 parity is 1e-5); bf16/fp16 dots are unaffected.
         dots = tl.dot(q, tl.trans(keys), input_precision="ieee")  # [BLOCK_HI, BLOCK_S]
         scores = tl.sum(tl.maximum(dots, 0.0) * w[:, None], axis=0)  # head reduction -> [BLOCK_S]
+        scores = index_key_scale(scores, key_rows, visible, KEY_CODE, KEY_SCALES_OFFSET)  # quantized keys' scales
         tl.store(out_ptrs, tl.where(visible, scores, float("-inf")), mask=key_pos < width)
     else:  # the whole tile is in the token's future
         tl.store(out_ptrs, tl.full((BLOCK_S,), float("-inf"), tl.float32), mask=key_pos < width)
@@ -113,12 +121,13 @@ def _fill_logits(
     block_table: Tensor,
     seq_lens_k: Tensor,
     cu_seqlens_q: Tensor,
+    kv_cache_dtype: str,
 ) -> None:
     """Write the logits of tokens token_offset : token_offset + logits.shape[0] into logits [rows, width] fp32."""
     num_rows, width = logits.shape
     if num_rows == 0 or width == 0:
         return
-    num_heads, head_dim = q_idx.shape[1], q_idx.shape[2]
+    num_heads, head_dim = q_idx.shape[1], q_idx.shape[2]  # a quantized cache's rows are wider (row_bytes)
     # The kernel reads these with unit element stride (they are tiny: a copy only for odd layouts).
     block_table, seq_lens_k, cu_seqlens_q = (t.contiguous() for t in (block_table, seq_lens_k, cu_seqlens_q))
     block_s = _BLOCK_S
@@ -152,13 +161,16 @@ def _fill_logits(
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         BLOCK_S=block_s,
         DOT_UPCAST=DOT_UPCAST,
+        KEY_CODE=code_of(kv_cache_dtype),
+        KEY_SCALES_OFFSET=layout_of(kv_cache_dtype)["SCALES_OFFSET"],
         num_warps=4 if interpreting() else 8,
     )
 
 
-def _flat_slot_cache(index_k_cache: Tensor) -> Tensor:
+def _flat_slot_cache(index_k_cache: Tensor, kv_cache_dtype: str) -> Tensor:
     """The cache with rows addressable as flat slots (slot s at s * stride(1)); a copy only for odd layouts."""
-    if index_k_cache.stride(0) != index_k_cache.shape[1] * index_k_cache.stride(1):
+    flat = index_k_cache.stride(0) == index_k_cache.shape[1] * index_k_cache.stride(1)
+    if not flat or needs_copy(index_k_cache, kv_cache_dtype):
         return index_k_cache.contiguous()
     return index_k_cache
 
@@ -170,17 +182,20 @@ def indexer_logits(
     block_table: Tensor,
     seq_lens_k: Tensor,
     cu_seqlens_q: Tensor,
+    kv_cache_dtype: str = AUTO,
 ) -> Tensor:
     """The full score matrix (validated by glm5_hal.indexer_logits).
 
     q_idx: [T, HI, DI] bf16/fp16/fp32. weights: [T, HI] fp32. index_k_cache: [num_blocks, block_size, DI],
-    q_idx's dtype. block_table: [B, max_blocks] int32; seq_lens_k: [B] int32; cu_seqlens_q: [B+1] int32.
+    q_idx's dtype, or the uint8 rows of a quantized kv_cache_dtype (decoded in the kernel as keys are loaded).
+    block_table: [B, max_blocks] int32; seq_lens_k: [B] int32; cu_seqlens_q: [B+1] int32.
 
     Returns logits [T, max_blocks * block_size] fp32, -inf where key position s is past token t's position.
     """
     width = block_table.shape[1] * index_k_cache.shape[1]
     logits = torch.empty((q_idx.shape[0], width), dtype=torch.float32, device=q_idx.device)
-    _fill_logits(logits, 0, q_idx, weights, _flat_slot_cache(index_k_cache), block_table, seq_lens_k, cu_seqlens_q)
+    cache = _flat_slot_cache(index_k_cache, kv_cache_dtype)
+    _fill_logits(logits, 0, q_idx, weights, cache, block_table, seq_lens_k, cu_seqlens_q, kv_cache_dtype)
     return logits
 
 
@@ -192,17 +207,19 @@ def lightning_indexer(
     seq_lens_k: Tensor,
     cu_seqlens_q: Tensor,
     topk: int,
+    kv_cache_dtype: str = AUTO,
 ) -> tuple[Tensor, Tensor]:
     """Top-`topk` visible keys per token (validated by glm5_hal.lightning_indexer); arguments as `indexer_logits`.
 
-    Returns (indices [T, topk] int32: request-local key positions, best first, -1 once the visible keys run out
+    Returns (indices [T, topk] int32: request-local key positions, best first, equal scores by lower position
+    (glm5_hal.topk), -1 once the visible keys run out
     (and in the columns past the cache width when topk exceeds it); scores [T, topk] fp32: their logits, -inf
     where indices is -1).
     """
     num_tokens = q_idx.shape[0]
     width = block_table.shape[1] * index_k_cache.shape[1]
     device = q_idx.device
-    index_k_cache = _flat_slot_cache(index_k_cache)
+    index_k_cache = _flat_slot_cache(index_k_cache, kv_cache_dtype)
     indices = torch.full((num_tokens, topk), -1, dtype=torch.int32, device=device)
     scores = torch.full((num_tokens, topk), float("-inf"), dtype=torch.float32, device=device)
     ranked = min(topk, width)  # columns past the cache width stay -1 / -inf from the fill above
@@ -212,8 +229,8 @@ def lightning_indexer(
     logits = torch.empty((token_tile, width), dtype=torch.float32, device=device)
     for start in range(0, num_tokens, token_tile):
         tile = logits[: min(token_tile, num_tokens - start)]
-        _fill_logits(tile, start, q_idx, weights, index_k_cache, block_table, seq_lens_k, cu_seqlens_q)
-        best, columns = torch.topk(tile, ranked, dim=1)  # sorted: invisible (-inf) keys come last
+        _fill_logits(tile, start, q_idx, weights, index_k_cache, block_table, seq_lens_k, cu_seqlens_q, kv_cache_dtype)
+        best, columns = topk_lower_position_ties(tile, ranked)  # sorted: invisible (-inf) keys come last
         rows = slice(start, start + tile.shape[0])
         scores[rows, :ranked] = best
         indices[rows, :ranked] = torch.where(torch.isfinite(best), columns, -1).to(torch.int32)

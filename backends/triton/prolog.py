@@ -13,6 +13,8 @@ The prologs use it four times:
                   cache row = [RMSNorm(c_kv) | RoPE(k_pe)] -> kv_cache      norm + rope + cache write
   indexer_prolog  q_idx = RoPE(first rope dims of each head)                rope only, per (token, head) row
                   cache row = RoPE(LayerNorm(x @ w_ik^T)) -> index_k_cache   norm + rope + cache write
+A quantized cache (kv_cache_dtype, glm5_hal.kv_formats): the cache rows go to an fp32 scratch [T, width] instead,
+and backends/triton/quantized_cache.py quantizes them into the cache's uint8 rows at slot_mapping.
 Reference: ops_reference/mla.py, ops_reference/indexer.py
 """
 
@@ -24,7 +26,9 @@ import triton.language as tl
 from torch import Tensor
 
 from backends.triton.quant import cast_for_store
+from backends.triton.quantized_cache import finish_write, scratch_rows
 from backends.triton.runtime import interpreting
+from glm5_hal.kv_formats import AUTO
 
 NORM_NONE = tl.constexpr(0)
 NORM_RMS = tl.constexpr(1)
@@ -218,13 +222,15 @@ def mla_prolog(
     kv_cache: Tensor,
     slot_mapping: Tensor,
     eps: float,
+    kv_cache_dtype: str = AUTO,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Absorbed MLA queries and latent cache rows of T new tokens (arguments validated by glm5_hal.mla_prolog).
 
     x: [T, hidden]. w_dq: [q_lora, hidden]. gamma_cq: [q_lora]. w_uq_qr: [H * (nope + rope), q_lora], per head
     [q_nope | q_pe]. w_uk: [H, nope, kv_lora]. w_dkv_kr: [kv_lora + rope, hidden], rows [c_kv | k_pe].
     gamma_ckv: [kv_lora]. cos, sin: [T, rope / 2] fp32. kv_cache: [num_blocks, block_size, kv_lora + rope],
-    written in place at slot_mapping [T] int64 (-1 = skip); interleaved RoPE.
+    written in place at slot_mapping [T] int64 (-1 = skip), or uint8 rows of a quantized kv_cache_dtype;
+    interleaved RoPE.
 
     Returns (q_lat [T, H, kv_lora], q_pe [T, H, rope], q_norm [T, q_lora]), all in x's dtype.
     """
@@ -242,9 +248,10 @@ def mla_prolog(
     q_nope = q.view(num_tokens, num_heads, -1)[..., :nope].transpose(0, 1)
     q_lat = torch.bmm(q_nope, w_uk.to(x.dtype)).transpose(0, 1).contiguous()
 
+    rows, slots = scratch_rows(kv_cache, slot_mapping, kv_cache_dtype, num_tokens, kv_lora + rope_dim, x.device)
     norm_rope(
         _linear(x, w_dkv_kr),
-        kv_cache,
+        rows,
         norm=1,
         weight=gamma_ckv,
         norm_dim=kv_lora,
@@ -252,8 +259,9 @@ def mla_prolog(
         cos=cos,
         sin=sin,
         rope_start=kv_lora,
-        slot_mapping=slot_mapping,
+        slot_mapping=slots,
     )
+    finish_write(rows, kv_cache, slot_mapping, kv_cache_dtype)
     return q_lat, q_pe, q_norm
 
 
@@ -272,25 +280,28 @@ def indexer_prolog(
     *,
     rope_interleaved: bool,
     eps: float = 1e-6,
+    kv_cache_dtype: str = AUTO,
 ) -> tuple[Tensor, Tensor]:
     """Indexer queries and head weights of T new tokens; writes their keys (validated by glm5_hal.indexer_prolog).
 
     x: [T, hidden]. q_norm: [T, q_lora]. w_iq: [HI * DI, q_lora]. w_ik: [DI, hidden]. k_norm_weight, k_norm_bias:
     [DI]. w_iw: [HI, hidden]. cos, sin: [T, rope / 2] fp32 (RoPE on the FIRST rope dims). index_k_cache:
-    [num_blocks, block_size, DI], written in place at slot_mapping [T] int64 (-1 = skip).
+    [num_blocks, block_size, DI], written in place at slot_mapping [T] int64 (-1 = skip), or uint8 rows of a
+    quantized kv_cache_dtype.
 
     Returns (q_idx [T, HI, DI] in x's dtype, weights [T, HI] fp32 = (x @ w_iw^T) * HI^-0.5 * DI^-0.5).
     """
     num_tokens = x.shape[0]
-    num_heads, head_dim = w_iw.shape[0], index_k_cache.shape[-1]
+    num_heads, head_dim = w_iw.shape[0], w_ik.shape[0]
 
     q = _linear(q_norm.to(x.dtype), w_iq).view(num_tokens * num_heads, head_dim)
     q_idx = torch.empty((num_tokens, num_heads, head_dim), dtype=x.dtype, device=x.device)
     norm_rope(q, q_idx.view(-1, head_dim), cos=cos, sin=sin, interleaved=rope_interleaved, rows_per_token=num_heads)
 
+    rows, slots = scratch_rows(index_k_cache, slot_mapping, kv_cache_dtype, num_tokens, head_dim, x.device)
     norm_rope(
         _linear(x, w_ik),
-        index_k_cache,
+        rows,
         norm=2,
         weight=k_norm_weight,
         bias=k_norm_bias,
@@ -299,8 +310,9 @@ def indexer_prolog(
         cos=cos,
         sin=sin,
         interleaved=rope_interleaved,
-        slot_mapping=slot_mapping,
+        slot_mapping=slots,
     )
+    finish_write(rows, index_k_cache, slot_mapping, kv_cache_dtype)
     # The head weights stay fp32: they scale fp32 scores downstream.
     weights = torch.matmul(x.float(), w_iw.float().t()) * (num_heads**-0.5 * head_dim**-0.5)
     return q_idx, weights

@@ -11,6 +11,8 @@ in tiles of BLOCK_N:
   4. online softmax in fp32 with a running max / sum per head (base 2 inside, natural-log lse out),
   5. acc[BLOCK_H, d_v] += p . V with V = the first d_v dims of the same gathered rows.
 A head with no valid key ends with sum 0: out 0 and lse -inf, as the contract says.
+A quantized latent cache (fp8_ds_mla, int8_mla) is decoded in step 2 as the rows are loaded (code x its tile's
+scale, the RoPE dims from bf16), into q's dtype; nothing else changes (backends/triton/quantized_cache.py).
 The paged-batch helpers (token -> sequence, key position -> slot) are jit functions shared with the indexer.
 Reference: ops_reference/attention.py
 """
@@ -26,7 +28,9 @@ import triton.language as tl
 from torch import Tensor
 
 from backends.triton.quant import cast_for_store
+from backends.triton.quantized_cache import code_of, layout_of, load_cache_values, needs_copy
 from backends.triton.runtime import DOT_UPCAST, interpreting
+from glm5_hal.kv_formats import AUTO
 
 _LOG2E = tl.constexpr(1.4426950408889634)
 _LN2 = tl.constexpr(0.6931471805599453)
@@ -63,7 +67,7 @@ def key_slots(block_table_ptr, stride_bt_b, seq, positions, max_blocks, BLOCK_SI
 def _sparse_attention_kernel(
     # Pointers
     q_ptr,  # [T, H, D]
-    kv_ptr,  # [num_blocks, BLOCK_SIZE, D] viewed as flat slots: row s at kv_ptr + s * stride_kv_slot
+    kv_ptr,  # [num_blocks, BLOCK_SIZE, D] (or a format's uint8 rows), flat slots: row s at kv_ptr + s * stride_kv_slot
     indices_ptr,  # [T, topk] int32 request-local key positions
     block_table_ptr,  # [B, max_blocks] int32
     seq_lens_k_ptr,  # [B] int32
@@ -100,6 +104,10 @@ def _sparse_attention_kernel(
     BLOCK_DV: tl.constexpr,  # >= d_v, power of two
     BLOCK_DR: tl.constexpr,  # >= D - d_v, power of two
     DOT_UPCAST: tl.constexpr,  # the interpreter's bf16 dot is wrong: widen operands to fp32 there
+    KV_CODE: tl.constexpr,  # CODE_FLOAT, or the code kind of a quantized cache (backends/triton/quantized_cache.py)
+    QUANT_DIMS: tl.constexpr,  # a quantized row's layout: coded dims, byte offsets of its scales and RoPE values
+    SCALES_OFFSET: tl.constexpr,
+    ROPE_OFFSET: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -128,8 +136,9 @@ def _sparse_attention_kernel(
         key_ok = (pos >= 0) & (pos < key_limit)
         slots = key_slots(block_table_ptr, stride_bt_b, seq, pos, max_blocks, BLOCK_SIZE)
         kv_rows = kv_ptr + slots[:, None] * stride_kv_slot
-        kv_v = tl.load(kv_rows + dv[None, :] * stride_kv_d, mask=key_ok[:, None] & dv_ok[None, :], other=0.0)
-        kv_r = tl.load(kv_rows + (d_v + dr[None, :]) * stride_kv_d, mask=key_ok[:, None] & dr_ok[None, :], other=0.0)
+        layout = (q_ptr.dtype.element_ty, KV_CODE, QUANT_DIMS, SCALES_OFFSET, ROPE_OFFSET)
+        kv_v = load_cache_values(kv_rows, dv[None, :], key_ok[:, None] & dv_ok[None, :], stride_kv_d, *layout)
+        kv_r = load_cache_values(kv_rows, d_v + dr[None, :], key_ok[:, None] & dr_ok[None, :], stride_kv_d, *layout)
         if DOT_UPCAST:
             kv_v = kv_v.to(tl.float32)
             kv_r = kv_r.to(tl.float32)
@@ -197,11 +206,13 @@ def sparse_flash_attention(
     cu_seqlens_q: Tensor,
     sm_scale: float,
     d_v: int = 512,
+    kv_cache_dtype: str = AUTO,
 ) -> tuple[Tensor, Tensor]:
     """Attention of each token over its selected keys (validated by glm5_hal.sparse_flash_attention).
 
-    q: [T, H, D] bf16/fp16/fp32. kv_cache: [num_blocks, block_size, D], q's dtype; K = the whole row, V = its
-    first d_v dims. indices: [T, topk] int32 request-local key positions (-1 and >= seq_lens_k[b] ignored).
+    q: [T, H, D] bf16/fp16/fp32. kv_cache: [num_blocks, block_size, D], q's dtype, or the uint8 rows of a
+    quantized kv_cache_dtype (decoded as they are loaded); K = the whole row, V = its first d_v dims.
+    indices: [T, topk] int32 request-local key positions (-1 and >= seq_lens_k[b] ignored).
     block_table: [B, max_blocks] int32; seq_lens_k: [B] int32; cu_seqlens_q: [B+1] int32.
 
     Returns (out [T, H, d_v] q's dtype, lse [T, H] fp32 natural log); a token with no valid key gives out 0 and
@@ -213,7 +224,7 @@ def sparse_flash_attention(
     lse = torch.empty((num_tokens, num_heads), dtype=torch.float32, device=q.device)
     if num_tokens == 0 or num_heads == 0:
         return out, lse
-    if kv_cache.stride(0) != kv_cache.shape[1] * kv_cache.stride(1):
+    if kv_cache.stride(0) != kv_cache.shape[1] * kv_cache.stride(1) or needs_copy(kv_cache, kv_cache_dtype):
         kv_cache = kv_cache.contiguous()  # the kernel addresses rows as flat slots
     # The kernel reads these with unit element stride (they are tiny: a copy only for odd layouts).
     block_table, seq_lens_k, cu_seqlens_q = (t.contiguous() for t in (block_table, seq_lens_k, cu_seqlens_q))
@@ -258,6 +269,8 @@ def sparse_flash_attention(
         BLOCK_DV=triton.next_power_of_2(max(d_v, 16)),
         BLOCK_DR=triton.next_power_of_2(max(width - d_v, 16)),
         DOT_UPCAST=DOT_UPCAST,
+        KV_CODE=code_of(kv_cache_dtype),
+        **layout_of(kv_cache_dtype),
         **config,
     )
     return out, lse

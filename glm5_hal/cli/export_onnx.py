@@ -3,6 +3,7 @@
 glm5-hal export-onnx --preset glm5 --out onnx/                      every op -> onnx/<op>.onnx
 glm5-hal export-onnx --preset glm5-mini --out onnx/ --ops moe_gate,fused_moe --verify
 glm5-hal export-onnx --preset glm5 --out onnx/ --custom-ops grouped_matmul
+glm5-hal export-onnx --preset glm5 --out onnx-fp8/ --kv-cache fp8             quantized caches (fp8_ds_mla, fp8_index)
 """
 
 from __future__ import annotations
@@ -25,6 +26,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--custom-ops",
         default="",
         help="comma-separated ops to emit as one glm5_hal-domain node wherever they occur (docs/onnx.md)",
+    )
+    parser.add_argument(
+        "--kv-cache",
+        default="auto",
+        choices=("auto", "fp8", "int8"),
+        help="cache format of the cache ops: float (auto), fp8 (fp8_ds_mla + fp8_index), int8 (int8_mla + int8_index)",
     )
     parser.add_argument(
         "--verify",
@@ -53,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
     from glm5_hal.onnx_export import write_preset
 
     try:
-        paths = write_preset(cfg, args.out, ops, custom_ops=custom_ops)
+        paths = write_preset(cfg, args.out, ops, custom_ops=custom_ops, kv_cache=args.kv_cache)
     except ImportError as exc:
         print(f"export-onnx: {exc}", file=sys.stderr)
         return 2

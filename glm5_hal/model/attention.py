@@ -20,6 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from glm5_hal.config import ModelConfig
+from glm5_hal.kv_formats import AUTO, FORMATS, encode_rows
 from glm5_hal.model.cache import StepMetadata
 from glm5_hal.model.linear import Linear
 from glm5_hal.model.norms import LayerNorm, RMSNorm, compute_dtype
@@ -32,10 +33,12 @@ def _all_dense(*modules: nn.Module) -> bool:
     return all(type(m) is Linear for m in modules)
 
 
-def _write_rows(cache: Tensor, slot_mapping: Tensor, rows: Tensor) -> None:
-    """cache [num_blocks, block_size, D]; rows [T, D] go to the flat slots slot_mapping [T] (-1 = skip)."""
+def _write_rows(cache: Tensor, slot_mapping: Tensor, rows: Tensor, kv_cache_dtype: str = AUTO) -> None:
+    """cache [num_blocks, block_size, D]; rows [T, D] go to the flat slots slot_mapping [T] (-1 = skip), encoded
+    first for a quantized cache (kv_cache_dtype a format of glm5_hal.kv_formats; rows then [T, row_bytes])."""
     keep = slot_mapping >= 0
-    cache.view(-1, cache.shape[-1])[slot_mapping[keep]] = rows[keep].to(cache.dtype)
+    kept = rows[keep] if kv_cache_dtype == AUTO else encode_rows(rows[keep], FORMATS[kv_cache_dtype])
+    cache.view(-1, cache.shape[-1])[slot_mapping[keep]] = kept.to(cache.dtype)
 
 
 class Indexer(nn.Module):
@@ -50,9 +53,17 @@ class Indexer(nn.Module):
         self.fused = True  # False forces the decomposed prolog (tests compare the two)
 
     def prolog(
-        self, x: Tensor, q_norm: Tensor, cos: Tensor, sin: Tensor, cache: Tensor, step: StepMetadata
+        self,
+        x: Tensor,
+        q_norm: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        cache: Tensor,
+        step: StepMetadata,
+        kv_cache_dtype: str = AUTO,
     ) -> tuple[Tensor, Tensor]:
-        """(q_idx [T, HI, DI], weights [T, HI] fp32); writes the new index keys into cache [nb, bs, DI]."""
+        """(q_idx [T, HI, DI], weights [T, HI] fp32); writes the new index keys into cache [nb, bs, DI] (uint8 rows
+        of an index format when kv_cache_dtype names one)."""
         cfg = self.cfg
         if self.fused and _all_dense(self.wq_b, self.wk, self.weights_proj):
             return indexer_prolog(
@@ -69,6 +80,7 @@ class Indexer(nn.Module):
                 step.slot_mapping,
                 rope_interleaved=cfg.indexer_rope_interleaved,
                 eps=self.k_norm.eps,
+                kv_cache_dtype=kv_cache_dtype,
             )
         rope = cfg.qk_rope_head_dim
         q = self.wq_b(q_norm).view(x.shape[0], cfg.index_n_heads, cfg.index_head_dim)
@@ -77,7 +89,7 @@ class Indexer(nn.Module):
         interleaved = cfg.indexer_rope_interleaved
         q = torch.cat([apply_rope(q[..., :rope], cos, sin, interleaved=interleaved), q[..., rope:]], -1)
         k = torch.cat([apply_rope(k[..., :rope], cos, sin, interleaved=interleaved), k[..., rope:]], -1)
-        _write_rows(cache, step.slot_mapping, k)
+        _write_rows(cache, step.slot_mapping, k, kv_cache_dtype)
         weights = self.weights_proj(x).to(compute_dtype(x)) * cfg.indexer_weight_scale
         return q, weights
 
@@ -129,7 +141,14 @@ class MLAAttention(nn.Module):
         return w[:, : cfg.qk_nope_head_dim].contiguous(), w[:, cfg.qk_nope_head_dim :].contiguous()
 
     def _mla_prolog(
-        self, x: Tensor, w_uk: Tensor, cos: Tensor, sin: Tensor, kv_cache: Tensor, step: StepMetadata
+        self,
+        x: Tensor,
+        w_uk: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        kv_cache: Tensor,
+        step: StepMetadata,
+        kv_cache_dtype: str = AUTO,
     ) -> tuple[Tensor, Tensor, Tensor]:
         """(q_lat [T, H, kv_lora], q_pe [T, H, rope], q_norm [T, q_lora]); writes kv_cache."""
         cfg = self.cfg
@@ -152,6 +171,7 @@ class MLAAttention(nn.Module):
                 kv_cache,
                 step.slot_mapping,
                 eps,
+                kv_cache_dtype=kv_cache_dtype,
             )
         nope, kv_lora = cfg.qk_nope_head_dim, cfg.kv_lora_rank
         q_norm = self.q_a_layernorm(self.q_a_proj(x))
@@ -167,7 +187,7 @@ class MLAAttention(nn.Module):
             ],
             -1,
         )
-        _write_rows(kv_cache, step.slot_mapping, row)
+        _write_rows(kv_cache, step.slot_mapping, row, kv_cache_dtype)
         return q_lat, q_pe, q_norm
 
     def forward(
@@ -179,16 +199,19 @@ class MLAAttention(nn.Module):
         index_k_cache: Tensor,
         step: StepMetadata,
         topk_indices: Tensor | None = None,
+        *,
+        kv_cache_dtype: str = AUTO,
+        index_cache_dtype: str = AUTO,
     ) -> tuple[Tensor, Tensor]:
         """(output [T, hidden], the key selection used: topk_indices [T, index_topk] int32, -1 = none).
 
         topk_indices: None (the lightning indexer selects), or a selection to use instead (e.g. a quantized model
         replaying its floating original's, see CausalLM.forward); the indexer prolog still runs, to write the
-        new tokens' index keys."""
+        new tokens' index keys. kv_cache_dtype / index_cache_dtype: the formats of the two caches (PagedKVCache)."""
         cfg = self.cfg
         w_uk, w_uv = self.kv_b_halves()
-        q_lat, q_pe, q_norm = self._mla_prolog(x, w_uk, cos, sin, kv_cache, step)
-        q_idx, head_weights = self.indexer.prolog(x, q_norm, cos, sin, index_k_cache, step)
+        q_lat, q_pe, q_norm = self._mla_prolog(x, w_uk, cos, sin, kv_cache, step, kv_cache_dtype)
+        q_idx, head_weights = self.indexer.prolog(x, q_norm, cos, sin, index_k_cache, step, index_cache_dtype)
         if topk_indices is None:
             topk_indices = lightning_indexer(
                 q_idx,
@@ -198,6 +221,7 @@ class MLAAttention(nn.Module):
                 step.seq_lens_k,
                 step.cu_seqlens_q,
                 cfg.index_topk,
+                kv_cache_dtype=index_cache_dtype,
             )
         latent_out, _ = sparse_flash_attention(
             torch.cat([q_lat, q_pe], -1),
@@ -208,6 +232,7 @@ class MLAAttention(nn.Module):
             step.cu_seqlens_q,
             cfg.sm_scale,
             d_v=cfg.kv_lora_rank,
+            kv_cache_dtype=kv_cache_dtype,
         )  # [T, H, kv_lora]
         values = torch.einsum("thc,hvc->thv", latent_out, w_uv.to(latent_out.dtype))  # [T, H, v_head]
         return self.o_proj(values.reshape(x.shape[0], cfg.num_attention_heads * cfg.v_head_dim)), topk_indices

@@ -15,6 +15,12 @@ import torch
 from torch import Tensor
 
 from glm5_hal.config import ModelConfig
+from glm5_hal.kv_formats import AUTO, CACHE_DTYPE, INDEX, LATENT, cache_format
+
+
+def _row(fmt, width: int, dtype: torch.dtype) -> tuple[int, torch.dtype]:
+    """(row length, element dtype) of a cache: `width` values of `dtype`, or a format's row_bytes of uint8."""
+    return (width, dtype) if fmt is None else (fmt.row_bytes, CACHE_DTYPE)
 
 
 @dataclass(frozen=True)
@@ -45,6 +51,10 @@ class PagedKVCache:
 
     Blocks are handed out from a free list; `shuffle_seed` shuffles that list so block tables are not the
     identity (tests use it to prove nothing depends on contiguous blocks).
+
+    kv_cache_dtype / index_cache_dtype: "auto" (the model's dtype), or a quantized format of glm5_hal.kv_formats
+    ("fp8_ds_mla" / "int8_mla" for the latent cache, "fp8_index" / "int8_index" for the index keys): the cache is
+    then uint8 [num_blocks, block_size, row_bytes] and every op that writes or reads it is told so.
     """
 
     def __init__(
@@ -56,18 +66,21 @@ class PagedKVCache:
         device: torch.device | str = "cpu",
         *,
         shuffle_seed: int | None = None,
+        kv_cache_dtype: str = AUTO,
+        index_cache_dtype: str = AUTO,
     ) -> None:
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError(f"num_blocks, block_size: expected positive ints, got {num_blocks}, {block_size}")
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.device = torch.device(device)
+        self.kv_cache_dtype, self.index_cache_dtype = kv_cache_dtype, index_cache_dtype
         shape = (num_blocks, block_size)
-        self.kv = [
-            torch.zeros(*shape, cfg.latent_dim, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers)
-        ]
+        kv_row = _row(cache_format(kv_cache_dtype, LATENT), cfg.latent_dim, dtype)
+        index_row = _row(cache_format(index_cache_dtype, INDEX), cfg.index_head_dim, dtype)
+        self.kv = [torch.zeros(*shape, kv_row[0], dtype=kv_row[1], device=device) for _ in range(cfg.num_hidden_layers)]
         self.index_k = [
-            torch.zeros(*shape, cfg.index_head_dim, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers)
+            torch.zeros(*shape, index_row[0], dtype=index_row[1], device=device) for _ in range(cfg.num_hidden_layers)
         ]
         order = list(range(num_blocks))
         if shuffle_seed is not None:
@@ -76,6 +89,11 @@ class PagedKVCache:
         self._free = order[::-1]  # pop() hands out order[0] first
         self._blocks: dict[Hashable, list[int]] = {}
         self._lengths: dict[Hashable, int] = {}
+
+    def bytes_per_token(self) -> int:
+        """Cache bytes one token takes over all layers (latent row + index-key row, per layer)."""
+        per_layer = self.kv[0][0, 0].nbytes + self.index_k[0][0, 0].nbytes
+        return per_layer * len(self.kv)
 
     def seq_len(self, seq_id: Hashable) -> int:
         """Tokens of `seq_id` in the cache (0 for an unknown sequence)."""

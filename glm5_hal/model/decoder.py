@@ -110,7 +110,15 @@ class DecoderLayer(nn.Module):
         kv_cache, index_k_cache = cache.kv[self.layer], cache.index_k[self.layer]
         forced_keys, forced_routing = (None, None) if choices is None else (choices.topk_indices, choices.routing)
         attn, topk_indices = self.self_attn(
-            self.input_layernorm(h), cos, sin, kv_cache, index_k_cache, step, forced_keys
+            self.input_layernorm(h),
+            cos,
+            sin,
+            kv_cache,
+            index_k_cache,
+            step,
+            forced_keys,
+            kv_cache_dtype=cache.kv_cache_dtype,
+            index_cache_dtype=cache.index_cache_dtype,
         )
         h = h + attn
         x = self.post_attention_layernorm(h)
@@ -203,10 +211,22 @@ class CausalLM(nn.Module):
         block_size: int = 16,
         device: torch.device | str = "cpu",
         shuffle_seed: int | None = None,
+        kv_cache_dtype: str = "auto",
+        index_cache_dtype: str = "auto",
     ) -> PagedKVCache:
-        """A cache with room for `max_tokens` tokens over all sequences (whole blocks per sequence: leave slack)."""
+        """A cache with room for `max_tokens` tokens over all sequences (whole blocks per sequence: leave slack).
+        kv_cache_dtype / index_cache_dtype: the caches' formats (PagedKVCache; e.g. "fp8_ds_mla" / "fp8_index")."""
         num_blocks = max(1, -(-max_tokens // block_size))
-        return PagedKVCache(self.cfg, num_blocks, block_size, self.dtype, device, shuffle_seed=shuffle_seed)
+        return PagedKVCache(
+            self.cfg,
+            num_blocks,
+            block_size,
+            self.dtype,
+            device,
+            shuffle_seed=shuffle_seed,
+            kv_cache_dtype=kv_cache_dtype,
+            index_cache_dtype=index_cache_dtype,
+        )
 
     @torch.no_grad()
     def forward(
@@ -275,9 +295,17 @@ class CausalLM(nn.Module):
         *,
         block_size: int = 16,
         choices: Sequence[LayerChoices] | None = None,
+        kv_cache_dtype: str = "auto",
+        index_cache_dtype: str = "auto",
     ) -> ModelOutput:
         """One sequence from scratch in a fresh cache (the common case for quality measurements).
-        choices: see forward."""
+        choices: see forward. kv_cache_dtype / index_cache_dtype: the fresh cache's formats (new_cache)."""
         ids = torch.as_tensor(input_ids, dtype=torch.int64).reshape(-1)
-        cache = self.new_cache(ids.numel(), block_size=block_size, device=self.model.embed_tokens.weight.device)
+        cache = self.new_cache(
+            ids.numel(),
+            block_size=block_size,
+            device=self.model.embed_tokens.weight.device,
+            kv_cache_dtype=kv_cache_dtype,
+            index_cache_dtype=index_cache_dtype,
+        )
         return self.step(cache, {0: ids}, choices=choices)

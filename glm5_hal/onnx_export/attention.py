@@ -33,7 +33,8 @@ from glm5_hal.onnx_export.blocks import (
     unsqueeze,
     write_cache,
 )
-from glm5_hal.onnx_export.graph import GraphBuilder
+from glm5_hal.onnx_export.graph import GraphBuilder, TensorSig
+from glm5_hal.onnx_export.kv_formats import decode_rows, encode_rows, format_of
 from glm5_hal.onnx_export.opgraph import CACHE_OUT_SUFFIX, Dims, OpGraph, Options, require, sig
 
 F32, I32, I64 = "float32", "int32", "int64"
@@ -42,6 +43,33 @@ PAGED_INPUTS = (
     sig("seq_lens_k", I32, "B"),
     sig("cu_seqlens_q", I32, "B+1"),
 )
+
+
+def _quantized_cache(*names: str):
+    """adjust_inputs / adjust_outputs of an op with a cache: with a quantized kv_cache_dtype (glm5_hal.kv_formats)
+    the named cache values are uint8 [num_blocks, block_size, row_bytes] instead of fp32 rows."""
+
+    def adjust(sigs: tuple[TensorSig, ...], options: Options) -> tuple[TensorSig, ...]:
+        fmt = format_of(options)
+        if fmt is None:
+            return sigs
+        return tuple(sig(s.name, "uint8", *s.shape[:-1], fmt.row_bytes) if s.name in names else s for s in sigs)
+
+    return adjust
+
+
+def _store(g: GraphBuilder, cache: str, slot_mapping: str, rows: str, o: Options, *, out: str) -> str:
+    """write_cache of rows [T, width] fp32, encoded first for a quantized cache."""
+    fmt = format_of(o)
+    return write_cache(g, cache, slot_mapping, rows if fmt is None else encode_rows(g, rows, fmt), out=out)
+
+
+def _gather_rows(g: GraphBuilder, cache: str, slots: str, width: int, o: Options) -> str:
+    """The cache rows at slots [T, S] as fp32 values [T, S, width]; a quantized cache's gathered rows decoded."""
+    fmt = format_of(o)
+    if fmt is None:
+        return g.op("Gather", flat_cache(g, cache, width), slots)
+    return decode_rows(g, g.op("Gather", flat_cache(g, cache, fmt.row_bytes), slots), fmt)
 
 
 # ------------------------------------------------------------------------------------------------ mla_prolog
@@ -74,7 +102,7 @@ def _build_mla_prolog(g: GraphBuilder, v, d: Dims, o: Options) -> dict[str, str]
         ),
         axis=-1,
     )
-    cache = write_cache(g, v["kv_cache"], v["slot_mapping"], row, out="kv_cache" + CACHE_OUT_SUFFIX)
+    cache = _store(g, v["kv_cache"], v["slot_mapping"], row, o, out="kv_cache" + CACHE_OUT_SUFFIX)
     return {"q_lat": q_lat, "q_pe": q_pe, "q_norm": q_norm, "kv_cache" + CACHE_OUT_SUFFIX: cache}
 
 
@@ -117,6 +145,8 @@ MLA_PROLOG = OpGraph(
     dims_from_config=_mla_dims,
     derived_dims=lambda d, o: {"rope": 2 * d["rope_half"]},
     build=_build_mla_prolog,
+    adjust_inputs=_quantized_cache("kv_cache"),
+    adjust_outputs=_quantized_cache("kv_cache" + CACHE_OUT_SUFFIX),
 )
 
 
@@ -145,7 +175,7 @@ def _build_indexer_prolog(g: GraphBuilder, v, d: Dims, o: Options) -> dict[str, 
     weight_scale = g.const(heads**-0.5 * head_dim**-0.5, F32)
     weights = g.op("Mul", linear(g, v["x"], v["w_iw"]), weight_scale, out="weights")
     out_name = "index_k_cache" + CACHE_OUT_SUFFIX
-    cache = write_cache(g, v["index_k_cache"], v["slot_mapping"], k, out=out_name)
+    cache = _store(g, v["index_k_cache"], v["slot_mapping"], k, o, out=out_name)
     return {"q_idx": q_idx, "weights": weights, out_name: cache}
 
 
@@ -183,15 +213,17 @@ INDEXER_PROLOG = OpGraph(
     options_from_config=lambda cfg: {"rope_interleaved": cfg.indexer_rope_interleaved, "eps": cfg.indexer_norm_eps},
     dims_from_config=_indexer_dims,
     build=_build_indexer_prolog,
+    adjust_inputs=_quantized_cache("index_k_cache"),
+    adjust_outputs=_quantized_cache("index_k_cache" + CACHE_OUT_SUFFIX),
 )
 
 
 # ------------------------------------------------------------------------------------ indexer scores and top-k
-def indexer_scores(g: GraphBuilder, v, d: Dims) -> str:
+def indexer_scores(g: GraphBuilder, v, d: Dims, o: Options) -> str:
     """[T, S] fp32: I[t, s] = sum_j weights[t, j] * ReLU(q_idx[t, j] . k[s]) where s <= pos(t), -inf elsewhere."""
     layout = token_sequences(g, v["q_idx"], v["cu_seqlens_q"])
     slots = g.op("Gather", sequence_slots(g, v["block_table"], v["index_k_cache"]), layout.seq)  # [T, S]
-    keys = g.op("Gather", flat_cache(g, v["index_k_cache"], d["DI"]), slots)  # [T, S, DI]
+    keys = _gather_rows(g, v["index_k_cache"], slots, d["DI"], o)  # [T, S, DI]
     # keys @ q^T rather than q @ keys^T: the transpose then copies the small q, not the gathered keys.
     dots = g.op("MatMul", keys, g.op("Transpose", v["q_idx"], perm=[0, 2, 1]))  # [T, S, HI]
     scores = squeeze(g, g.op("MatMul", g.op("Relu", dots), unsqueeze(g, v["weights"], 2)), 2)  # [T, S]
@@ -203,7 +235,7 @@ def indexer_scores(g: GraphBuilder, v, d: Dims) -> str:
 
 def _build_lightning_indexer(g: GraphBuilder, v, d: Dims, o: Options) -> dict[str, str]:
     topk = int(o["topk"])
-    logits = indexer_scores(g, v, d)
+    logits = indexer_scores(g, v, d, o)
     # TopK needs k <= the axis length; a cache narrower than topk gets -inf columns, which come out as -1.
     missing = g.op("Max", g.op("Sub", g.const([topk]), dims(g, logits, 1, 2)), g.const([0]))
     pads = g.op("Concat", g.const([0, 0, 0]), missing, axis=0)
@@ -229,7 +261,8 @@ INDEXER_LOGITS = OpGraph(
     outputs=(sig("logits", F32, "T", "S"),),
     options_from_config=lambda cfg: {},
     dims_from_config=lambda cfg: {"HI": cfg.index_n_heads, "DI": cfg.index_head_dim},
-    build=lambda g, v, d, o: {"logits": indexer_scores(g, v, d)},
+    build=lambda g, v, d, o: {"logits": indexer_scores(g, v, d, o)},
+    adjust_inputs=_quantized_cache("index_k_cache"),
 )
 
 LIGHTNING_INDEXER = OpGraph(
@@ -240,6 +273,7 @@ LIGHTNING_INDEXER = OpGraph(
     dims_from_config=lambda cfg: {"HI": cfg.index_n_heads, "DI": cfg.index_head_dim},
     derived_dims=lambda d, o: {"topk": int(o["topk"])},
     build=_build_lightning_indexer,
+    adjust_inputs=_quantized_cache("index_k_cache"),
 )
 
 
@@ -255,7 +289,7 @@ def _build_sparse_flash_attention(g: GraphBuilder, v, d: Dims, o: Options) -> di
     slots = sequence_slots(g, v["block_table"], v["kv_cache"])  # [B, S]
     row_start = g.op("Mul", unsqueeze(g, layout.seq, 1), dims(g, slots, 1, 2))  # [T, 1]
     slot = g.op("Gather", g.op("Reshape", slots, g.const([-1])), g.op("Add", row_start, safe_idx))  # [T, topk]
-    keys = g.op("Gather", flat_cache(g, v["kv_cache"], d["latent"]), slot)  # [T, topk, 576]
+    keys = _gather_rows(g, v["kv_cache"], slot, d["latent"], o)  # [T, topk, 576]
     # Scores as [T, topk, H] (keys @ q^T) so only q is transposed; the softmax runs over axis 1.
     scores = g.op(
         "Mul", g.op("MatMul", keys, g.op("Transpose", v["q"], perm=[0, 2, 1])), g.const(float(o["sm_scale"]), F32)
@@ -287,6 +321,7 @@ SPARSE_FLASH_ATTENTION = OpGraph(
     dims_from_config=lambda cfg: {"H": cfg.num_attention_heads, "latent": cfg.latent_dim, "topk": cfg.index_topk},
     derived_dims=lambda d, o: {"d_v": int(o["d_v"])},
     build=_build_sparse_flash_attention,
+    adjust_inputs=_quantized_cache("kv_cache"),
 )
 
 GRAPHS = (MLA_PROLOG, INDEXER_PROLOG, INDEXER_LOGITS, LIGHTNING_INDEXER, SPARSE_FLASH_ATTENTION)

@@ -21,6 +21,7 @@ import torch
 
 import glm5_hal
 from glm5_hal.config import ModelConfig
+from glm5_hal.kv_formats import AUTO, FAMILIES, OP_CACHE
 from glm5_hal.onnx_export.catalog import OP_GRAPHS
 from glm5_hal.onnx_export.custom import EXPORT_ONLY_OPTIONS, attribute_value, custom_node
 from glm5_hal.onnx_export.graph import OPSET, GraphBuilder, make_model, require_onnx
@@ -176,15 +177,24 @@ def contract_outputs(results: Mapping[str, object]) -> dict[str, object]:
 
 
 def write_preset(
-    cfg: ModelConfig, out_dir: str | Path, ops: Iterable[str] | None = None, *, custom_ops: Iterable[str] = ()
+    cfg: ModelConfig,
+    out_dir: str | Path,
+    ops: Iterable[str] | None = None,
+    *,
+    custom_ops: Iterable[str] = (),
+    kv_cache: str = AUTO,
 ) -> list[Path]:
-    """Export, check and save each op (default: all) as <out_dir>/<op>.onnx; returns the paths written."""
+    """Export, check and save each op (default: all) as <out_dir>/<op>.onnx; returns the paths written.
+    kv_cache: "auto" (float caches), "fp8" or "int8": the cache ops' kv_cache_dtype (glm5_hal.kv_formats.FAMILIES)."""
     onnx = require_onnx()
+    if kv_cache not in FAMILIES:
+        raise ValueError(f"kv_cache: expected one of {list(FAMILIES)}, got {kv_cache!r}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     written = []
     for op in ops if ops is not None else OP_GRAPHS:
-        model = export_op(op, cfg, custom_ops=custom_ops)
+        options = {"kv_cache_dtype": FAMILIES[kv_cache][OP_CACHE[op]]} if op in OP_CACHE else {}
+        model = export_op(op, cfg, options=options, custom_ops=custom_ops)
         check(model)
         path = out / f"{op}.onnx"
         onnx.save(model, path)

@@ -47,7 +47,9 @@ class OpGraph:
     options_from_config: the op's non-tensor arguments (eps, topk, sm_scale, ...) for a model preset.
     dims_from_config: the model dims its shapes name, for a preset.
     derived_dims: dims only the outputs name, from the other dims and the options (e.g. topk, E+1).
-    adjust_inputs: (inputs, options) -> inputs, for an input whose shape depends on an option (w4a8's w_scale).
+    adjust_inputs: (inputs, options) -> inputs, for an input whose shape depends on an option (w4a8's w_scale, a
+        quantized cache).
+    adjust_outputs: the same for outputs (a quantized cache written by a prolog).
     build: (builder, input values by name, dims, options) -> output values by name.
     """
 
@@ -61,6 +63,7 @@ class OpGraph:
     optional: tuple[str, ...] = field(default=())
     preset_absent: tuple[str, ...] = field(default=())
     adjust_inputs: Callable[[tuple[TensorSig, ...], Options], tuple[TensorSig, ...]] = lambda inputs, options: inputs
+    adjust_outputs: Callable[[tuple[TensorSig, ...], Options], tuple[TensorSig, ...]] = lambda outputs, options: outputs
 
     @property
     def tensor_names(self) -> tuple[str, ...]:
@@ -93,7 +96,7 @@ class OpGraph:
             return TensorSig(sig.name, dtype, tuple(shape))
 
         inputs = [concrete(s) for s in self.adjust_inputs(self.inputs, options) if s.name not in absent]
-        return inputs, [concrete(s) for s in self.outputs]
+        return inputs, [concrete(s) for s in self.adjust_outputs(self.outputs, options)]
 
 
 def _dtype_name(dtype: object) -> str:

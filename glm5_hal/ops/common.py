@@ -14,6 +14,7 @@ from glm5_hal.checks import (
     check_same_device,
     check_tensor,
 )
+from glm5_hal.kv_formats import check_format_support
 from glm5_hal.selection import check_float64_support, resolve
 
 NAMESPACE = "glm5_hal"
@@ -24,10 +25,13 @@ def dispatch(op: str, device: torch.device, *args: object, **kwargs: object) -> 
 
     float64 tensor arguments (the verification mode) run only on a backend that supports it; otherwise this
     raises glm5_hal.selection.Float64UnsupportedError (a TypeError) naming the op, the backend and who does.
+    Likewise a quantized cache (a `kv_cache_dtype` keyword) runs only on a backend that declares its format.
     """
     resolution = resolve(op, device.type)
     if _has_float64(args) or _has_float64(kwargs.values()):
         check_float64_support(resolution)
+    if "kv_cache_dtype" in kwargs:
+        check_format_support(resolution, kwargs["kv_cache_dtype"])
     return resolution.implementation(*args, **kwargs)
 
 

@@ -14,6 +14,7 @@ from glm5_hal.checks import (
     check_same_device,
     check_tensor,
 )
+from glm5_hal.kv_formats import AUTO, INDEX, check_cache, dispatch_kwargs
 from glm5_hal.ops.common import NAMESPACE, check_cache_write, check_paged_batch, dispatch
 from glm5_hal.ops.mla_prolog import check_rope_tables
 
@@ -33,6 +34,7 @@ def _indexer_prolog_op(
     slot_mapping: Tensor,
     rope_interleaved: bool,
     eps: float,
+    kv_cache_dtype: str,
 ) -> tuple[Tensor, Tensor]:
     return dispatch(
         "indexer_prolog",
@@ -50,6 +52,7 @@ def _indexer_prolog_op(
         slot_mapping,
         rope_interleaved=rope_interleaved,
         eps=eps,
+        **dispatch_kwargs(kv_cache_dtype),
     )
 
 
@@ -68,8 +71,9 @@ def _(
     slot_mapping,
     rope_interleaved,
     eps,
+    kv_cache_dtype,
 ):
-    head_dim = index_k_cache.shape[-1]
+    head_dim = w_ik.shape[0]
     num_heads = w_iq.shape[0] // head_dim
     return (
         x.new_empty(x.shape[0], num_heads, head_dim),
@@ -92,6 +96,7 @@ def indexer_prolog(
     *,
     rope_interleaved: bool,
     eps: float = 1e-6,
+    kv_cache_dtype: str = AUTO,
 ) -> tuple[Tensor, Tensor]:
     """The indexer's queries and head weights for T new tokens; writes their index keys into the cache.
 
@@ -104,10 +109,13 @@ def indexer_prolog(
         w_iw: [HI, hidden]. indexer.weights_proj.
         cos, sin: [T, rope / 2], fp32 (fp64 for fp64 x). RoPE tables at each token's position; RoPE acts on
             the FIRST `rope` dims of each DI-wide query head and key (MLA puts it last).
-        index_k_cache: [num_blocks, block_size, DI], x's dtype. Written in place at `slot_mapping`.
+        index_k_cache: [num_blocks, block_size, DI], x's dtype; or with a quantized kv_cache_dtype,
+            [num_blocks, block_size, row_bytes] uint8 (glm5_hal.kv_formats). Written in place at `slot_mapping`.
         slot_mapping: [T], int64. Cache slot per token; -1 = do not write.
         rope_interleaved: pairs (x[2i], x[2i+1]) if True (GLM-5), (x[i], x[i + rope/2]) if False (DeepSeek-V3.2).
         eps: LayerNorm epsilon of k_norm (1e-6 for both models).
+        kv_cache_dtype: "auto" (a float cache), "fp8_index" or "int8_index" (keys quantized on write: 128 codes
+            and one fp32 scale; needs DI 128).
 
     Returns:
         q_idx: [T, HI, DI], x's dtype. RoPE(q_norm @ w_iq^T) per head.
@@ -120,7 +128,7 @@ def indexer_prolog(
     check_tensor("x", x, ["T", "hidden"], FLOAT_OP_DTYPES, sizes)
     dtype = x.dtype
     check_tensor("q_norm", q_norm, ["T", "q_lora"], (dtype,), sizes)
-    check_tensor("index_k_cache", index_k_cache, [None, None, "DI"], (dtype,), sizes)
+    check_cache("index_k_cache", index_k_cache, kv_cache_dtype, INDEX, [None, None, "DI"], dtype, sizes)
     check_tensor("w_iq", w_iq, ["HI_x_DI", "q_lora"], (dtype,), sizes)
     check(
         sizes["HI_x_DI"] % sizes["DI"] == 0,
@@ -178,6 +186,7 @@ def indexer_prolog(
         slot_mapping,
         rope_interleaved,
         float(eps),
+        kv_cache_dtype,
     )
 
 
@@ -188,11 +197,13 @@ def _check_scoring_inputs(
     block_table: Tensor,
     seq_lens_k: Tensor,
     cu_seqlens_q: Tensor,
+    kv_cache_dtype: str,
 ) -> dict[str, int]:
     sizes: dict[str, int] = {}
     check_tensor("q_idx", q_idx, ["T", "HI", "DI"], FLOAT_OP_DTYPES, sizes)
     check_accumulation_tensor("weights", weights, ["T", "HI"], q_idx.dtype, sizes)
-    check_tensor("index_k_cache", index_k_cache, ["num_blocks", "block_size", "DI"], (q_idx.dtype,), sizes)
+    dims = ["num_blocks", "block_size", "DI"]
+    check_cache("index_k_cache", index_k_cache, kv_cache_dtype, INDEX, dims, q_idx.dtype, sizes)
     check_same_device(q_idx=q_idx, weights=weights, index_k_cache=index_k_cache)
     check_paged_batch("index_k_cache", index_k_cache, block_table, seq_lens_k, cu_seqlens_q, sizes["T"], sizes)
     return sizes
@@ -202,9 +213,11 @@ _SCORING_ARGS_DOC = """
         q_idx: [T, HI, DI], bf16/fp16/fp32, or fp64 (verification mode, reference backend). Indexer queries
             from `indexer_prolog`.
         weights: [T, HI], fp32 (fp64 for fp64 q_idx). Per-head weights from `indexer_prolog`.
-        index_k_cache: [num_blocks, block_size, DI], q_idx's dtype. Paged index keys.
+        index_k_cache: [num_blocks, block_size, DI], q_idx's dtype. Paged index keys; or with a quantized
+            kv_cache_dtype, [num_blocks, block_size, row_bytes] uint8, read as the stored codes times their scales.
         block_table: [B, max_blocks], int32. seq_lens_k: [B], int32. cu_seqlens_q: [B+1], int32.
             Query i of sequence b sits at position seq_lens_k[b] - q_len[b] + i and sees keys at positions <= it.
+        kv_cache_dtype: "auto" (a float cache), "fp8_index" or "int8_index" (glm5_hal.kv_formats).
 """
 
 
@@ -216,14 +229,23 @@ def _indexer_logits_op(
     block_table: Tensor,
     seq_lens_k: Tensor,
     cu_seqlens_q: Tensor,
+    kv_cache_dtype: str,
 ) -> Tensor:
     return dispatch(
-        "indexer_logits", q_idx.device, q_idx, weights, index_k_cache, block_table, seq_lens_k, cu_seqlens_q
+        "indexer_logits",
+        q_idx.device,
+        q_idx,
+        weights,
+        index_k_cache,
+        block_table,
+        seq_lens_k,
+        cu_seqlens_q,
+        **dispatch_kwargs(kv_cache_dtype),
     )
 
 
 @_indexer_logits_op.register_fake
-def _(q_idx, weights, index_k_cache, block_table, seq_lens_k, cu_seqlens_q):
+def _(q_idx, weights, index_k_cache, block_table, seq_lens_k, cu_seqlens_q, kv_cache_dtype):
     width = block_table.shape[1] * index_k_cache.shape[1]
     return q_idx.new_empty(q_idx.shape[0], width, dtype=accumulation_dtype(q_idx.dtype))
 
@@ -235,6 +257,8 @@ def indexer_logits(
     block_table: Tensor,
     seq_lens_k: Tensor,
     cu_seqlens_q: Tensor,
+    *,
+    kv_cache_dtype: str = AUTO,
 ) -> Tensor:
     """The full indexer score matrix (what `lightning_indexer` ranks); for parity checks and debugging.
 
@@ -247,8 +271,8 @@ def indexer_logits(
 
     Reference: ops_reference/indexer.py
     """
-    _check_scoring_inputs(q_idx, weights, index_k_cache, block_table, seq_lens_k, cu_seqlens_q)
-    return _indexer_logits_op(q_idx, weights, index_k_cache, block_table, seq_lens_k, cu_seqlens_q)
+    _check_scoring_inputs(q_idx, weights, index_k_cache, block_table, seq_lens_k, cu_seqlens_q, kv_cache_dtype)
+    return _indexer_logits_op(q_idx, weights, index_k_cache, block_table, seq_lens_k, cu_seqlens_q, kv_cache_dtype)
 
 
 @torch.library.custom_op(f"{NAMESPACE}::lightning_indexer", mutates_args=())
@@ -260,6 +284,7 @@ def _lightning_indexer_op(
     seq_lens_k: Tensor,
     cu_seqlens_q: Tensor,
     topk: int,
+    kv_cache_dtype: str,
 ) -> tuple[Tensor, Tensor]:
     return dispatch(
         "lightning_indexer",
@@ -271,11 +296,12 @@ def _lightning_indexer_op(
         seq_lens_k,
         cu_seqlens_q,
         topk,
+        **dispatch_kwargs(kv_cache_dtype),
     )
 
 
 @_lightning_indexer_op.register_fake
-def _(q_idx, weights, index_k_cache, block_table, seq_lens_k, cu_seqlens_q, topk):
+def _(q_idx, weights, index_k_cache, block_table, seq_lens_k, cu_seqlens_q, topk, kv_cache_dtype):
     num_tokens = q_idx.shape[0]
     return (
         q_idx.new_empty(num_tokens, topk, dtype=torch.int32),
@@ -293,6 +319,7 @@ def lightning_indexer(
     topk: int,
     *,
     return_scores: bool = False,
+    kv_cache_dtype: str = AUTO,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Pick, for every query token, the `topk` keys with the highest indexer score.
 
@@ -300,17 +327,19 @@ def lightning_indexer(
         return_scores: also return the selected keys' scores.
 
     Returns:
-        indices: [T, topk], int32. Request-local key positions of a top-`topk` set of the row's scores, in any
-            order. When fewer than `topk` keys are visible, all of them come first and the rest is -1.
-            Any correct top-k set is right (ties).
+        indices: [T, topk], int32. Request-local key positions of the row's top-`topk` scores, in any order;
+            equal scores rank by the LOWER key position, so the set is the same on every call, backend and rank.
+            When fewer than `topk` keys are visible, all of them come first and the rest is -1.
         scores (if return_scores): [T, topk], fp32 (fp64 for fp64 q_idx). The selected keys' scores; -inf
             where indices is -1.
 
     Reference: ops_reference/indexer.py
     """
-    _check_scoring_inputs(q_idx, weights, index_k_cache, block_table, seq_lens_k, cu_seqlens_q)
+    _check_scoring_inputs(q_idx, weights, index_k_cache, block_table, seq_lens_k, cu_seqlens_q, kv_cache_dtype)
     topk = check_positive_int("topk", topk)
-    indices, scores = _lightning_indexer_op(q_idx, weights, index_k_cache, block_table, seq_lens_k, cu_seqlens_q, topk)
+    indices, scores = _lightning_indexer_op(
+        q_idx, weights, index_k_cache, block_table, seq_lens_k, cu_seqlens_q, topk, kv_cache_dtype
+    )
     return (indices, scores) if return_scores else indices
 
 

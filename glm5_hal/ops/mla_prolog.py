@@ -12,6 +12,7 @@ from glm5_hal.checks import (
     check_same_device,
     check_tensor,
 )
+from glm5_hal.kv_formats import AUTO, LATENT, check_cache, dispatch_kwargs
 from glm5_hal.ops.common import NAMESPACE, check_cache_write, dispatch
 
 
@@ -39,6 +40,7 @@ def _mla_prolog_op(
     kv_cache: Tensor,
     slot_mapping: Tensor,
     eps: float,
+    kv_cache_dtype: str,
 ) -> tuple[Tensor, Tensor, Tensor]:
     return dispatch(
         "mla_prolog",
@@ -55,11 +57,12 @@ def _mla_prolog_op(
         kv_cache,
         slot_mapping,
         eps,
+        **dispatch_kwargs(kv_cache_dtype),
     )
 
 
 @_mla_prolog_op.register_fake
-def _(x, w_dq, gamma_cq, w_uq_qr, w_uk, w_dkv_kr, gamma_ckv, cos, sin, kv_cache, slot_mapping, eps):
+def _(x, w_dq, gamma_cq, w_uq_qr, w_uk, w_dkv_kr, gamma_ckv, cos, sin, kv_cache, slot_mapping, eps, kv_cache_dtype):
     num_tokens = x.shape[0]
     num_heads, _, kv_lora = w_uk.shape
     return (
@@ -82,6 +85,8 @@ def mla_prolog(
     kv_cache: Tensor,
     slot_mapping: Tensor,
     eps: float,
+    *,
+    kv_cache_dtype: str = AUTO,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Everything MLA does before attention, for T new tokens; writes their latent KV rows into the cache.
 
@@ -95,9 +100,12 @@ def mla_prolog(
         gamma_ckv: [kv_lora]. kv_a_layernorm weight.
         cos, sin: [T, rope / 2], fp32 (fp64 for fp64 x). RoPE tables at each token's position (MLA RoPE is
             interleaved).
-        kv_cache: [num_blocks, block_size, kv_lora + rope], x's dtype. Written in place at `slot_mapping`.
+        kv_cache: [num_blocks, block_size, kv_lora + rope], x's dtype; or with a quantized kv_cache_dtype,
+            [num_blocks, block_size, row_bytes] uint8 (glm5_hal.kv_formats). Written in place at `slot_mapping`.
         slot_mapping: [T], int64. Cache slot of each token (block * block_size + offset); -1 = do not write.
         eps: RMSNorm epsilon of both norms (GLM-5 1e-5, DeepSeek-V3.2 1e-6).
+        kv_cache_dtype: "auto" (a float cache), "fp8_ds_mla" or "int8_mla" (rows quantized on write: 512 codes in
+            tiles of 128 with fp32 scales, 64 bf16 RoPE values; needs kv_lora 512 and rope 64).
         All weights have x's dtype and device.
 
     Returns:
@@ -120,7 +128,15 @@ def mla_prolog(
     check_tensor("w_uq_qr", w_uq_qr, ["H*(nope+rope)", "q_lora"], (dtype,), sizes)
     check_tensor("w_dkv_kr", w_dkv_kr, ["kv_lora+rope", "hidden"], (dtype,), sizes)
     check_tensor("gamma_ckv", gamma_ckv, ["kv_lora"], (dtype,), sizes)
-    check_tensor("kv_cache", kv_cache, [None, None, "kv_lora+rope"], (dtype,), sizes)
+    fmt = check_cache("kv_cache", kv_cache, kv_cache_dtype, LATENT, [None, None, "kv_lora+rope"], dtype, sizes)
+    check(
+        fmt is None or (sizes["kv_lora"], rope) == (fmt.quantized_dims, fmt.rope_dims),
+        ValueError,
+        lambda: (
+            f"kv_cache_dtype: {kv_cache_dtype!r} quantizes {fmt.quantized_dims} latent dims and keeps {fmt.rope_dims} "
+            f"RoPE dims, got kv_lora {sizes['kv_lora']} (w_uk) and rope {rope} (cos)"
+        ),
+    )
     check_cache_write("kv_cache", kv_cache, slot_mapping, sizes["T"], sizes)
     check(
         isinstance(eps, (int, float)) and float(eps) > 0.0,
@@ -141,5 +157,17 @@ def mla_prolog(
         slot_mapping=slot_mapping,
     )
     return _mla_prolog_op(
-        x, w_dq, gamma_cq, w_uq_qr, w_uk, w_dkv_kr, gamma_ckv, cos, sin, kv_cache, slot_mapping, float(eps)
+        x,
+        w_dq,
+        gamma_cq,
+        w_uq_qr,
+        w_uk,
+        w_dkv_kr,
+        gamma_ckv,
+        cos,
+        sin,
+        kv_cache,
+        slot_mapping,
+        float(eps),
+        kv_cache_dtype,
     )

@@ -14,6 +14,7 @@ from glm5_hal.checks import (
     check_same_device,
     check_tensor,
 )
+from glm5_hal.kv_formats import AUTO, LATENT, check_cache, dispatch_kwargs
 from glm5_hal.ops.common import NAMESPACE, check_paged_batch, dispatch
 
 
@@ -27,14 +28,25 @@ def _sparse_flash_attention_op(
     cu_seqlens_q: Tensor,
     sm_scale: float,
     d_v: int,
+    kv_cache_dtype: str,
 ) -> tuple[Tensor, Tensor]:
     return dispatch(
-        "sparse_flash_attention", q.device, q, kv_cache, indices, block_table, seq_lens_k, cu_seqlens_q, sm_scale, d_v
+        "sparse_flash_attention",
+        q.device,
+        q,
+        kv_cache,
+        indices,
+        block_table,
+        seq_lens_k,
+        cu_seqlens_q,
+        sm_scale,
+        d_v,
+        **dispatch_kwargs(kv_cache_dtype),
     )
 
 
 @_sparse_flash_attention_op.register_fake
-def _(q, kv_cache, indices, block_table, seq_lens_k, cu_seqlens_q, sm_scale, d_v):
+def _(q, kv_cache, indices, block_table, seq_lens_k, cu_seqlens_q, sm_scale, d_v, kv_cache_dtype):
     num_tokens, num_heads, _ = q.shape
     return (
         q.new_empty(num_tokens, num_heads, d_v),
@@ -51,6 +63,8 @@ def sparse_flash_attention(
     cu_seqlens_q: Tensor,
     sm_scale: float,
     d_v: int = 512,
+    *,
+    kv_cache_dtype: str = AUTO,
 ) -> tuple[Tensor, Tensor]:
     """Attention of each query token over the top-k keys its indexer selected (absorbed MLA, one KV head).
 
@@ -58,7 +72,8 @@ def sparse_flash_attention(
         q: [T, H, 576], bf16/fp16/fp32, or fp64 (verification mode, reference backend). Absorbed queries
             `cat([q_lat, q_pe], -1)` from `mla_prolog`.
         kv_cache: [num_blocks, block_size, 576], same dtype as q. Paged latent cache; K is the whole row,
-            V its first `d_v` dims.
+            V its first `d_v` dims. With a quantized kv_cache_dtype: [num_blocks, block_size, row_bytes] uint8,
+            read as the stored codes times their scales (and the bf16 RoPE dims).
         indices: [T, topk], int32. Request-local key positions of the selected keys (`lightning_indexer`);
             -1 and positions >= seq_lens_k[b] are invalid and ignored. Duplicates in a row are a caller error.
         block_table: [B, max_blocks], int32. Cache block of each block of keys of each sequence.
@@ -66,6 +81,7 @@ def sparse_flash_attention(
         cu_seqlens_q: [B+1], int32. Prefix sums of the new tokens per sequence; cu_seqlens_q[-1] == T.
         sm_scale: softmax scale (from the unabsorbed qk_head_dim: GLM-5 0.0625, DeepSeek-V3.2 0.135234).
         d_v: width of V, the leading dims of each cache row (512).
+        kv_cache_dtype: "auto" (a float cache), "fp8_ds_mla" or "int8_mla" (glm5_hal.kv_formats).
 
     Returns:
         out: [T, H, d_v], q's dtype. softmax(sm_scale * q . K[idx]) @ V[idx] over the valid indices.
@@ -76,7 +92,7 @@ def sparse_flash_attention(
     """
     sizes: dict[str, int] = {}
     check_tensor("q", q, ["T", "H", "D"], FLOAT_OP_DTYPES, sizes)
-    check_tensor("kv_cache", kv_cache, ["num_blocks", "block_size", "D"], (q.dtype,), sizes)
+    check_cache("kv_cache", kv_cache, kv_cache_dtype, LATENT, ["num_blocks", "block_size", "D"], q.dtype, sizes)
     check_tensor("indices", indices, ["T", "topk"], INDEX_DTYPES, sizes)
     check(
         isinstance(d_v, int) and 0 < d_v <= sizes["D"],
@@ -92,5 +108,5 @@ def sparse_flash_attention(
     check_paged_batch("kv_cache", kv_cache, block_table, seq_lens_k, cu_seqlens_q, sizes["T"], sizes)
     check_index_range("indices", indices, -1, 2**31 - 1, "-1 or a request-local key position")
     return _sparse_flash_attention_op(
-        q, kv_cache, indices, block_table, seq_lens_k, cu_seqlens_q, float(sm_scale), int(d_v)
+        q, kv_cache, indices, block_table, seq_lens_k, cu_seqlens_q, float(sm_scale), int(d_v), kv_cache_dtype
     )

@@ -21,6 +21,7 @@ from glm5_hal.parity.inputs import (
     random_topk_indices,
     rope_tables,
 )
+from glm5_hal.parity.quantized_cache import quantized_variants
 
 FP32_BF16 = (torch.float32, torch.bfloat16)
 FP32_ONLY = (torch.float32,)
@@ -411,6 +412,10 @@ CASES: list[Case] = [
     Case("hadamard_transform", "glm5_hidden_6144", "regular", hadamard_inputs((3, 6144)), slow=True),
     Case("hadamard_transform", "deepseek_hidden_7168", "regular", hadamard_inputs((3, 7168)), slow=True),
 ]
+
+
+# The quantized cache formats (OPS.md section 7): every case of a cache op again on each format's bytes.
+CASES += quantized_variants(CASES)
 
 
 def cases_for(op: str | None = None, *, quick: bool = False) -> list[Case]:

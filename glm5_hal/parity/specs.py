@@ -15,7 +15,9 @@ import torch
 
 import glm5_hal
 import ops_reference as ref
+from glm5_hal.kv_formats import AUTO
 from glm5_hal.parity.compare import Verdict, compare_exact, compare_float, compare_int8_codes, compare_topk, to_numpy
+from glm5_hal.parity.quantized_cache import compare_quantized_cache
 
 Inputs = dict[str, object]
 Outputs = dict[str, torch.Tensor]
@@ -48,7 +50,9 @@ class OpSpec:
         want = self.reference(inputs)
         verdicts = []
         for name, value in outputs.items():
-            if name in self.exact_outputs or not value.is_floating_point():
+            if name in self.mutated and inputs.get("kv_cache_dtype", AUTO) != AUTO:
+                verdicts.append(_judge_quantized_write(self, inputs, name, value, want[name], dtype))
+            elif name in self.exact_outputs or not value.is_floating_point():
                 verdicts.append(compare_exact(name, value, want[name]))
             else:
                 verdicts.append(compare_float(name, value, want[name], dtype))
@@ -56,8 +60,9 @@ class OpSpec:
 
 
 def _ref_call(fn: Callable, *names: str, **kw_names: str) -> Callable[[dict], tuple]:
-    """Call `fn` with the named inputs positionally, then the keyword ones."""
-    return lambda a: _as_tuple(fn(*(a[n] for n in names), **{k: a[v] for k, v in kw_names.items()}))
+    """Call `fn` with the named inputs positionally, then the keyword ones that the inputs have (the others keep
+    fn's defaults, e.g. kv_cache_dtype="auto" for a float cache)."""
+    return lambda a: _as_tuple(fn(*(a[n] for n in names), **{k: a[v] for k, v in kw_names.items() if v in a}))
 
 
 def _as_tuple(result: object) -> tuple:
@@ -80,6 +85,7 @@ _REFERENCE_CALLS: dict[str, Callable[[dict], tuple]] = {
         "kv_cache",
         "slot_mapping",
         "eps",
+        kv_cache_dtype="kv_cache_dtype",
     ),
     "indexer_prolog": _ref_call(
         ref.indexer_prolog,
@@ -95,11 +101,23 @@ _REFERENCE_CALLS: dict[str, Callable[[dict], tuple]] = {
         "index_k_cache",
         "slot_mapping",
         rope_interleaved="rope_interleaved",
+        kv_cache_dtype="kv_cache_dtype",
     ),
-    "indexer_logits": _ref_call(ref.indexer_logits, "q_idx", "weights", "index_k_cache", *_PAGED),
-    "lightning_indexer": _ref_call(ref.lightning_indexer, "q_idx", "weights", "index_k_cache", *_PAGED, "topk"),
+    "indexer_logits": _ref_call(
+        ref.indexer_logits, "q_idx", "weights", "index_k_cache", *_PAGED, kv_cache_dtype="kv_cache_dtype"
+    ),
+    "lightning_indexer": _ref_call(
+        ref.lightning_indexer, "q_idx", "weights", "index_k_cache", *_PAGED, "topk", kv_cache_dtype="kv_cache_dtype"
+    ),
     "sparse_flash_attention": _ref_call(
-        ref.sparse_flash_attention, "q", "kv_cache", "indices", *_PAGED, "sm_scale", "d_v"
+        ref.sparse_flash_attention,
+        "q",
+        "kv_cache",
+        "indices",
+        *_PAGED,
+        "sm_scale",
+        "d_v",
+        kv_cache_dtype="kv_cache_dtype",
     ),
     "moe_gate": _ref_call(
         ref.moe_gate,
@@ -123,9 +141,26 @@ _REFERENCE_CALLS: dict[str, Callable[[dict], tuple]] = {
 }
 
 
+def _judge_quantized_write(
+    spec: OpSpec, inputs: Inputs, name: str, value: torch.Tensor, reference_cache: np.ndarray, dtype: torch.dtype
+) -> Verdict:
+    """A quantized cache after a prolog's write, against the reference's unquantized rows (quantized_cache.py)."""
+    fmt = ref.FORMATS[str(inputs["kv_cache_dtype"])]
+    blocks, block_size, _ = inputs[name].shape  # type: ignore[union-attr]
+    # The reference's float64 rows: the same call writing a float cache (slots it does not write stay 0).
+    float_cache = torch.zeros(blocks, block_size, fmt.width, dtype=torch.float64)
+    rows = spec.reference({**inputs, name: float_cache, "kv_cache_dtype": AUTO})[name].reshape(-1, fmt.width)
+    slots = to_numpy(inputs["slot_mapping"]).astype(np.int64)  # type: ignore[arg-type]
+    written = rows[np.clip(slots, 0, None)]
+    before = to_numpy(inputs[name])  # type: ignore[arg-type]
+    return compare_quantized_cache(name, value, before, written, reference_cache, slots, fmt, dtype)
+
+
 def _judge_lightning_indexer(spec: OpSpec, inputs: Inputs, outputs: Outputs, dtype: torch.dtype) -> list[Verdict]:
     args = {k: (to_numpy(v) if isinstance(v, torch.Tensor) else v) for k, v in inputs.items()}
-    logits = ref.indexer_logits(*(args[n] for n in ("q_idx", "weights", "index_k_cache", *_PAGED)))
+    logits = ref.indexer_logits(
+        *(args[n] for n in ("q_idx", "weights", "index_k_cache", *_PAGED)), args.get("kv_cache_dtype", AUTO)
+    )
     indices = outputs["indices"]
     verdicts = [compare_topk("indices", indices, logits, int(inputs["topk"]), dtype)]
     if "scores" in outputs:

@@ -33,6 +33,7 @@ KERNELS: dict[str, Callable] = {
     "npu_kv_rmsnorm_rope_cache": mla.npu_kv_rmsnorm_rope_cache,
     "npu_lightning_indexer": attention.npu_lightning_indexer,
     "npu_sparse_flash_attention": attention.npu_sparse_flash_attention,
+    "npu_kv_quant_sparse_flash_attention": attention.npu_kv_quant_sparse_flash_attention,
     "npu_moe_gating_top_k": moe.npu_moe_gating_top_k,
     "npu_moe_init_routing_v2": moe.npu_moe_init_routing_v2,
     "npu_grouped_matmul": moe.npu_grouped_matmul,

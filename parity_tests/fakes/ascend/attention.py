@@ -64,6 +64,17 @@ def _causal_keep(indices: np.ndarray, cu_q: np.ndarray, kv_lens: np.ndarray) -> 
     return indices <= ref.token_positions(kv_lens, cu_q)[:, None]
 
 
+def _sparse_indices(op: str, indices: np.ndarray, cu_q: np.ndarray, kv_lens: np.ndarray, sparse_mode: int):
+    """The documented sparse_indices rules of the sparse attention kernels: invalid entries are -1 and come after
+    the valid ones, no entry is past its sequence's keys. -> [T, k] with the entries sparse_mode 3 hides set to -1."""
+    invalid = indices < 0
+    require(bool((indices[invalid] == -1).all()), op, "invalid sparse indices are -1")
+    require(bool((np.cumsum(invalid, axis=1)[~invalid] == 0).all()), op, "each row must hold its valid indices first")
+    seqs = ref.token_sequences(cu_q)
+    require(bool((indices < kv_lens[seqs][:, None]).all()), op, "a sparse index is past its sequence's keys")
+    return np.where(_causal_keep(indices, cu_q, kv_lens), indices, -1) if sparse_mode == 3 else indices
+
+
 def npu_lightning_indexer(
     query: Tensor,
     key: Tensor,
@@ -218,14 +229,8 @@ def npu_sparse_flash_attention(
     cache, table, kv_lens = _sfa_keys(op, key, key_rope, block_table, actual_seq_lengths_kv, layout_kv, batch)
     require(bool((np.diff(cu_q) <= kv_lens).all()), op, "a sequence has more query tokens than keys")
 
-    indices = host(sparse_indices)[:, 0, :]  # [T, k]
-    invalid = indices < 0
-    require(bool((indices[invalid] == -1).all()), op, "invalid sparse indices are -1")
-    require(bool((np.cumsum(invalid, axis=1)[~invalid] == 0).all()), op, "each row must hold its valid indices first")
+    indices = _sparse_indices(op, host(sparse_indices)[:, 0, :], cu_q, kv_lens, sparse_mode)  # [T, k]
     seqs = ref.token_sequences(cu_q)
-    require(bool((indices < kv_lens[seqs][:, None]).all()), op, "a sparse index is past its sequence's keys")
-    if sparse_mode == 3:
-        indices = np.where(_causal_keep(indices, cu_q, kv_lens), indices, -1)
 
     q = np.concatenate([host(query), host(query_rope)], axis=-1)  # [T, N1, 576]
     out, lse = ref.sparse_flash_attention(q, cache, indices, table, kv_lens, cu_q, scale_value, 512)
@@ -247,3 +252,101 @@ def npu_sparse_flash_attention(
         device_tensor(peak[None], torch.float32, query),
         device_tensor(total[None], torch.float32, query),
     )
+
+
+KV_QUANT_ROW = 512 + 2 * 64 + 4 * 4  # int8 k_nope | k_rope in the query's dtype (bf16) | 4 fp32 per-tile scales
+
+
+def _decode_kv_quant_rows(key: Tensor) -> np.ndarray:
+    """[.., 656] int8 combined rows -> float64 [.., 576]: codes * their tile's scale, then the bf16 RoPE values."""
+    data = key.detach().cpu().view(torch.uint8).numpy()
+    codes = data[..., :512].view(np.int8).astype(np.float64)
+    rope = np.ascontiguousarray(data[..., 512:640]).view("<u2").astype(np.uint32) << 16
+    scales = np.ascontiguousarray(data[..., 640:656]).view("<f4").astype(np.float64)
+    nope = (codes.reshape(*codes.shape[:-1], 4, 128) * scales[..., None]).reshape(codes.shape)
+    return np.concatenate([nope, rope.view(np.float32).astype(np.float64)], axis=-1)
+
+
+def npu_kv_quant_sparse_flash_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    sparse_indices: Tensor,
+    scale_value: float,
+    key_quant_mode: int,
+    value_quant_mode: int,
+    *,
+    key_dequant_scale=None,
+    value_dequant_scale=None,
+    block_table=None,
+    actual_seq_lengths_query=None,
+    actual_seq_lengths_kv=None,
+    sparse_block_size=1,
+    layout_query="BSND",
+    layout_kv="BSND",
+    sparse_mode=3,
+    pre_tokens=MAX_INT64,
+    next_tokens=MAX_INT64,
+    attention_mode=0,
+    quant_scale_repo_mode=1,
+    tile_size=128,
+    rope_head_dim=64,
+    key_dtype=None,
+    value_dtype=None,
+):
+    """Per-tile int8 KV, MLA-absorb (attention_mode 2), scales combined with the data (quant_scale_repo_mode 1):
+    query BSND [B, S, N, 576] bf16 = [q_nope | q_rope]; key = value int8 PA_BSND [blocks, bs (multiple of 16, <=
+    1024), 1, 656] with rows [512 int8 | 64 bf16 RoPE | 4 fp32 scales of 128 codes each]; sparse_indices int32
+    [B, S, 1, k], valid entries first, -1 after; block_table int32; actual_seq_lengths_kv [B] int32.
+    key/value_dequant_scale are reserved (unsupported). -> out [B, S, N, 512] bf16; a row without a valid index
+    has an undefined output (poisoned)."""
+    op = "npu_kv_quant_sparse_flash_attention"
+    require(attention_mode == 2, op, f"attention_mode only takes 2 (MLA-absorb), got {attention_mode}")
+    require(key_quant_mode == 2 and value_quant_mode == 2, op, "key/value_quant_mode only take 2 (per-tile)")
+    require(quant_scale_repo_mode == 1, op, "quant_scale_repo_mode only takes 1 (scales combined with the data)")
+    require(tile_size == 128 and rope_head_dim == 64, op, f"tile_size 128 / rope_head_dim 64, got {tile_size}")
+    require(key_dequant_scale is None and value_dequant_scale is None, op, "key/value_dequant_scale are reserved")
+    require(key_dtype is None and value_dtype is None, op, "key_dtype/value_dtype are for other products")
+    require(layout_kv == "PA_BSND", op, f"layout_kv only takes PA_BSND, got {layout_kv!r}")
+    not_modeled(layout_query == "BSND", op, f"layout_query {layout_query!r}")
+    not_modeled(sparse_mode in (0, 3), op, f"sparse_mode {sparse_mode}")
+    not_modeled(sparse_block_size == 1, op, f"sparse_block_size {sparse_block_size}")
+    require(pre_tokens == MAX_INT64 and next_tokens == MAX_INT64, op, "pre_tokens/next_tokens only take the default")
+    require(query.dtype == torch.bfloat16 and query.is_contiguous(), op, "query must be contiguous bfloat16")
+    require(query.dim() == 4 and query.shape[-1] == 576, op, f"query must be [B, S, N, 576], got {tuple(query.shape)}")
+    batch, q_len, heads, _ = query.shape
+    require(heads in SFA_QUERY_HEADS, op, f"N must be one of {SFA_QUERY_HEADS}, got {heads}")
+    require(key.dtype == torch.int8 and key.is_contiguous(), op, "key must be contiguous int8")
+    require(
+        key.dim() == 4 and key.shape[2] == 1 and key.shape[3] == KV_QUANT_ROW,
+        op,
+        f"PA_BSND key must be [blocks, bs, 1, {KV_QUANT_ROW}], got {tuple(key.shape)}",
+    )
+    require(
+        value.data_ptr() == key.data_ptr() and value.shape == key.shape,
+        op,
+        "in attention_mode 2 key and value share one tensor",
+    )
+    blocks, block_size = key.shape[:2]
+    require(block_size % 16 == 0 and block_size <= 1024, op, "block_size must be a multiple of 16 up to 1024")
+    require(
+        sparse_indices.dtype == torch.int32 and sparse_indices.is_contiguous(), op, "sparse_indices: contiguous int32"
+    )
+    require(
+        sparse_indices.dim() == 4 and sparse_indices.shape[:3] == (batch, q_len, 1) and sparse_indices.shape[3] > 0,
+        op,
+        f"sparse_indices must be [B, S, 1, sparse_size], got {tuple(sparse_indices.shape)}",
+    )
+    if actual_seq_lengths_query is not None:
+        q_lens = host(actual_seq_lengths_query)
+        require(tuple(q_lens.shape) == (batch,) and bool((q_lens == q_len).all()), op, "query lengths must be S")
+    kv_lens = _seq_lengths(op, "actual_seq_lengths_kv", actual_seq_lengths_kv, batch)
+    table = _block_table(op, block_table, kv_lens, block_size, blocks)
+
+    cu_q = np.arange(batch + 1) * q_len
+    indices = _sparse_indices(op, host(sparse_indices).reshape(batch * q_len, -1), cu_q, kv_lens, sparse_mode)
+    cache = _decode_kv_quant_rows(key)[:, :, 0]  # [blocks, bs, 576]
+    q = host(query).reshape(batch * q_len, heads, 576)
+    out, lse = ref.sparse_flash_attention(q, cache, indices, table, kv_lens, cu_q, scale_value, 512)
+    out[~np.isfinite(lse)] = np.nan  # no valid key: the kernel's output is undefined
+    return device_tensor(out.reshape(batch, q_len, heads, 512), torch.bfloat16, query)

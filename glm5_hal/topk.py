@@ -1,0 +1,71 @@
+"""Deterministic top-k of score rows: the best `k` columns, equal scores ranked by the LOWER column.
+
+torch.topk does not say which of several equal scores it returns, and its choice differs between devices,
+kernels (radix select vs sort) and even row lengths, so an indexer built on it can pick different keys run after
+run or rank after rank when scores tie. The contract (OPS.md section 7, "Top-k ties") fixes the set: rank by
+score, then by lower key position; here the order of the returned row is fixed the same way.
+
+    torch.topk(scores, k + 1)          the fast float select, one column more than asked
+      -> the set is already unique unless the (k+1)-th score equals the k-th (a tie across the boundary);
+         only such rows (rare: exact float ties) are selected again over a composite integer key
+      -> the k winners sorted by (score, -column): a sort of k elements, not of the row
+
+    composite key = order(score) * 2^32 + (2^32 - 1 - column)          (int64, unique within a row)
+
+order(score) is the fp32 bit pattern made monotone (-0.0 folded into +0.0 first, negatives' magnitude bits
+flipped), so integer order is float order with -inf lowest and NaN highest (torch.topk's NaN order).
+Deciding whether a row needs the second select reads one flag per row back to the host; where that is not
+allowed (CUDA graph capture, torch.compile tracing) every row takes the composite select instead.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+_LOW_BITS = 1 << 32  # columns below 2^32: a row of up to 4G keys
+
+
+def ordered_key(scores: Tensor, columns: Tensor | None = None) -> Tensor:
+    """[..., S] scores (fp32) at `columns` ([..., S] int, default 0 .. S-1) -> int64 keys, larger for a better
+    (score, lower column); unique within a row when the columns are."""
+    # + 0.0 turns -0.0 into +0.0 (IEEE round-to-nearest), so the two zeros tie and the column decides.
+    key = (scores.to(torch.float32) + 0.0).view(torch.int32).to(torch.int64)
+    key ^= (key >> 31) & 0x7FFFFFFF  # negative floats: a larger magnitude becomes a smaller integer
+    if columns is None:
+        columns = torch.arange(scores.shape[-1], device=scores.device)
+    return key.mul_(_LOW_BITS).add_(_LOW_BITS - 1 - columns)
+
+
+def _composite_topk(scores: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    columns = torch.topk(ordered_key(scores), k, dim=-1, sorted=True).indices
+    return scores.gather(-1, columns), columns
+
+
+def _may_read_back(scores: Tensor) -> bool:
+    """Whether a per-row flag may be read back to the host here (not while capturing or tracing a graph)."""
+    if torch.compiler.is_compiling():
+        return False
+    return not (scores.is_cuda and torch.cuda.is_current_stream_capturing())
+
+
+def topk_lower_position_ties(scores: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """The top-k columns of each row of scores [N, S] fp32 (k <= S), best first; equal scores by lower column.
+
+    Returns (values [N, k] fp32, columns [N, k] int64): the same for every call, device and row layout.
+    """
+    if not _may_read_back(scores):
+        return _composite_topk(scores, k)
+    probe = min(k + 1, scores.shape[-1])
+    values, columns = torch.topk(scores, probe, dim=-1, sorted=True)
+    if probe > k:
+        kth, next_best = values[:, k - 1], values[:, k]
+        # A tie across the boundary leaves the set open; a tie at -inf does not matter (invisible keys become -1).
+        open_rows = ((next_best == kth) & (kth > float("-inf"))) | torch.isnan(kth)
+        values, columns = values[:, :k], columns[:, :k]
+        if bool(open_rows.any()):
+            rows = open_rows.nonzero()[:, 0]
+            values[rows], columns[rows] = _composite_topk(scores[rows], k)
+    # The winners in the contract's order: a sort of k keys per row (equal scores: lower column first).
+    order = torch.argsort(ordered_key(values, columns), dim=-1, descending=True)
+    return values.gather(-1, order), columns.gather(-1, order)
