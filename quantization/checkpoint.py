@@ -33,15 +33,21 @@ from torch import Tensor, nn
 
 from glm5_hal.config import ModelConfig
 from glm5_hal.model import CausalLM
+from glm5_hal.model.checkpoint import (  # reading checkpoints is a model concern; the names stay importable here
+    INDEX_FILE,
+    WEIGHTS_FILE,
+    CheckpointReader,
+    checkpoint_files,  # noqa: F401 (re-exported)
+    load_state_dict,  # noqa: F401 (re-exported)
+)
 from glm5_hal.model.hf_config import CONFIG_FILE, config_to_hf, load_config
+from glm5_hal.model.weights import FP32_PARAMETERS
 from quantization.experts import QuantRoutedExperts
 from quantization.linear import W4A8, W8A8, QuantLinear
 from quantization.quantizers import QuantizedWeight
 
 FORMAT = "glm5-hal-quantized"
 VERSION = 1
-WEIGHTS_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"  # the Hugging Face index of a sharded checkpoint
 DESCRIPTION_FILE = "quantization.json"
 
 
@@ -53,45 +59,6 @@ def _safetensors():
             "quantized checkpoints need the `safetensors` package: pip install 'safetensors>=0.4'"
         ) from exc
     return safetensors.torch
-
-
-def checkpoint_files(path: str | Path) -> list[Path]:
-    """The safetensors files of a checkpoint, in a fixed order.
-
-    path: one .safetensors file; or a directory: the files its model.safetensors.index.json maps to (Hugging Face
-    sharding) when it has one, else its model.safetensors when present, else every *.safetensors in it.
-    FileNotFoundError names what is missing.
-    """
-    path = Path(path)
-    if not path.is_dir():
-        if not path.is_file():
-            raise FileNotFoundError(f"checkpoint: {path} is neither a .safetensors file nor a directory")
-        return [path]
-    index = path / INDEX_FILE
-    if index.is_file():
-        weight_map = json.loads(index.read_text()).get("weight_map")
-        if not isinstance(weight_map, dict) or not weight_map:
-            raise ValueError(f'{index}: expected a non-empty "weight_map" {{tensor name: file}}')
-        files = [path / name for name in sorted(set(weight_map.values()))]
-        missing = [str(f) for f in files if not f.is_file()]
-        if missing:
-            raise FileNotFoundError(f"{index}: the shard(s) {missing[:3]} it maps tensors to do not exist")
-        return files
-    if (path / WEIGHTS_FILE).is_file():
-        return [path / WEIGHTS_FILE]
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"checkpoint: no *.safetensors file in {path}")
-    return files
-
-
-def load_state_dict(path: str | Path) -> dict[str, Tensor]:
-    """All tensors of a checkpoint (one safetensors file, or a directory: see checkpoint_files), in memory."""
-    st = _safetensors()
-    state: dict[str, Tensor] = {}
-    for f in checkpoint_files(path):
-        state.update(st.load_file(str(f)))
-    return state
 
 
 def prepare_output_dir(directory: str | Path) -> Path:
@@ -211,12 +178,23 @@ def read_description(directory: str | Path) -> dict:
     return description
 
 
-def load_quantized_model(directory: str | Path, config: ModelConfig | None = None) -> CausalLM:
+def load_quantized_model(
+    directory: str | Path,
+    config: ModelConfig | None = None,
+    *,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str | None = None,
+) -> CausalLM:
     """The CausalLM of a quantized checkpoint, with QuantLinear / QuantRoutedExperts (the integer HAL ops) at every
     quantized call site, built without a float copy of any quantized weight.
 
     directory: written by save_quantized or quantization.streaming (one model.safetensors, or shards with an index).
     config: the model's ModelConfig; default: read from <dir>/config.json.
+    dtype: the dtype of the floating tensors (None: as stored; the router bias stays fp32; codes and scales are
+    used as stored). device: where the model goes (None: the CPU).
+
+    Tensors are read one at a time as the model is built (glm5_hal.model.checkpoint.CheckpointReader), so the
+    peak is the model plus a routed expert's gate and up codes before they are stacked.
 
     The CausalLM is built on the stored float tensors plus, for each quantized weight, a meta-device placeholder of
     its float shape [N, K] (no storage: loading GLM-5 never allocates its ~1.5 TB of bf16 weights); each call site
@@ -227,10 +205,12 @@ def load_quantized_model(directory: str | Path, config: ModelConfig | None = Non
     directory = Path(directory)
     description = read_description(directory)
     config = load_config(directory) if config is None else config
-    stored = load_state_dict(directory)
+    read = CheckpointReader(directory).read
     entries: dict[str, dict] = description["tensors"]
     quantized = {n: e for n, e in entries.items() if e["kind"] in (W8A8, W4A8)}
-    state = {n: stored[n] for n, e in entries.items() if e["kind"] == "float"}
+    state = {n: read(n) for n, e in entries.items() if e["kind"] == "float"}
+    if dtype is not None:
+        state = {n: t if n.endswith(FP32_PARAMETERS) else t.to(dtype) for n, t in state.items()}
     dtype = state["model.embed_tokens.weight"].dtype
     state.update(
         {n: torch.empty(e["shape"][0], e["in_features"], dtype=dtype, device="meta") for n, e in quantized.items()}
@@ -243,10 +223,10 @@ def load_quantized_model(directory: str | Path, config: ModelConfig | None = Non
         kinds = {(quantized[n]["kind"], quantized[n]["group_size"]) for n in names}
         if len(kinds) != 1:
             raise ValueError(f"{directory}: {list(names)} are fused into one GEMM but quantized differently: {kinds}")
-        (kind, group_size), scales = kinds.pop(), [stored[quantized[n]["scale"]] for n in names]
+        (kind, group_size), scales = kinds.pop(), [read(quantized[n]["scale"]) for n in names]
         if len(names) == 1:
-            return QuantLinear(stored[names[0]], scales[0], None, kind, group_size)
-        return QuantLinear(torch.cat([stored[n] for n in names]), torch.cat(scales), None, kind, group_size)
+            return QuantLinear(read(names[0]), scales[0], None, kind, group_size)
+        return QuantLinear(torch.cat([read(n) for n in names]), torch.cat(scales), None, kind, group_size)
 
     for name in quantized:
         if ".mlp.experts." not in name:
@@ -271,7 +251,32 @@ def load_quantized_model(directory: str | Path, config: ModelConfig | None = Non
             ),
         )
     check_no_meta_tensors(model, directory)
-    return model
+    return model if device is None else model.to(device)
+
+
+class QuantizedCheckpointFormat:
+    """The glm5_hal.checkpoint_formats plugin of this format: `CausalLM.from_pretrained` on a directory written by
+    `glm5-hal quantize` (one whose quantization.json names this format) builds the model with load_quantized_model.
+    """
+
+    name = FORMAT
+
+    def detect(self, directory: Path, hf_config: dict) -> bool:
+        path = Path(directory) / DESCRIPTION_FILE
+        if not path.is_file():
+            return False
+        try:
+            return json.loads(path.read_text()).get("format") == FORMAT
+        except (json.JSONDecodeError, AttributeError):
+            return False  # a quantization.json of some other tool
+
+    def load(
+        self, directory: Path, config: ModelConfig, *, dtype: torch.dtype | None, device: torch.device
+    ) -> CausalLM:
+        return load_quantized_model(directory, config, dtype=dtype, device=device)
+
+
+CHECKPOINT_FORMAT = QuantizedCheckpointFormat()
 
 
 def check_no_meta_tensors(model: nn.Module, directory: str | Path) -> None:
