@@ -4,6 +4,7 @@
     glm5-hal parity [--quick]       parity of the selected backends against the float64 reference
     glm5-hal bench ...              per-op latency against the roofline (registered by the `perf` package)
     glm5-hal export-onnx ...        one ONNX model per op
+    glm5-hal generate CKPT ...      continue token-id prompts with a checkpoint (from_pretrained + generate)
     glm5-hal quantize ...           QuaRot + W8A8 / W4A8 a checkpoint (registered by `quantization`)
 
 A subcommand is a callable `register(subparsers) -> None` that adds its parser and sets `func` (a callable
@@ -20,7 +21,7 @@ import importlib.metadata
 import sys
 from collections.abc import Sequence
 
-SUBCOMMANDS = ("info", "parity", "export-onnx")
+SUBCOMMANDS = ("info", "parity", "export-onnx", "generate")
 COMMAND_ENTRY_POINT_GROUP = "glm5_hal.commands"
 
 
