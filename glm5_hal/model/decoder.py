@@ -7,7 +7,7 @@ import contextlib
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 import torch
 from torch import Tensor, nn
@@ -236,7 +236,7 @@ class CausalLM(nn.Module):
         step: StepMetadata,
         *,
         choices: Sequence[LayerChoices] | None = None,
-        logits: str = "all",
+        logits: Literal["all", "last"] = "all",
         record: bool = True,
     ) -> ModelOutput:
         """Run the new tokens input_ids [T] int64 (token-major, laid out as `step` says) through the model,
@@ -294,7 +294,7 @@ class CausalLM(nn.Module):
         tokens: dict[Hashable, Sequence[int] | Tensor],
         *,
         choices: Sequence[LayerChoices] | None = None,
-        logits: str = "all",
+        logits: Literal["all", "last"] = "all",
         record: bool = True,
     ) -> ModelOutput:
         """Append tokens to sequences ({seq_id: token ids}); new ids are prefilled, known ones continue (decode
