@@ -140,18 +140,17 @@ def test_stop_tokens_end_only_their_sequence(greedy_case) -> None:
 
 def test_sampling_is_seeded_per_sequence(greedy_case) -> None:
     model, prompts, greedy = greedy_case
-    first = model.generate(prompts, NEW_TOKENS, temperature=1.0, top_p=0.9, seed=7)
+    steps = 3  # greedy tokens are a prefix property: the first 3 of the 6-token run
+    first = model.generate(prompts, steps, temperature=1.0, top_p=0.9, seed=7)
     assert first.seed == 7
     # Each sequence draws from its own generator: the batch composition does not change what it samples.
-    assert model.generate(prompts, NEW_TOKENS, temperature=1.0, top_p=0.9, seed=7, max_batch_size=1).tokens == (
-        first.tokens
-    )
-    assert model.generate(prompts, NEW_TOKENS, temperature=1.0, top_p=0.9, seed=8).tokens != first.tokens
-    drawn = model.generate(prompts, 2, temperature=1.0)
+    assert model.generate(prompts, steps, temperature=1.0, top_p=0.9, seed=7, max_batch_size=1).tokens == (first.tokens)
+    assert model.generate(prompts, steps, temperature=1.0, top_p=0.9, seed=8).tokens != first.tokens
+    drawn = model.generate(prompts[:2], 2, temperature=1.0)
     assert isinstance(drawn.seed, int)
-    assert model.generate(prompts, 2, temperature=1.0, seed=drawn.seed).tokens == drawn.tokens
+    assert model.generate(prompts[:2], 2, temperature=1.0, seed=drawn.seed).tokens == drawn.tokens
     # A nucleus smaller than the top token's probability leaves the top token only: greedy.
-    assert model.generate(prompts, NEW_TOKENS, temperature=1.0, top_p=1e-6, seed=3).tokens == greedy
+    assert model.generate(prompts, steps, temperature=1.0, top_p=1e-6, seed=3).tokens == [t[:steps] for t in greedy]
     assert sequence_seed(7, 0) != sequence_seed(7, 1) != sequence_seed(8, 0)
 
 
