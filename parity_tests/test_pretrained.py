@@ -289,6 +289,19 @@ def test_errors_for_files_and_arguments(bf16_state, tmp_path: Path) -> None:
         CausalLM.from_pretrained(directory)
 
 
+def test_reader_takes_another_layouts_index_name(bf16_state, tmp_path: Path) -> None:
+    """Engine layouts name their index differently (msModelSlim: quant_model_weights.safetensors.index.json)."""
+    directory = _write(tmp_path / "ckpt", bf16_state, 2)
+    other = "quant_model_weights.safetensors.index.json"
+    (directory / INDEX_FILE).rename(directory / other)
+    (directory / "stray.safetensors").write_bytes((directory / "model-00001-of-00002.safetensors").read_bytes())
+    with pytest.raises(ValueError, match="is stored twice"):  # without its index, every *.safetensors is read
+        CheckpointReader(directory)
+    reader = CheckpointReader(directory, index_file=other)
+    assert [f.name for f in reader.files] == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    assert torch.equal(reader.read("model.norm.weight"), bf16_state["model.norm.weight"])
+
+
 def test_corrupt_and_truncated_files_are_named(bf16_state, tmp_path: Path) -> None:
     directory = _write(tmp_path / "ckpt", bf16_state)
     path = directory / "model.safetensors"

@@ -58,11 +58,12 @@ MAX_HEADER_BYTES = 100_000_000
 _HEADER_LENGTH = struct.Struct("<Q")
 
 
-def checkpoint_files(path: str | Path) -> list[Path]:
+def checkpoint_files(path: str | Path, index_file: str = INDEX_FILE) -> list[Path]:
     """The safetensors files of a checkpoint, in a fixed order.
 
-    path: one .safetensors file; or a directory: the files its model.safetensors.index.json maps to (Hugging Face
-    sharding) when it has one, else its model.safetensors when present, else every *.safetensors in it.
+    path: one .safetensors file; or a directory: the files its index maps to (`index_file`, by default the Hugging
+    Face model.safetensors.index.json; other layouts name theirs differently) when it has one, else its
+    model.safetensors when present, else every *.safetensors in it.
     FileNotFoundError names what is missing; ValueError an index without a weight map.
     """
     path = Path(path)
@@ -70,7 +71,7 @@ def checkpoint_files(path: str | Path) -> list[Path]:
         if not path.is_file():
             raise FileNotFoundError(f"checkpoint: {path} is neither a .safetensors file nor a directory")
         return [path]
-    index = path / INDEX_FILE
+    index = path / index_file
     if index.is_file():
         files = [path / name for name in sorted(set(_weight_map(index).values()))]
         missing = [str(f) for f in files if not f.is_file()]
@@ -169,13 +170,13 @@ def read_header(file: str | Path) -> dict[str, TensorInfo]:
 class CheckpointReader:
     """The tensors of a checkpoint (one safetensors file, or a directory: see checkpoint_files), by name.
 
-    Reads every shard's header up front (names, dtypes, shapes: no data) and each tensor only when asked. With a
-    model.safetensors.index.json, every tensor the index maps must be in the shard it names.
+    Reads every shard's header up front (names, dtypes, shapes: no data) and each tensor only when asked. With an
+    index (`index_file`, see checkpoint_files), every tensor the index maps must be in the shard it names.
     """
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, index_file: str = INDEX_FILE) -> None:
         self.path = Path(path)
-        self.files = checkpoint_files(self.path)
+        self.files = checkpoint_files(self.path, index_file)
         self._tensors: dict[str, TensorInfo] = {}
         for file in self.files:
             for name, info in read_header(file).items():
@@ -185,7 +186,7 @@ class CheckpointReader:
                         f"and in {file}"
                     )
                 self._tensors[name] = info
-        index = self.path / INDEX_FILE
+        index = self.path / index_file
         if self.path.is_dir() and index.is_file():
             wrong = [(n, f) for n, f in _weight_map(index).items() if n not in self or self.info(n).file.name != f]
             if wrong:
@@ -250,7 +251,7 @@ class CheckpointReader:
         return out
 
 
-def load_state_dict(path: str | Path) -> dict[str, Tensor]:
+def load_state_dict(path: str | Path, index_file: str = INDEX_FILE) -> dict[str, Tensor]:
     """All tensors of a checkpoint (one safetensors file, or a directory: see checkpoint_files), in memory."""
-    reader = CheckpointReader(path)
+    reader = CheckpointReader(path, index_file)
     return {name: reader.read(name) for name in reader}
