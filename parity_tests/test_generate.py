@@ -97,6 +97,11 @@ def test_greedy_equals_a_step_by_step_loop(greedy_case, max_batch_size: int | No
     assert s.prefill_tokens == sum(PROMPT_LENGTHS) and s.decode_tokens == len(prompts) * (NEW_TOKENS - 1)
     assert s.max_running == (max_batch_size or len(prompts))
     assert s.prefill_seconds > 0 and s.decode_seconds > 0 and s.prefill_tokens_per_s > 0
+    if max_batch_size == 2:  # prompts given as 1-D tensors, or as one [B, T] tensor when their lengths agree
+        tensors = [torch.tensor(p) for p in prompts]
+        assert model.generate(tensors, NEW_TOKENS, max_batch_size=2, block_size=4).tokens == want
+        same = torch.tensor([p[:1] for p in prompts])
+        assert model.generate(same, 2).tokens == model.generate([p[:1] for p in prompts], 2).tokens
 
 
 def test_greedy_matches_transformers_generate() -> None:

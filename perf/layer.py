@@ -258,9 +258,9 @@ def transformers_layer_inputs(
                 f"transformers' eager layer needs ~{need / 2**30:.1f} GiB here (estimate: dense attention over "
                 f"{context} keys), more than {fraction:.0%} of the {available / 2**30:.1f} GiB available"
             )
+        layer, rotary = _transformers_layer_cached(cfg, dtype)  # ScenarioSkipped without transformers
         from transformers import DynamicCache
 
-        layer, rotary = _transformers_layer_cached(cfg, dtype)
         ctx = _context(cfg, new_tokens, context, gen, dtype)
         rope, kv_lora = cfg.qk_rope_head_dim, cfg.kv_lora_rank
         cache = DynamicCache(config=layer.self_attn.config)

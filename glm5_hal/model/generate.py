@@ -152,7 +152,8 @@ def generate(
 
     Args:
         model: the CausalLM; its cache lives on model.device, its ops on model.backend (or the usual selection).
-        prompts: token id lists (or 1-D integer tensors), each non-empty, ids in [0, vocab_size); ragged.
+        prompts: token id lists (or 1-D integer tensors; or one [B, T] tensor), each non-empty, ids in
+            [0, vocab_size); ragged.
         max_new_tokens: >= 1, per prompt.
         temperature: >= 0; 0 is greedy. top_p: in (0, 1], the nucleus (1: the whole vocabulary).
         stop_token_ids: ids that end a sequence (the stop token is kept as its last token).
@@ -171,6 +172,8 @@ def generate(
         RuntimeError: NaN logits.
     """
     vocab = model.cfg.vocab_size
+    if isinstance(prompts, Tensor) and prompts.dim() == 2:  # [B, T]: B prompts of T tokens
+        prompts = list(prompts)
     check(
         isinstance(prompts, Sequence) and not isinstance(prompts, (str, bytes)),
         TypeError,

@@ -83,7 +83,7 @@ def from_pretrained(
     config = load_config(directory)
     hf_config = json.loads((directory / CONFIG_FILE).read_text())
     formats = registered_formats()
-    fmt = detect_format(directory, hf_config, formats) or _HuggingFaceFormat(formats)
+    fmt = detect_format(directory, hf_config, formats) or _HuggingFaceFormat(hf_config, formats)
     model = fmt.load(directory, config, dtype=dtype, device=torch.device("cpu" if device is None else device))
     model.backend = backend
     return model
@@ -103,16 +103,18 @@ class _HuggingFaceFormat:
 
     name = "huggingface"
 
-    def __init__(self, others: dict[str, CheckpointFormat]) -> None:
+    def __init__(self, hf_config: dict, others: dict[str, CheckpointFormat]) -> None:
+        self.hf_config = hf_config  # the parsed config.json
         self.others = others  # named in the error for a quantization_config this reader does not read
 
     def detect(self, directory: Path, hf_config: dict) -> bool:
         return True
 
     def load(self, directory: Path, config: ModelConfig, *, dtype: torch.dtype | None, device: torch.device):
-        hf_config = json.loads((directory / CONFIG_FILE).read_text())
-        method = (hf_config.get("quantization_config") or {}).get("quant_method", QUANT_METHOD)
-        if method != QUANT_METHOD:
+        hf_config = self.hf_config
+        qc = hf_config.get("quantization_config")
+        method = qc.get("quant_method", QUANT_METHOD) if isinstance(qc, dict) else QUANT_METHOD
+        if method != QUANT_METHOD:  # (a quantization_config that is not a dict: fp8_block_size names it below)
             raise ValueError(
                 f"{directory / CONFIG_FILE}: quantization_config.quant_method {method!r}: no registered checkpoint "
                 f"format reads it (registered: {sorted(self.others) or 'none'}; built in: floating and FP8 "
