@@ -1,7 +1,7 @@
-"""FP8 block-scaled source checkpoints (quantization/fp8.py): dequantization against an independent NumPy fp32
-reference (ops_reference's float8_e4m3fn decoder, not torch's cast), a hand-checked example, ragged shapes, the
-quantize -> dequantize round-trip bound of the format, every error, the config.json reader and the state-dict
-conversion."""
+"""FP8 block-scaled source checkpoints (glm5_hal/model/fp8.py, re-exported by quantization/fp8.py): dequantization
+against an independent NumPy fp32 reference (ops_reference's float8_e4m3fn decoder, not torch's cast), a
+hand-checked example, ragged shapes, the quantize -> dequantize round-trip bound of the format, every error, the
+config.json reader and the state-dict conversion."""
 
 from __future__ import annotations
 

@@ -14,6 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from glm5_hal import cli as glm5_cli
 from glm5_hal.config import DEEPSEEK_V32, GLM5_MINI, PRESETS, ModelConfig
 from glm5_hal.model import CausalLM, random_state_dict
+from glm5_hal.model.checkpoint import CheckpointReader
 from glm5_hal.model.hf_config import CONFIG_FILE, config_from_hf, config_to_hf, load_config
 from quantization import cli, quantizers
 from quantization.checkpoint import DESCRIPTION_FILE, check_no_meta_tensors, load_quantized_model
@@ -202,14 +203,18 @@ def test_loaded_model_without_config_equals_the_in_memory_quantized_model(checkp
 class _FloatWriteRecorder(TorchDispatchMode):
     """Records every op that writes real (non-meta) floating data, other than a view: (op, its output elements,
     whether it read int8 / uint8 codes). Dequantizing a stored weight is such an op (codes cast or multiplied by
-    their scale), and so is allocating a float [N, K] weight, placeholder or not."""
+    their scale), and so is allocating a float [N, K] weight, placeholder or not. Reading a stored tensor from the
+    file (the buffer CheckpointReader.read allocates and fills) is not recorded: `reading` is set meanwhile."""
 
     def __init__(self) -> None:
         super().__init__()
         self.writes: list[tuple[str, int, bool]] = []
+        self.reading = False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        if self.reading:
+            return out
         inputs = [a for a in (*args, *(kwargs or {}).values()) if isinstance(a, torch.Tensor)]
         outputs = [t for t in (out if isinstance(out, (tuple, list)) else (out,)) if isinstance(t, torch.Tensor)]
         written = sum(t.numel() for t in outputs if t.is_floating_point() and not t.is_meta)
@@ -225,7 +230,17 @@ def test_loading_never_materialises_a_dequantized_weight(quantized_dir: Path, mo
 
     monkeypatch.setattr(quantizers, "dequantize", refuse)
     monkeypatch.setattr(quantizers.QuantizedWeight, "dequantize", refuse)
-    with _FloatWriteRecorder() as recorder:
+    recorder, real_read = _FloatWriteRecorder(), CheckpointReader.read
+
+    def read(reader: CheckpointReader, name: str, **kwargs: object) -> torch.Tensor:
+        recorder.reading = True
+        try:
+            return real_read(reader, name, **kwargs)
+        finally:
+            recorder.reading = False
+
+    monkeypatch.setattr(CheckpointReader, "read", read)
+    with recorder:
         model = load_quantized_model(quantized_dir)
     entries = json.loads((quantized_dir / DESCRIPTION_FILE).read_text())["tensors"]
     scale_elements = sum(torch.Size(e["shape"]).numel() for e in entries.values() if e["kind"] == "scale")

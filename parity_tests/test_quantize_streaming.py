@@ -15,17 +15,10 @@ import torch
 from glm5_hal import cli as glm5_cli
 from glm5_hal.config import GLM5_MINI
 from glm5_hal.model import CausalLM, random_state_dict
+from glm5_hal.model.checkpoint import INDEX_FILE, WEIGHTS_FILE, CheckpointReader, checkpoint_files, load_state_dict
 from glm5_hal.model.hf_config import CONFIG_FILE, config_to_hf
 from quantization import quarot
-from quantization.checkpoint import (
-    DESCRIPTION_FILE,
-    INDEX_FILE,
-    WEIGHTS_FILE,
-    checkpoint_files,
-    load_quantized_model,
-    load_state_dict,
-    save_quantized,
-)
+from quantization.checkpoint import DESCRIPTION_FILE, load_quantized_model, save_quantized
 from quantization.model_quant import quantize_model
 from quantization.streaming import StreamingResult, quantize_checkpoint_streaming
 
@@ -226,50 +219,32 @@ def test_mismatched_checkpoints_are_named_before_any_data_is_read(state, tmp_pat
 
 
 class _Spy:
-    """Wraps safetensors.safe_open: counts get_tensor calls by name and the source tensors alive at any time."""
+    """Wraps CheckpointReader.read: counts reads by name and the source tensors alive at any time."""
 
-    def __init__(self, real_open) -> None:
-        self.real_open = real_open
+    def __init__(self, real_read) -> None:
+        self.real_read = real_read
         self.reads: dict[str, int] = {}
         self.alive: dict[int, tuple[str, int]] = {}  # id -> (name, bytes) of the source tensors not yet freed
         self.peak_large = 0  # most source tensors of over 4096 elements alive at once
         self.peak_bytes = 0
 
-    def __call__(self, *args, **kwargs):
-        spy, handle = self, self.real_open(*args, **kwargs)
-
-        class Handle:
-            def __enter__(self):
-                handle.__enter__()
-                return self
-
-            def __exit__(self, *exc):
-                return handle.__exit__(*exc)
-
-            def __getattr__(self, attr):
-                return getattr(handle, attr)
-
-            def get_tensor(self, name: str) -> torch.Tensor:
-                tensor = handle.get_tensor(name)
-                spy.reads[name] = spy.reads.get(name, 0) + 1
-                key = id(tensor)
-                spy.alive[key] = (name, tensor.numel() * tensor.element_size())
-                weakref.finalize(tensor, spy.alive.pop, key, None)
-                spy.peak_large = max(spy.peak_large, sum(b > 4096 * 4 for _, b in spy.alive.values()))
-                spy.peak_bytes = max(spy.peak_bytes, sum(b for _, b in spy.alive.values()))
-                return tensor
-
-        return Handle()
+    def __call__(self, reader: CheckpointReader, name: str, **kwargs) -> torch.Tensor:
+        tensor = self.real_read(reader, name, **kwargs)
+        self.reads[name] = self.reads.get(name, 0) + 1
+        key = id(tensor)
+        self.alive[key] = (name, tensor.numel() * tensor.element_size())
+        weakref.finalize(tensor, self.alive.pop, key, None)
+        self.peak_large = max(self.peak_large, sum(b > 4096 * 4 for _, b in self.alive.values()))
+        self.peak_bytes = max(self.peak_bytes, sum(b for _, b in self.alive.values()))
+        return tensor
 
 
 def test_the_reader_holds_one_source_tensor_at_a_time_and_skips_mtp(state, tmp_path: Path, monkeypatch) -> None:
-    import safetensors
-
     gen = torch.Generator().manual_seed(0)
     with_mtp = {**state, **{n: torch.randn(s, generator=gen) for n, s in MTP_SHAPES.items()}}
     source = _save_sharded(with_mtp, tmp_path / "ckpt", shards=3)
-    spy = _Spy(safetensors.safe_open)
-    monkeypatch.setattr(safetensors, "safe_open", spy)
+    spy = _Spy(CheckpointReader.read)
+    monkeypatch.setattr(CheckpointReader, "read", lambda reader, name, **kw: spy(reader, name, **kw))
     result = quantize_checkpoint_streaming(source, tmp_path / "out", CFG, "w8a8", max_shard_bytes=MAX_SHARD_BYTES)
     assert spy.reads == dict.fromkeys(state, 1), "every model tensor read exactly once, MTP tensors never"
     assert result.dropped == sorted(MTP_SHAPES)

@@ -3,6 +3,8 @@
 - `dense_mla_attention`: every query over its whole visible context (perf/dense.py): what sparse attention and the
   indexer replace.
 - `fp32_matmul`: x [M, K] fp32 @ w [N, K]^T fp32, the unquantized projection W8A8 / W4A8 replace.
+- `transformers_layer`: transformers' eager glm_moe_dsa decoder layer on the weights of the `glm5_layer` it is
+  compared with (perf/layer.py).
 
 Each takes keyword inputs like an op (a scenario's build) and comes with its cost model.
 """
@@ -19,6 +21,7 @@ from glm5_hal.parity.inputs import linear_weight, randn
 from perf import costs
 from perf.costs import Cost, visible_keys
 from perf.dense import dense_mla_attention
+from perf.layer import TRANSFORMERS_LAYER
 
 
 def fp32_matmul(x: Tensor, w: Tensor) -> Tensor:
@@ -48,6 +51,7 @@ class Baseline:
 BASELINES: dict[str, Baseline] = {
     "dense_mla_attention": Baseline(dense_mla_attention, _dense_cost),
     "fp32_matmul": Baseline(fp32_matmul, _matmul_cost),
+    "transformers_layer": Baseline(TRANSFORMERS_LAYER.run, TRANSFORMERS_LAYER.cost),
 }
 
 

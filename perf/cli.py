@@ -5,6 +5,7 @@
     glm5-hal bench --scenarios context --plot context.png     latency against context length (4K..128K)
     glm5-hal bench --scenarios ep-decode,ep-prefill --ep-ranks 2   ep_dispatch / ep_combine on 2 local ranks
                                                               (or under torchrun: perf/ep_bench.py)
+    glm5-hal bench --scenarios layer --reps 3                 a whole decoder layer vs transformers' (perf/layer.py)
 
 For every (scenario, backend): warm-up calls, then timed calls over rotated input sets (perf/timing.py); the op's
 FLOPs and minimum bytes (perf/costs.py) turn the median into TFLOP/s, GB/s and the fraction of the roofline
@@ -33,6 +34,7 @@ from glm5_hal.text_table import render_table
 from perf.baselines import BASELINES
 from perf.costs import Cost, cost
 from perf.ep_bench import EP_SCENARIOS
+from perf.layer import LAYER_OPS, ScenarioSkipped
 from perf.load import LoadMonitor
 from perf.peaks import Peaks, measure_peaks, table_peaks
 from perf.scenarios import SCENARIOS, Scenario, select
@@ -113,24 +115,36 @@ def _split(value: str | None) -> list[str]:
 
 
 def op_callable(op: str) -> Callable[..., object]:
-    """The function a scenario of `op` times: the public glm5_hal op, or the perf baseline of that name."""
-    return BASELINES[op].run if op in BASELINES else getattr(glm5_hal, op)
+    """The function a scenario of `op` times: the public glm5_hal op, the perf baseline of that name, or a whole
+    decoder layer (perf/layer.py)."""
+    if op in BASELINES:
+        return BASELINES[op].run
+    return LAYER_OPS[op].run if op in LAYER_OPS else getattr(glm5_hal, op)
 
 
 def op_cost(op: str, inputs: dict) -> Cost:
-    """FLOPs and minimum bytes of one call of `op` (an op or a baseline) on `inputs`."""
-    return BASELINES[op].cost(inputs) if op in BASELINES else cost(op, inputs)
+    """FLOPs and minimum bytes of one call of `op` (an op, a baseline or a layer) on `inputs`."""
+    if op in BASELINES:
+        return BASELINES[op].cost(inputs)
+    return LAYER_OPS[op].cost(inputs) if op in LAYER_OPS else cost(op, inputs)
 
 
 def _call_with_keywords(fn: Callable[..., object], inputs: dict) -> object:
     return fn(**inputs)
 
 
+def _to_device(value: object, device: torch.device) -> object:
+    """Tensors, and objects with a `to_device` (the layer scenarios' inputs), on `device`; anything else as it is."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    return value.to_device(device) if hasattr(value, "to_device") else value
+
+
 def _input_sets(scenario: Scenario, count: int, seed: int, device: torch.device, dtype: torch.dtype) -> list[dict]:
     sets = []
     for i in range(count):
         built = scenario.build(torch.Generator().manual_seed(seed + i), dtype)
-        sets.append({k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in built.items()})
+        sets.append({k: _to_device(v, device) for k, v in built.items()})
     return sets
 
 
@@ -154,7 +168,11 @@ def bench(
     for i, (scenario, backend) in enumerate(jobs):
         if progress is not None:
             progress(i, len(jobs), f"{backend} {scenario.op} {scenario.name}")
-        sets = _input_sets(scenario, input_sets, seed, device, dtype)
+        try:
+            sets = _input_sets(scenario, input_sets, seed, device, dtype)
+        except ScenarioSkipped as exc:
+            print(f"bench: skipped {scenario.op} at {scenario.name}: {exc}", file=sys.stderr)
+            continue
         call = partial(_call_with_keywords, op_callable(scenario.op))
         if backend == BASELINE_BACKEND:
             timing = time_calls(call, sets, device, warmup=warmup, reps=reps, max_seconds=max_seconds)
@@ -272,9 +290,10 @@ def run(args: argparse.Namespace) -> int:
 
         return ep_bench.run(args, ep_sets, DTYPES[args.dtype])
     ops = _split(args.ops) or None
-    bad_ops = [op for op in ops or () if op not in OP_NAMES and op not in BASELINES]
+    known_ops = [*OP_NAMES, *BASELINES, *LAYER_OPS]
+    bad_ops = [op for op in ops or () if op not in known_ops]
     if bad_ops:
-        print(f"--ops: unknown {bad_ops}; known: {list(OP_NAMES) + list(BASELINES)}", file=sys.stderr)
+        print(f"--ops: unknown {bad_ops}; known: {known_ops}", file=sys.stderr)
         return 2
     try:
         scenarios = select(["quick"] if args.quick else _split(args.scenarios), ops)

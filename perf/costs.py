@@ -13,6 +13,8 @@ API (also used by perf/triton_gpu.py):
     dense_mla_attention(num_tokens, heads, visible, context, elem, d_v) -> Cost of dense MLA attention over the
         whole context (the baseline sparse attention is compared with).
     visible_keys(seq_lens_k, cu_seqlens_q) -> the number of (query, visible key) pairs of a batch.
+    decoder_layer(cfg, new_tokens, context, elem, weight_bytes) -> Cost of one whole MoE decoder layer (the
+        `layer` bench scenarios, perf/layer.py).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from glm5_hal.config import ModelConfig
 from glm5_hal.registry import OP_NAMES
 from ops_reference.hadamard import hadamard_base_size
 
@@ -115,6 +118,36 @@ def dense_mla_attention(num_tokens: int, heads: int, visible: int, context: int,
     """Attention of `num_tokens` queries over all `visible` (token, key) pairs of a `context`-key latent cache."""
     flops = 2.0 * visible * heads * (LATENT + d_v)
     return Cost(flops, context * LATENT * elem + num_tokens * heads * (LATENT + d_v) * elem + num_tokens * heads * 4)
+
+
+def decoder_layer(cfg: ModelConfig, new_tokens: int, context: int, elem: int, weight_bytes: int) -> Cost:
+    """One sequence's `new_tokens` tokens (the last of `context` keys) through one MoE decoder layer of `cfg`,
+    attention sparse over index_topk keys, each token through num_experts_per_tok routed experts and the shared
+    ones. FLOPs: every projection once per token (the MLA prolog's W_UK absorption and W_UV are the two halves of
+    kv_b_proj), the indexer over every visible key, attention over min(topk, visible) keys. Bytes: the weights
+    (weight_bytes: those the layer holds, every one used), the index-key cache read once, the selected latent
+    rows gathered per pick, the new cache rows written, the hidden states in and out."""
+    hidden, heads, q = cfg.hidden_size, cfg.num_attention_heads, new_tokens
+    per_token_macs = (
+        hidden * cfg.q_lora_rank  # q_a_proj
+        + cfg.q_lora_rank * heads * cfg.qk_head_dim  # q_b_proj
+        + hidden * cfg.latent_dim  # kv_a_proj_with_mqa
+        + heads * (cfg.qk_nope_head_dim + cfg.v_head_dim) * cfg.kv_lora_rank  # W_UK absorption and W_UV
+        + heads * cfg.v_head_dim * hidden  # o_proj
+        + cfg.q_lora_rank * cfg.index_n_heads * cfg.index_head_dim  # indexer wq_b
+        + hidden * (cfg.index_head_dim + cfg.index_n_heads)  # indexer wk, weights_proj
+        + hidden * cfg.n_routed_experts  # router
+        + (cfg.num_experts_per_tok + cfg.n_shared_experts) * 3 * hidden * cfg.moe_intermediate_size  # experts
+    )
+    lens_k, cu_q = torch.tensor([context]), torch.tensor([0, q])
+    visible = visible_keys(lens_k, cu_q)
+    selected = sum(min(cfg.index_topk, context - q + i + 1) for i in range(q))
+    flops = 2.0 * q * per_token_macs
+    flops += 2.0 * visible * cfg.index_n_heads * (cfg.index_head_dim + 1)  # indexer scores, head weighting
+    flops += 2.0 * selected * heads * (cfg.latent_dim + cfg.kv_lora_rank)  # QK over 576, PV over 512
+    moved = weight_bytes + context * cfg.index_head_dim * elem + selected * cfg.latent_dim * elem
+    moved += q * (cfg.latent_dim + cfg.index_head_dim) * elem + 2 * q * hidden * elem
+    return Cost(flops, moved)
 
 
 def _moe_gate(a: dict) -> Cost:

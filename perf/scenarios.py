@@ -15,6 +15,9 @@ moves them to the device), through the same `glm5_hal.parity.cases` builders the
                                and 64 tokens (arithmetic dominates): W8A8, W4A8, and fp32 (the baseline)
     kv-cache, mini-kv-cache    the attention side of a decode step (batch 4 at 16K and 64K keys; mini: 512) with
                                float, fp8 (fp8_ds_mla + fp8_index) and int8 (int8_mla + int8_index) caches
+    layer, mini-layer          one whole MoE decoder layer (8 resident experts), decode (1 token) and a prefill
+                               chunk (512 new tokens; mini: 16) at 4K..128K keys (mini: 48, 256), against
+                               transformers' eager glm_moe_dsa layer on the same weights (perf/layer.py)
 
 GLM-5 has 256 routed experts of 75 MB (bf16 w13 + w2) each; a MoE scenario holds at most MAX_EXPERTS_HELD of them
 (see there), so a one-token decode moves exactly what it would with the full table.
@@ -34,6 +37,7 @@ from glm5_hal.parity import cases as builders
 from glm5_hal.parity.inputs import SeqSpec
 from glm5_hal.parity.quantized_cache import quantized_build
 from perf.baselines import float_matmul_inputs
+from perf.layer import DECODE_TOKENS, PREFILL_CHUNK, glm5_layer_inputs, layer_config, transformers_layer_inputs
 
 Build = Callable[[torch.Generator, torch.dtype], dict]
 
@@ -169,6 +173,33 @@ def _cache_formats(cfg: ModelConfig, contexts: tuple[int, ...]) -> list[Scenario
     return found
 
 
+def _layer(base: ModelConfig, contexts: tuple[int, ...], chunk: int) -> list[Scenario]:
+    """One decoder layer of `base` (perf/layer.py) per decode step and per prefill chunk at each context, ours
+    compared with transformers' (the baseline)."""
+    cfg = layer_config(base)
+    found = []
+    for context in contexts:
+        for tag, tokens in (("decode", DECODE_TOKENS), (f"prefill{chunk}", chunk)):
+            name = f"{base.name}/layer-{tag}-{_keys(context)}"
+            found += [
+                Scenario(
+                    name,
+                    "glm5_layer",
+                    glm5_layer_inputs(cfg, tokens, context),
+                    context,
+                    baseline="transformers_layer",
+                ),
+                Scenario(name, "transformers_layer", transformers_layer_inputs(cfg, tokens, context), context),
+            ]
+    return found
+
+
+# glm5-mini with 16 indexer heads: no exact indexer-score ties (docs/model.md), so both layers pick the same keys.
+MINI_LAYER_BASE = GLM5_MINI.with_overrides(index_n_heads=16)
+MINI_LAYER_CONTEXTS = (48, 256)  # below and above index_topk (64)
+MINI_PREFILL_CHUNK = 16
+
+
 def _quick() -> list[Scenario]:
     first: dict[str, builders.Case] = {}
     for case in builders.CASES:
@@ -196,6 +227,8 @@ SCENARIOS: dict[str, Callable[[], list[Scenario]]] = {
     "quant": lambda: _projections(GLM5, DECODE_BATCH) + _projections(GLM5, 64),
     "kv-cache": lambda: _cache_formats(GLM5, (16384, 65536)),
     "mini-kv-cache": lambda: _cache_formats(GLM5_MINI, (512,)),
+    "layer": lambda: _layer(GLM5, CONTEXTS, PREFILL_CHUNK),
+    "mini-layer": lambda: _layer(MINI_LAYER_BASE, MINI_LAYER_CONTEXTS, MINI_PREFILL_CHUNK),
 }
 
 

@@ -22,7 +22,8 @@ layers, which glm5_hal.model does not implement). "quarot" (`rotation_metadata`)
 into the weights and that the model needs no online Hadamard. `load_quantized_model` rebuilds the CausalLM with
 QuantLinear / QuantRoutedExperts at the quantized call sites, straight from the stored codes
 (`build_quantized_model`, shared by every format's reader): no dequantized (float) copy of a quantized weight is
-ever made, so a real GLM-5 loads in its quantized size.
+ever made, so a real GLM-5 loads in its quantized size. `CHECKPOINT_FORMAT` plugs this format into glm5_hal's
+`glm5_hal.checkpoint_formats`, so `CausalLM.from_pretrained(dir)` reads it.
 """
 
 from __future__ import annotations
@@ -37,15 +38,19 @@ from torch import Tensor, nn
 
 from glm5_hal.config import ModelConfig
 from glm5_hal.model import CausalLM
+from glm5_hal.model.checkpoint import (  # reading checkpoints is a model concern; the names stay importable here
+    CheckpointReader,
+    checkpoint_files,  # noqa: F401 (re-exported)
+    load_state_dict,  # noqa: F401 (re-exported)
+)
 from glm5_hal.model.hf_config import CONFIG_FILE, config_to_hf, load_config
+from glm5_hal.model.weights import FP32_PARAMETERS
 from quantization.experts import QuantRoutedExperts
 from quantization.linear import W4A8, W8A8, QuantLinear
 from quantization.quantizers import QuantizedWeight
 
 FORMAT = "glm5-hal-quantized"
 VERSION = 1
-WEIGHTS_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"  # the Hugging Face index of a sharded checkpoint
 DESCRIPTION_FILE = "quantization.json"
 
 
@@ -57,45 +62,6 @@ def _safetensors():
             "quantized checkpoints need the `safetensors` package: pip install 'safetensors>=0.4'"
         ) from exc
     return safetensors.torch
-
-
-def checkpoint_files(path: str | Path, index_file: str = INDEX_FILE) -> list[Path]:
-    """The safetensors files of a checkpoint, in a fixed order.
-
-    path: one .safetensors file; or a directory: the files its index (`index_file`, by default the Hugging Face
-    model.safetensors.index.json) maps to when it has one, else its model.safetensors when present, else every
-    *.safetensors in it. FileNotFoundError names what is missing.
-    """
-    path = Path(path)
-    if not path.is_dir():
-        if not path.is_file():
-            raise FileNotFoundError(f"checkpoint: {path} is neither a .safetensors file nor a directory")
-        return [path]
-    index = path / index_file
-    if index.is_file():
-        weight_map = json.loads(index.read_text()).get("weight_map")
-        if not isinstance(weight_map, dict) or not weight_map:
-            raise ValueError(f'{index}: expected a non-empty "weight_map" {{tensor name: file}}')
-        files = [path / name for name in sorted(set(weight_map.values()))]
-        missing = [str(f) for f in files if not f.is_file()]
-        if missing:
-            raise FileNotFoundError(f"{index}: the shard(s) {missing[:3]} it maps tensors to do not exist")
-        return files
-    if (path / WEIGHTS_FILE).is_file():
-        return [path / WEIGHTS_FILE]
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"checkpoint: no *.safetensors file in {path}")
-    return files
-
-
-def load_state_dict(path: str | Path, index_file: str = INDEX_FILE) -> dict[str, Tensor]:
-    """All tensors of a checkpoint (one safetensors file, or a directory: see checkpoint_files), in memory."""
-    st = _safetensors()
-    state: dict[str, Tensor] = {}
-    for f in checkpoint_files(path, index_file):
-        state.update(st.load_file(str(f)))
-    return state
 
 
 def prepare_output_dir(directory: str | Path) -> Path:
@@ -423,25 +389,62 @@ def build_quantized_model(
     return model
 
 
-def load_quantized_model(directory: str | Path, config: ModelConfig | None = None) -> CausalLM:
+def load_quantized_model(
+    directory: str | Path,
+    config: ModelConfig | None = None,
+    *,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str | None = None,
+) -> CausalLM:
     """The CausalLM of a glm5-hal-format checkpoint (build_quantized_model: no float copy of a quantized weight).
 
     directory: written by save_quantized or quantization.streaming (one model.safetensors, or shards with an index).
     config: the model's ModelConfig; default: read from <dir>/config.json.
-    The stored int8 / packed int4 codes and fp32 scales are the HAL layout already: used as stored.
+    dtype: the dtype of the floating tensors (None: as stored; the router bias stays fp32; codes and scales are
+    used as stored). device: where the model goes (None: the CPU).
+    The stored int8 / packed int4 codes and fp32 scales are the HAL layout already: used as stored. Tensors are
+    read one at a time (glm5_hal.model.checkpoint.CheckpointReader).
     """
     directory = Path(directory)
     description = read_description(directory)
     config = load_config(directory) if config is None else config
-    stored = load_state_dict(directory)
+    read = CheckpointReader(directory).read
     entries: dict[str, dict] = description["tensors"]
     quantized = {
-        n: StoredQuantWeight(stored[n], stored[e["scale"]], e["kind"], e["group_size"])
+        n: StoredQuantWeight(read(n), read(e["scale"]), e["kind"], e["group_size"])
         for n, e in entries.items()
         if e["kind"] in (W8A8, W4A8)
     }
-    float_state = {n: stored[n] for n, e in entries.items() if e["kind"] == "float"}
-    return build_quantized_model(config, float_state, quantized, directory)
+    float_state = {n: read(n) for n, e in entries.items() if e["kind"] == "float"}
+    if dtype is not None:
+        float_state = {n: t if n.endswith(FP32_PARAMETERS) else t.to(dtype) for n, t in float_state.items()}
+    model = build_quantized_model(config, float_state, quantized, directory)
+    return model if device is None else model.to(device)
+
+
+class QuantizedCheckpointFormat:
+    """The glm5_hal.checkpoint_formats plugin of this format: `CausalLM.from_pretrained` on a directory written by
+    `glm5-hal quantize` (one whose quantization.json names this format) builds the model with load_quantized_model.
+    """
+
+    name = FORMAT
+
+    def detect(self, directory: Path, hf_config: dict) -> bool:
+        path = Path(directory) / DESCRIPTION_FILE
+        if not path.is_file():
+            return False
+        try:
+            return json.loads(path.read_text()).get("format") == FORMAT
+        except (json.JSONDecodeError, AttributeError):
+            return False  # a quantization.json of some other tool
+
+    def load(
+        self, directory: Path, config: ModelConfig, *, dtype: torch.dtype | None, device: torch.device
+    ) -> CausalLM:
+        return load_quantized_model(directory, config, dtype=dtype, device=device)
+
+
+CHECKPOINT_FORMAT = QuantizedCheckpointFormat()
 
 
 def check_no_meta_tensors(model: nn.Module, directory: str | Path) -> None:

@@ -44,6 +44,7 @@ import torch
 from torch import Tensor
 
 from glm5_hal.config import ModelConfig
+from glm5_hal.model.weights import is_mtp_tensor  # re-exported: quantization's callers import it from here
 from quantization.hadamard import HadamardRotation
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
@@ -127,14 +128,6 @@ class _Transform:
 def _layer_of(name: str) -> int | None:
     m = _LAYER.match(name)
     return None if m is None else int(m.group(1))
-
-
-def is_mtp_tensor(name: str, config: ModelConfig) -> bool:
-    """Whether `name` belongs to a multi-token-prediction layer: `model.layers.{i}.*` with i >= num_hidden_layers
-    (GLM-5's layer 78: eh_proj, enorm, hnorm, shared_head, ...). glm5_hal.model does not implement it and QuaRot
-    cannot rotate it without msModelSlim's extra `rot` matrix."""
-    layer = _layer_of(name)
-    return layer is not None and layer >= config.num_hidden_layers
 
 
 def is_norm_gain(name: str) -> bool:

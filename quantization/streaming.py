@@ -2,13 +2,13 @@
 
     quantize_checkpoint_streaming(CHECKPOINT, OUT_DIR, config, "w4a8")
 
-reads the input safetensors lazily (`safetensors.safe_open`, one tensor at a time), folds + rotates each tensor
-with QuaRot (`quarot.rotate_tensor`: a tensor's transform needs only its own values, the tiny RMSNorm gains,
-which are read up front, and the rotations), RTN-quantizes it when `model_quant.linear_scheme` says its call site
-is quantized, and appends the result to an output shard that is written once it would grow past
-`max_shard_bytes`. Peak memory is the largest tensor's transform (its float64 temporaries; row-independent
-transforms of the big embedding / lm_head tables run on row blocks, see quarot.ROW_CHUNK_ELEMENTS) plus one
-output shard, never the model.
+reads the input safetensors lazily (glm5_hal.model.checkpoint.CheckpointReader: the headers first, then one
+tensor at a time), folds + rotates each tensor with QuaRot (`quarot.rotate_tensor`: a tensor's transform needs
+only its own values, the tiny RMSNorm gains, which are read up front, and the rotations), RTN-quantizes it when
+`model_quant.linear_scheme` says its call site is quantized, and appends the result to an output shard that is
+written once it would grow past `max_shard_bytes`. Peak memory is the largest tensor's transform (its float64
+temporaries; row-independent transforms of the big embedding / lm_head tables run on row blocks, see
+quarot.ROW_CHUNK_ELEMENTS) plus one output shard, never the model.
 
 The output is what the in-memory path (`quarot` -> CausalLM -> `quantize_model(..., "rtn")` -> `save_quantized`)
 writes, tensor for tensor and bit for bit: the same per-tensor fold + rotation, the same RTN on the same values
@@ -27,8 +27,6 @@ keeps the in-memory path for `--method gptq`).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -37,15 +35,15 @@ from torch import Tensor
 
 from glm5_hal.config import ModelConfig
 from glm5_hal.model import check_state_dict, expert_module_names, linear_module_names
+from glm5_hal.model.checkpoint import CheckpointReader
+from glm5_hal.model.fp8 import dequantize_fp8_block, is_fp8_scale_name, scale_name_for
 from quantization.checkpoint import (
     GLM5_HAL_LAYOUT,
     CheckpointInfo,
     CheckpointLayout,
     ShardWriter,
-    checkpoint_files,
     prepare_output_dir,
 )
-from quantization.fp8 import dequantize_fp8_block, is_fp8_scale_name, scale_name_for
 from quantization.model_quant import SCHEMES, linear_scheme, weight_spec
 from quantization.quantizers import rtn_quantize
 from quantization.quarot import QuaRotRotations, is_mtp_tensor, is_norm_gain, rotate_tensor
@@ -68,31 +66,6 @@ class StreamingResult:
     quantized: dict[str, int] = field(default_factory=dict)
     float_tensors: int = 0
     dropped: list[str] = field(default_factory=list)
-
-
-@contextmanager
-def _open(path: Path) -> Iterator[object]:
-    """safetensors.safe_open on torch: the file's header now, each tensor only when get_tensor asks for it."""
-    try:
-        import safetensors
-    except ImportError as exc:  # an optional dependency: say how to get it
-        raise ImportError(
-            "streaming quantization needs the `safetensors` package: pip install 'safetensors>=0.4'"
-        ) from exc
-    with safetensors.safe_open(str(path), framework="pt") as handle:
-        yield handle
-
-
-def _inventory(files: list[Path]) -> dict[str, tuple[Path, list[int]]]:
-    """{tensor name: (its file, its shape)} from the headers alone (no tensor data is read)."""
-    found: dict[str, tuple[Path, list[int]]] = {}
-    for path in files:
-        with _open(path) as handle:
-            for name in handle.keys():
-                if name in found:
-                    raise ValueError(f"checkpoint: {name!r} is stored twice, in {found[name][0]} and in {path}")
-                found[name] = (path, list(handle.get_slice(name).get_shape()))
-    return found
 
 
 class _TensorQuantizer:
@@ -137,13 +110,6 @@ class _TensorQuantizer:
         return self.layout.store_quantized(name, rtn_quantize(value, weight_spec(kind, self.mse_clip, self.group_size)))
 
 
-def _dequantized(name: str, weight: Tensor, scale_file: Path, block_size: tuple[int, int]) -> Tensor:
-    """The bf16 weight of an FP8 source tensor `name` (its scale read from scale_file)."""
-    with _open(scale_file) as handle:
-        scale = handle.get_tensor(scale_name_for(name))
-    return dequantize_fp8_block(weight, scale, block_size, torch.bfloat16, name=name)
-
-
 def quantize_checkpoint_streaming(
     checkpoint: str | Path,
     out_dir: str | Path,
@@ -162,7 +128,7 @@ def quantize_checkpoint_streaming(
 
     Args:
         checkpoint: one .safetensors file or a Hugging Face checkpoint directory (sharded or not; see
-            checkpoint.checkpoint_files).
+            glm5_hal.model.checkpoint.checkpoint_files).
         out_dir: a new or empty directory; gets the safetensors shard(s) (+ index when sharded), config.json and
             quantization.json.
         config: the model config (every non-MTP tensor of the checkpoint must be one of its parameters, with its
@@ -171,7 +137,7 @@ def quantize_checkpoint_streaming(
         rotate: fold the RMSNorm gains and rotate with QuaRot (seed: the Hadamard signs) first.
         mse_clip, group_size: as quantize_model's (MSE clip search; int4 group size of the W4A8 experts).
         max_shard_bytes: the largest output shard (a larger single tensor gets a shard of its own).
-        fp8_block_size: an FP8 block-scaled source (quantization/fp8.py: config.json's quantization_config, read
+        fp8_block_size: an FP8 block-scaled source (glm5_hal/model/fp8.py: config.json's quantization_config, read
             by fp8.fp8_block_size): each `X.weight` with an `X.weight_scale_inv` is dequantized to bf16 as it is
             read, and the scales are not carried over. None: a floating source.
         layout: the output format (checkpoint.CheckpointLayout; quantization/formats/ has the engine ones).
@@ -190,49 +156,42 @@ def quantize_checkpoint_streaming(
         raise ValueError(f"max_shard_bytes: expected a positive byte count, got {max_shard_bytes}")
     if scheme == "w4a8":
         layout.check_group_size(group_size)
-    found = _inventory(checkpoint_files(checkpoint))
-    dropped = sorted(name for name in found if is_mtp_tensor(name, config))
-    kept = {name: where for name, where in found.items() if not is_mtp_tensor(name, config)}
-    scales = {name: kept.pop(name) for name in list(kept) if fp8_block_size is not None and is_fp8_scale_name(name)}
+    reader = CheckpointReader(checkpoint)
+    dropped = sorted(name for name in reader if is_mtp_tensor(name, config))
+    is_scale = is_fp8_scale_name if fp8_block_size is not None else (lambda name: False)
+    kept = [name for name in reader if not is_mtp_tensor(name, config) and not is_scale(name)]
     # Names and shapes are checked from the headers (meta tensors: no storage) before hours of work start.
     try:
-        check_state_dict(config, {name: torch.empty(shape, device="meta") for name, (_, shape) in kept.items()})
+        check_state_dict(config, {name: torch.empty(reader.info(name).shape, device="meta") for name in kept})
     except ValueError as exc:
         raise ValueError(f"checkpoint {checkpoint} (MTP layers aside): {exc}") from exc
     directory = prepare_output_dir(out_dir)
 
-    by_file: dict[Path, list[str]] = {}
-    for name, (path, _) in kept.items():
-        by_file.setdefault(path, []).append(name)
     gains, rotations = None, None
     if rotate:
-        gains = {}
-        for path, names in by_file.items():
-            with _open(path) as handle:
-                gains.update({name: handle.get_tensor(name) for name in names if is_norm_gain(name)})
+        gains = {name: reader.read(name) for name in kept if is_norm_gain(name)}
         rotations = QuaRotRotations.for_config(config, seed)
 
     quantizer = _TensorQuantizer(config, scheme, mse_clip, group_size, gains, rotations, layout)
     writer = ShardWriter(directory, layout, max_shard_bytes)
     result = StreamingResult(directory, [], dropped=dropped)
     described: dict[str, dict] = {}
-    for path, names in by_file.items():
-        with _open(path) as handle:
-            for name in names:
-                kind = quantizer.kind(name)
-                if kind is None:
-                    result.float_tensors += 1
-                else:
-                    result.quantized[kind] = result.quantized.get(kind, 0) + 1
-                # A gain is read once (up front). `source` is released before the next read: one source tensor is
-                # alive at a time, besides the gains and the small untouched ones the pending shard keeps as they are.
-                source = gains[name] if gains is not None and name in gains else handle.get_tensor(name)
-                if scale_name_for(name) in scales:
-                    source = _dequantized(name, source, scales[scale_name_for(name)][0], fp8_block_size)
-                for stored_name, (tensor, entry) in quantizer.convert(name, source).items():
-                    writer.add(stored_name, tensor)
-                    described[stored_name] = entry
-                del source
+    for name in kept:  # file by file, in each file's order
+        kind = quantizer.kind(name)
+        if kind is None:
+            result.float_tensors += 1
+        else:
+            result.quantized[kind] = result.quantized.get(kind, 0) + 1
+        # A gain is read once (up front). `source` is released before the next read: one source tensor is alive at
+        # a time, besides the gains and the small untouched ones the pending shard keeps as they are.
+        source = gains[name] if gains is not None and name in gains else reader.read(name)
+        if fp8_block_size is not None and scale_name_for(name) in reader:
+            scale = reader.read(scale_name_for(name))
+            source = dequantize_fp8_block(source, scale, fp8_block_size, torch.bfloat16, name=name)
+        for stored_name, (tensor, entry) in quantizer.convert(name, source).items():
+            writer.add(stored_name, tensor)
+            described[stored_name] = entry
+        del source
     result.files = writer.finish()
     info = CheckpointInfo(config, scheme, "rtn", seed if rotate else None, dropped)
     layout.write_metadata(directory, info, described)

@@ -5,6 +5,7 @@
     glm5-hal bench ...              per-op latency against the roofline (registered by the `perf` package)
     glm5-hal export-onnx ...        one ONNX model per op
     glm5-hal kv-cache ...           cache bytes per token per layer and memory at a context, per cache format
+    glm5-hal generate CKPT ...      continue token-id prompts with a checkpoint (from_pretrained + generate)
     glm5-hal quantize ...           QuaRot + W8A8 / W4A8 a checkpoint (registered by `quantization`)
 
 A subcommand is a callable `register(subparsers) -> None` that adds its parser and sets `func` (a callable
@@ -21,7 +22,7 @@ import importlib.metadata
 import sys
 from collections.abc import Sequence
 
-SUBCOMMANDS = ("info", "parity", "export-onnx", "kv-cache")
+SUBCOMMANDS = ("info", "parity", "export-onnx", "kv-cache", "generate")
 COMMAND_ENTRY_POINT_GROUP = "glm5_hal.commands"
 
 

@@ -3,8 +3,11 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal
 
 import torch
 from torch import Tensor, nn
@@ -23,6 +26,10 @@ from glm5_hal.model.weights import (
     layer_prefix,
     linear_module_names,
 )
+from glm5_hal.selection import use_backend
+
+if TYPE_CHECKING:
+    from glm5_hal.model.generate import Generation
 
 
 @dataclass(frozen=True)
@@ -177,6 +184,9 @@ class CausalLM(nn.Module):
     at `model.layers.N.mlp.experts` (stacked w13 / w2).
     """
 
+    # The backend every op of this model runs on (None: the usual selection, GLM5_HAL_BACKEND / use_backend / auto).
+    backend: str | None = None
+
     def __init__(self, cfg: ModelConfig, state_dict: dict[str, Tensor]) -> None:
         super().__init__()
         check_state_dict(cfg, state_dict)
@@ -184,6 +194,29 @@ class CausalLM(nn.Module):
         self.dtype = state_dict["model.embed_tokens.weight"].dtype
         self.model = DecoderStack(cfg, state_dict)
         self.lm_head = Linear(state_dict["lm_head.weight"])
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str | Path,
+        *,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+        backend: str | None = None,
+    ) -> CausalLM:
+        """The model of a checkpoint directory (config.json + safetensors: floating, FP8 block-scaled, or a format
+        registered under `glm5_hal.checkpoint_formats` such as `glm5-hal quantize`'s output), streamed tensor by
+        tensor. dtype: the floating dtype (None: the checkpoint's); device: where weights and cache live;
+        backend: the glm5_hal backend its ops run on (None: the usual selection). See pretrained.from_pretrained.
+        """
+        from glm5_hal.model.pretrained import from_pretrained  # it builds CausalLMs: imported when called
+
+        return from_pretrained(path, dtype=dtype, device=device, backend=backend)
+
+    @property
+    def device(self) -> torch.device:
+        """Where the weights (and the caches new_cache makes) live."""
+        return self.model.embed_tokens.weight.device
 
     # --- the quantization hook -------------------------------------------------------------------------------
     def linears(self) -> dict[str, nn.Module]:
@@ -236,13 +269,21 @@ class CausalLM(nn.Module):
         step: StepMetadata,
         *,
         choices: Sequence[LayerChoices] | None = None,
+        logits: Literal["all", "last"] = "all",
+        record: bool = True,
     ) -> ModelOutput:
         """Run the new tokens input_ids [T] int64 (token-major, laid out as `step` says) through the model,
         writing their cache rows. Returns the logits of every new token and the per-layer outputs.
 
         choices: None (every layer's indexer and router choose), or ModelOutput.choices of a run of a model of
         the same config over the same step: every layer then attends the same keys and uses the same experts
-        and weights."""
+        and weights.
+        logits: "all" ([T, vocab]) or "last" ([B, vocab]: each sequence's last new token, what generation needs;
+        lm_head then runs on B rows instead of T).
+        record: False leaves ModelOutput.layer_outputs and .choices empty instead of holding every layer's
+        [T, hidden] output and [T, index_topk] selection until the call returns (generation)."""
+        if logits not in ("all", "last"):
+            raise ValueError(f"logits: expected 'all' or 'last', got {logits!r}")
         if input_ids.dim() != 1 or input_ids.shape[0] != step.num_tokens:
             raise ValueError(
                 f"input_ids: expected shape [T] with T = {step.num_tokens} (the step's tokens), "
@@ -255,14 +296,18 @@ class CausalLM(nn.Module):
         for i, c in enumerate(forced):
             if c is not None:
                 self._check_choices(i, c, step.num_tokens)
-        cos, sin = rope_cos_sin(self.cfg, step.positions, compute_dtype(self.model.embed_tokens.weight))
-        h = self.model.embed_tokens(input_ids)
-        layer_outputs, used = [], []
-        for layer, layer_choices in zip(layers, forced, strict=True):
-            h, layer_choices = layer(h, cos, sin, cache, step, layer_choices)
-            layer_outputs.append(h)
-            used.append(layer_choices)
-        return ModelOutput(self.lm_head(self.model.norm(h)), layer_outputs, used)
+        with use_backend(self.backend) if self.backend is not None else contextlib.nullcontext():
+            cos, sin = rope_cos_sin(self.cfg, step.positions, compute_dtype(self.model.embed_tokens.weight))
+            h = self.model.embed_tokens(input_ids)
+            layer_outputs, used = [], []
+            for layer, layer_choices in zip(layers, forced, strict=True):
+                h, layer_choices = layer(h, cos, sin, cache, step, layer_choices)
+                if record:
+                    layer_outputs.append(h)
+                    used.append(layer_choices)
+            if logits == "last":
+                h = h[step.cu_seqlens_q[1:].long() - 1]
+            return ModelOutput(self.lm_head(self.model.norm(h)), layer_outputs, used)
 
     def _check_choices(self, layer: int, choices: LayerChoices, num_tokens: int) -> None:
         """Shapes of replayed choices against this step (a choice from another step is a clear error)."""
@@ -282,12 +327,15 @@ class CausalLM(nn.Module):
         tokens: dict[Hashable, Sequence[int] | Tensor],
         *,
         choices: Sequence[LayerChoices] | None = None,
+        logits: Literal["all", "last"] = "all",
+        record: bool = True,
     ) -> ModelOutput:
         """Append tokens to sequences ({seq_id: token ids}); new ids are prefilled, known ones continue (decode
-        or chunked prefill). Logits rows follow the dict's order, token-major. choices: see forward."""
+        or chunked prefill). Logits rows follow the dict's order, token-major. choices, logits, record: see
+        forward."""
         ids = [torch.as_tensor(t, dtype=torch.int64).reshape(-1) for t in tokens.values()]
         plan = cache.plan_step(list(tokens), [t.numel() for t in ids])
-        return self.forward(torch.cat(ids).to(cache.device), cache, plan, choices=choices)
+        return self.forward(torch.cat(ids).to(cache.device), cache, plan, choices=choices, logits=logits, record=record)
 
     def prefill(
         self,
@@ -304,8 +352,40 @@ class CausalLM(nn.Module):
         cache = self.new_cache(
             ids.numel(),
             block_size=block_size,
-            device=self.model.embed_tokens.weight.device,
+            device=self.device,
             kv_cache_dtype=kv_cache_dtype,
             index_cache_dtype=index_cache_dtype,
         )
         return self.step(cache, {0: ids}, choices=choices)
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int] | Tensor],
+        max_new_tokens: int,
+        *,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        stop_token_ids: Sequence[int] = (),
+        seed: int | None = None,
+        max_batch_size: int | None = None,
+        block_size: int = 16,
+        progress: Callable[[int, int, str], None] | None = None,
+    ) -> Generation:
+        """Continue every prompt (token ids) by up to max_new_tokens tokens, in continuous batches through the
+        paged cache: greedy at temperature 0, else sampled (top_p nucleus, seeded); a sequence that emits a
+        stop token leaves the batch. Returns a Generation (.tokens per prompt, .finish_reasons, .stats);
+        see glm5_hal.model.generate.generate for every argument."""
+        from glm5_hal.model.generate import generate  # it drives this class: imported when called
+
+        return generate(
+            self,
+            prompts,
+            max_new_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            stop_token_ids=stop_token_ids,
+            seed=seed,
+            max_batch_size=max_batch_size,
+            block_size=block_size,
+            progress=progress,
+        )

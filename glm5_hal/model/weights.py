@@ -6,6 +6,8 @@ whose experts are stored per expert in the checkpoint): a real safetensors shard
 
 from __future__ import annotations
 
+import re
+
 import torch
 from torch import Tensor
 
@@ -14,6 +16,17 @@ from glm5_hal.config import ModelConfig
 
 def layer_prefix(layer: int) -> str:
     return f"model.layers.{layer}"
+
+
+_LAYER_INDEX = re.compile(r"model\.layers\.(\d+)\.")
+
+
+def is_mtp_tensor(name: str, cfg: ModelConfig) -> bool:
+    """Whether checkpoint tensor `name` belongs to a multi-token-prediction layer: `model.layers.{i}.*` with
+    i >= num_hidden_layers (GLM-5's layer 78: eh_proj, enorm, hnorm, shared_head, ...). The model does not
+    implement them; loaders skip them (as transformers does) and `glm5-hal quantize` drops them."""
+    m = _LAYER_INDEX.match(name)
+    return m is not None and int(m.group(1)) >= cfg.num_hidden_layers
 
 
 def is_moe_layer(cfg: ModelConfig, layer: int) -> bool:
