@@ -25,6 +25,7 @@ import torch
 
 from glm5_hal import cli as glm5_cli
 from glm5_hal.config import GLM5_MINI
+from glm5_hal.model import formats as formats_module
 from glm5_hal.model import random_state_dict
 from glm5_hal.model.hf_config import CONFIG_FILE, config_to_hf
 from quantization import quarot
@@ -254,6 +255,27 @@ def test_grouped_int4_compressed_tensors_loads_back_to_bit_identical_logits(writ
     torch.testing.assert_close(theirs, ours, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("scheme", [*SCHEMES, "w4a8-g32"])
+def test_from_pretrained_reads_every_format_to_bit_identical_logits(written, scheme: str, model_backend: str) -> None:
+    """CausalLM.from_pretrained finds each format through its glm5_hal.checkpoint_formats entry point (the same
+    detection rule as detect_format) and gives the glm5-hal format's logits bit for bit; dtype reaches the reader."""
+    from glm5_hal.model import CausalLM
+
+    assert set(formats_module.registered_formats()) >= set(FORMATS)  # the pyproject.toml entry points
+    ids = torch.arange(12) * 37 % CFG.vocab_size
+    directories = {fmt: written[fmt, s] for (fmt, s) in written if s == scheme}
+    want = load_checkpoint(directories["glm5-hal"]).prefill(ids).logits
+    for fmt, directory in directories.items():
+        model = CausalLM.from_pretrained(directory, backend=model_backend)
+        assert model.backend == model_backend
+        torch.testing.assert_close(model.prefill(ids).logits, want, rtol=0, atol=0, msg=fmt)
+    as_fp32 = {fmt: CausalLM.from_pretrained(directory, dtype=torch.float32) for fmt, directory in directories.items()}
+    fp32_logits = {fmt: model.prefill(ids).logits for fmt, model in as_fp32.items()}
+    for fmt, logits in fp32_logits.items():
+        assert as_fp32[fmt].dtype == torch.float32 and logits.dtype == torch.float32, fmt
+        torch.testing.assert_close(logits, fp32_logits["glm5-hal"], rtol=0, atol=0, msg=fmt)
+
+
 @pytest.mark.parametrize("fmt", ENGINE_FORMATS)
 def test_in_memory_writer_equals_the_streaming_one(source: Path, written, tmp_path: Path, fmt: str) -> None:
     """The GPTQ path writes through save_quantized: with RTN it must store what streaming stores, bit for bit."""
@@ -299,10 +321,15 @@ def test_detect_format_names_what_it_found(written, tmp_path: Path) -> None:
         assert detect_format(directory) == fmt
     with pytest.raises(ValueError, match=r"found none .*files: \[\]"):
         detect_format(tmp_path)
+    other = tmp_path / "other"  # a quantization.json another tool wrote is not the glm5-hal format's
+    other.mkdir()
+    (other / "quantization.json").write_text('{"format": "some-other-tool"}')
+    with pytest.raises(ValueError, match=r"found none .*files: \['quantization.json'\]"):
+        detect_format(other)
     both = tmp_path / "both"
     both.mkdir()
-    for name in ("quantization.json", ms_format.DESCRIPTION_FILE):
-        (both / name).write_text("{}")
+    (both / "quantization.json").write_text('{"format": "glm5-hal-quantized"}')
+    (both / ms_format.DESCRIPTION_FILE).write_text("{}")
     with pytest.raises(ValueError, match=r"found \['glm5-hal', 'msmodelslim'\]"):
         detect_format(both)
     with pytest.raises(
@@ -371,6 +398,43 @@ def test_msmodelslim_reader_refuses_what_it_cannot_read(written, tmp_path: Path,
     copy = _copy_with(written["msmodelslim", "w4a8"], tmp_path, edit_description)
     with pytest.raises(ValueError, match=message):
         load_checkpoint(copy)
+
+
+def test_loading_frees_each_experts_gate_and_up_once_stacked(written, monkeypatch) -> None:
+    """build_quantized_model consumes what the reader read: when an expert's gate|up GEMM is built, the gate and up
+    codes read for the experts before it are already freed, so loading peaks at the model plus one stacked pair
+    rather than holding every routed expert's gate and up codes twice."""
+    import weakref
+
+    from glm5_hal.model.checkpoint import CheckpointReader
+    from quantization import checkpoint as checkpoint_module
+
+    originals: list[weakref.ref] = []  # the expert gate / up codes as read
+    every_read: list[weakref.ref] = []  # a QuantLinear on none of these holds a stacked pair
+    real_read = CheckpointReader.read
+
+    def read(reader: CheckpointReader, name: str, **kwargs) -> torch.Tensor:
+        tensor = real_read(reader, name, **kwargs)
+        every_read.append(weakref.ref(tensor))
+        if ".mlp.experts." in name and name.endswith(("gate_proj.weight", "up_proj.weight")):
+            originals.append(weakref.ref(tensor))
+        return tensor
+
+    alive_at_stacking: list[int] = []  # originals still alive as each expert's gate|up QuantLinear is built
+    real_linear = checkpoint_module.QuantLinear
+
+    def linear(weight: torch.Tensor, *args, **kwargs):
+        if not any(ref() is weight for ref in every_read):
+            alive_at_stacking.append(sum(ref() is not None for ref in originals))
+        return real_linear(weight, *args, **kwargs)
+
+    monkeypatch.setattr(CheckpointReader, "read", read)
+    monkeypatch.setattr(checkpoint_module, "QuantLinear", linear)
+    load_checkpoint(written["glm5-hal", "w4a8"])
+    pairs = len(originals) // 2
+    assert pairs == CFG.n_routed_experts * (CFG.num_hidden_layers - CFG.first_k_dense_replace) > 1
+    # The j-th pair is built while its own two codes and those of the pairs after it are alive; the earlier are freed.
+    assert alive_at_stacking == [2 * (pairs - j) for j in range(pairs)]
 
 
 def test_a_quantized_router_gate_is_refused() -> None:

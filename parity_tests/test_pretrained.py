@@ -150,7 +150,7 @@ def test_quantized_checkpoint_loads_through_the_plugin_point(bf16_state, tmp_pat
     out = tmp_path / "w4a8"
     argv = ["quantize", str(source), str(out), "--scheme", "w4a8", "--eval-tokens", "0"]
     assert glm5_cli.main(argv) == 0
-    assert "glm5-hal-quantized" in formats_module.registered_formats()  # the pyproject.toml entry point
+    assert "glm5-hal" in formats_module.registered_formats()  # the pyproject.toml entry point
     model = CausalLM.from_pretrained(out)
     ids = torch.randint(0, CFG.vocab_size, (10,), generator=torch.Generator().manual_seed(_seed(3)))
     want = load_quantized_model(out).prefill(ids).logits

@@ -22,14 +22,15 @@ layers, which glm5_hal.model does not implement). "quarot" (`rotation_metadata`)
 into the weights and that the model needs no online Hadamard. `load_quantized_model` rebuilds the CausalLM with
 QuantLinear / QuantRoutedExperts at the quantized call sites, straight from the stored codes
 (`build_quantized_model`, shared by every format's reader): no dequantized (float) copy of a quantized weight is
-ever made, so a real GLM-5 loads in its quantized size. `CHECKPOINT_FORMAT` plugs this format into glm5_hal's
-`glm5_hal.checkpoint_formats`, so `CausalLM.from_pretrained(dir)` reads it.
+ever made, so a real GLM-5 loads in its quantized size. Every format is also a `QuantizedCheckpointFormat` at
+glm5_hal's `glm5_hal.checkpoint_formats` plugin point (this one: `CHECKPOINT_FORMAT`), so
+`CausalLM.from_pretrained(dir)` reads all of them.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -323,13 +324,23 @@ _FLOAT_ONLY_WEIGHTS = ("self_attn.kv_b_proj.weight", "mlp.gate.weight")
 
 
 def build_quantized_model(
-    config: ModelConfig, float_state: dict[str, Tensor], quantized: dict[str, StoredQuantWeight], source: str | Path
+    config: ModelConfig,
+    float_state: dict[str, Tensor],
+    quantized: dict[str, StoredQuantWeight],
+    source: str | Path,
+    *,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str | None = None,
 ) -> CausalLM:
     """The CausalLM of a quantized checkpoint, with QuantLinear / QuantRoutedExperts (the integer HAL ops) at every
     quantized call site, built without a float copy of any quantized weight (every format's reader ends here).
 
     float_state: the stored float tensors by checkpoint name. quantized: {weight name ("...q_a_proj.weight"):
-    StoredQuantWeight}. source: the checkpoint, for error messages.
+    StoredQuantWeight}. source: the checkpoint, for error messages. Both dicts are consumed (emptied): the model
+    takes their tensors, and a routed expert's gate and up codes are released once stacked into its gate|up GEMM,
+    so the peak is the model plus one expert's stacked pair, not the quantized weights twice.
+    dtype: the floating tensors' dtype (None: as given; the FP32_PARAMETERS, the router bias, stay fp32; codes and
+    scales are used as given). device: where the model goes (None: where the tensors are).
 
     The CausalLM is built on the float tensors plus, for each quantized weight, a meta-device placeholder of its
     float shape [N, K] (no storage: loading GLM-5 never allocates its ~1.5 TB of bf16 weights); each call site
@@ -344,12 +355,16 @@ def build_quantized_model(
             f"{source}: {float_only[:3]} are quantized, but glm5_hal.model runs kv_b_proj (absorbed per head) and the "
             "router gate (fp32 logits) in floating point only"
         )
-    state = dict(float_state)
+    state: dict[str, Tensor] = {}
+    while float_state:  # one tensor converted at a time (the original released as its copy is made)
+        name, tensor = float_state.popitem()
+        state[name] = tensor if dtype is None or name.endswith(FP32_PARAMETERS) else tensor.to(dtype)
     dtype = state["model.embed_tokens.weight"].dtype
     state.update(
         {n: torch.empty(q.weight.shape[0], q.in_features, dtype=dtype, device="meta") for n, q in quantized.items()}
     )
     model = CausalLM(config, state)
+    del state
 
     def quant_linear(*names: str) -> QuantLinear:
         # Several weights fused into one GEMM (gate then up) stack along N, which is valid as stored because packed
@@ -357,16 +372,17 @@ def build_quantized_model(
         kinds = {(quantized[n].kind, quantized[n].group_size) for n in names}
         if len(kinds) != 1:
             raise ValueError(f"{source}: {list(names)} are fused into one GEMM but quantized differently: {kinds}")
-        (kind, group_size), parts = kinds.pop(), [quantized[n] for n in names]
+        (kind, group_size), parts = kinds.pop(), [quantized.pop(n) for n in names]
         if len(parts) == 1:
             return QuantLinear(parts[0].weight, parts[0].scale, None, kind, group_size)
         weight, scale = torch.cat([p.weight for p in parts]), torch.cat([p.scale for p in parts])
         return QuantLinear(weight, scale, None, kind, group_size)
 
-    for name in quantized:
-        if ".mlp.experts." not in name:
-            model.replace_module(name.removesuffix(".weight"), quant_linear(name))
-    for block in sorted({n.rsplit(".", 3)[0] for n in quantized if ".mlp.experts." in n}):
+    linears = [n for n in quantized if ".mlp.experts." not in n]
+    expert_blocks = sorted({n.rsplit(".", 3)[0] for n in quantized if ".mlp.experts." in n})
+    for name in linears:
+        model.replace_module(name.removesuffix(".weight"), quant_linear(name))
+    for block in expert_blocks:
         per_expert = [f"{block}.{e}" for e in range(config.n_routed_experts)]
         missing = [
             f"{p}.{proj}.weight"
@@ -386,7 +402,7 @@ def build_quantized_model(
             ),
         )
     check_no_meta_tensors(model, source)
-    return model
+    return model if device is None else model.to(device)
 
 
 def load_quantized_model(
@@ -400,10 +416,10 @@ def load_quantized_model(
 
     directory: written by save_quantized or quantization.streaming (one model.safetensors, or shards with an index).
     config: the model's ModelConfig; default: read from <dir>/config.json.
-    dtype: the dtype of the floating tensors (None: as stored; the router bias stays fp32; codes and scales are
-    used as stored). device: where the model goes (None: the CPU).
+    dtype, device: the floating tensors' dtype and the model's device (build_quantized_model; None: as stored, CPU).
     The stored int8 / packed int4 codes and fp32 scales are the HAL layout already: used as stored. Tensors are
-    read one at a time (glm5_hal.model.checkpoint.CheckpointReader).
+    read one at a time (glm5_hal.model.checkpoint.CheckpointReader), each into memory of its own (no mapping of the
+    files), so the peak is the model plus one routed expert's stacked gate|up codes.
     """
     directory = Path(directory)
     description = read_description(directory)
@@ -416,35 +432,47 @@ def load_quantized_model(
         if e["kind"] in (W8A8, W4A8)
     }
     float_state = {n: read(n) for n, e in entries.items() if e["kind"] == "float"}
-    if dtype is not None:
-        float_state = {n: t if n.endswith(FP32_PARAMETERS) else t.to(dtype) for n, t in float_state.items()}
-    model = build_quantized_model(config, float_state, quantized, directory)
-    return model if device is None else model.to(device)
+    return build_quantized_model(config, float_state, quantized, directory, dtype=dtype, device=device)
 
 
+def is_glm5_hal_checkpoint(directory: Path, hf_config: dict) -> bool:
+    """The glm5-hal format's detection rule: a quantization.json naming this format (one of another tool's, or
+    not JSON, is not claimed). hf_config: unused (the plugin point's signature)."""
+    path = Path(directory) / DESCRIPTION_FILE
+    if not path.is_file():
+        return False
+    try:
+        description = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return False
+    return isinstance(description, dict) and description.get("format") == FORMAT
+
+
+@dataclass(frozen=True)
 class QuantizedCheckpointFormat:
-    """The glm5_hal.checkpoint_formats plugin of this format: `CausalLM.from_pretrained` on a directory written by
-    `glm5-hal quantize` (one whose quantization.json names this format) builds the model with load_quantized_model.
+    """A quantized checkpoint format at glm5_hal's `glm5_hal.checkpoint_formats` plugin point
+    (glm5_hal/model/formats.py: name, detect, load), so `CausalLM.from_pretrained` reads its directories; pyproject
+    registers one per output format (this module's CHECKPOINT_FORMAT and quantization/formats/'s).
+
+    name: the output format (`glm5-hal quantize --format`). recognises(directory, hf_config): the format's one
+    detection rule (metadata files only; False for any other format). reader(directory, config, dtype=, device=):
+    the format's reader (a CausalLM on the HAL's integer ops).
     """
 
-    name = FORMAT
+    name: str
+    recognises: Callable[[Path, dict], bool]
+    reader: Callable[..., CausalLM]
 
     def detect(self, directory: Path, hf_config: dict) -> bool:
-        path = Path(directory) / DESCRIPTION_FILE
-        if not path.is_file():
-            return False
-        try:
-            return json.loads(path.read_text()).get("format") == FORMAT
-        except (json.JSONDecodeError, AttributeError):
-            return False  # a quantization.json of some other tool
+        return self.recognises(Path(directory), hf_config)
 
     def load(
-        self, directory: Path, config: ModelConfig, *, dtype: torch.dtype | None, device: torch.device
+        self, directory: Path, config: ModelConfig | None, *, dtype: torch.dtype | None, device: torch.device | None
     ) -> CausalLM:
-        return load_quantized_model(directory, config, dtype=dtype, device=device)
+        return self.reader(directory, config, dtype=dtype, device=device)
 
 
-CHECKPOINT_FORMAT = QuantizedCheckpointFormat()
+CHECKPOINT_FORMAT = QuantizedCheckpointFormat(GLM5_HAL_LAYOUT.name, is_glm5_hal_checkpoint, load_quantized_model)
 
 
 def check_no_meta_tensors(model: nn.Module, directory: str | Path) -> None:

@@ -22,7 +22,6 @@ the model and are skipped, as transformers skips them.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from pathlib import Path
 
@@ -42,7 +41,7 @@ from glm5_hal.model.fp8 import (
     scale_name_for,
     weight_name_for,
 )
-from glm5_hal.model.hf_config import CONFIG_FILE, load_config
+from glm5_hal.model.hf_config import CONFIG_FILE, load_config, read_config_json
 from glm5_hal.model.weights import FP32_PARAMETERS, is_mtp_tensor, parameter_shapes
 from glm5_hal.registry import registry
 
@@ -81,7 +80,7 @@ def from_pretrained(
     if backend is not None:
         _check_backend(backend)
     config = load_config(directory)
-    hf_config = json.loads((directory / CONFIG_FILE).read_text())
+    hf_config = read_config_json(directory)
     formats = registered_formats()
     fmt = detect_format(directory, hf_config, formats) or _HuggingFaceFormat(hf_config, formats)
     model = fmt.load(directory, config, dtype=dtype, device=torch.device("cpu" if device is None else device))

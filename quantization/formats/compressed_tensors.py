@@ -34,13 +34,14 @@ from torch import Tensor
 import ops_reference as ref
 from glm5_hal.config import ModelConfig
 from glm5_hal.model import CausalLM, expert_module_names, linear_module_names
+from glm5_hal.model.checkpoint import CheckpointReader
 from glm5_hal.model.hf_config import CONFIG_FILE, load_config, read_config_json
 from quantization.checkpoint import (
     CheckpointInfo,
     CheckpointLayout,
+    QuantizedCheckpointFormat,
     StoredQuantWeight,
     build_quantized_model,
-    load_state_dict,
 )
 from quantization.formats.engine_config import engine_config, write_engine_config
 from quantization.linear import W4A8, W8A8
@@ -178,8 +179,9 @@ class _CompressedTensorsLayout(CheckpointLayout):
 COMPRESSED_TENSORS_LAYOUT: CheckpointLayout = _CompressedTensorsLayout()
 
 
-def is_compressed_tensors(hf: dict) -> bool:
-    """Whether a parsed config.json describes a compressed-tensors checkpoint."""
+def is_compressed_tensors(directory: Path, hf: dict) -> bool:
+    """The format's detection rule: the directory's parsed config.json (`hf`) has a quantization_config with
+    quant_method "compressed-tensors"."""
     qc = hf.get("quantization_config")
     return isinstance(qc, dict) and qc.get("quant_method") == QUANT_METHOD
 
@@ -231,12 +233,20 @@ def _hal_weight(name: str, codes: Tensor, scale: Tensor, kind: str, group_size: 
     return StoredQuantWeight(packed, scale, kind, group_size)
 
 
-def load_compressed_tensors(directory: str | Path, config: ModelConfig | None = None) -> CausalLM:
+def load_compressed_tensors(
+    directory: str | Path,
+    config: ModelConfig | None = None,
+    *,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str | None = None,
+) -> CausalLM:
     """The CausalLM of a compressed-tensors checkpoint with dynamic int8 activations (W8A8 / W4A8, "int-quantized"),
     on the HAL's integer ops, without a float copy of any quantized weight.
 
     directory: a checkpoint written by `glm5-hal quantize --format compressed-tensors` (or llm-compressor in the
-    same scheme). config: default: read from <dir>/config.json.
+    same scheme). config: default: read from <dir>/config.json. dtype, device: the floating tensors' dtype and the
+    model's device (checkpoint.build_quantized_model; None: as stored, CPU). Tensors are read one at a time (each
+    int4 weight packed as it is read), names checked from the headers first.
     Raises ValueError naming the key / tensor for what the HAL cannot run as stored: another quantization format or
     scheme (static or float activations, asymmetric weights, per-tensor / block scales), online transforms
     ("transform_config"), a quantized KV cache, zero points.
@@ -244,7 +254,7 @@ def load_compressed_tensors(directory: str | Path, config: ModelConfig | None = 
     directory = Path(directory)
     source = str(directory / CONFIG_FILE)
     hf = read_config_json(directory)
-    if not is_compressed_tensors(hf):
+    if not is_compressed_tensors(directory, hf):
         raise ValueError(f"{source}: expected a quantization_config with quant_method {QUANT_METHOD!r}")
     qc = hf["quantization_config"]
     if qc.get("transform_config"):
@@ -260,21 +270,32 @@ def load_compressed_tensors(directory: str | Path, config: ModelConfig | None = 
         (_parse_scheme(g, group, qc.get("format"), source), group.get("targets") or []) for g, group in groups.items()
     ]
     ignore = qc.get("ignore") or []
-    stored = load_state_dict(directory)
-    quantized: dict[str, StoredQuantWeight] = {}
+    reader = CheckpointReader(directory)
+    sites: dict[str, tuple[str, int | None]] = {}  # quantized weight name -> its scheme
     for site in call_sites(config):
         if _matches(site, ignore):
             continue
         scheme = next((s for s, targets in schemes if _matches(site, targets)), None)
         if scheme is None:
             continue
-        weight_name, scale_name = f"{site}.weight", f"{site}.weight_scale"
-        if scale_name not in stored:
-            raise ValueError(f"{directory}: {site} is quantized by quantization_config but {scale_name} is missing")
-        if f"{site}.weight_zero_point" in stored:
+        if f"{site}.weight_scale" not in reader:
+            raise ValueError(
+                f"{directory}: {site} is quantized by quantization_config but {site}.weight_scale is missing"
+            )
+        if f"{site}.weight_zero_point" in reader:
             raise ValueError(f"{directory}: {site}.weight_zero_point: asymmetric weights are not supported")
-        quantized[weight_name] = _hal_weight(weight_name, stored.pop(weight_name), stored.pop(scale_name), *scheme)
-    leftover = sorted(n for n in stored if n.rsplit(".", 1)[-1] in ("weight_scale", "input_scale", "weight_zero_point"))
+        sites[f"{site}.weight"] = scheme
+    scales = {f"{name}_scale" for name in sites}
+    floats = [n for n in reader if n not in sites and n not in scales]
+    leftover = sorted(n for n in floats if n.rsplit(".", 1)[-1] in ("weight_scale", "input_scale", "weight_zero_point"))
     if leftover:
         raise ValueError(f"{directory}: quantization parameters of no quantized call site, e.g. {leftover[:3]}")
-    return build_quantized_model(config, stored, quantized, directory)
+    quantized = {
+        name: _hal_weight(name, reader.read(name), reader.read(f"{name}_scale"), *scheme)
+        for name, scheme in sites.items()
+    }
+    float_state = {name: reader.read(name) for name in floats}
+    return build_quantized_model(config, float_state, quantized, directory, dtype=dtype, device=device)
+
+
+CHECKPOINT_FORMAT = QuantizedCheckpointFormat(FORMAT_NAME, is_compressed_tensors, load_compressed_tensors)

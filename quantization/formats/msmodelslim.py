@@ -37,13 +37,14 @@ from torch import Tensor
 import ops_reference as ref
 from glm5_hal.config import ModelConfig
 from glm5_hal.model import CausalLM
+from glm5_hal.model.checkpoint import CheckpointReader
 from glm5_hal.model.hf_config import load_config
 from quantization.checkpoint import (
     CheckpointInfo,
     CheckpointLayout,
+    QuantizedCheckpointFormat,
     StoredQuantWeight,
     build_quantized_model,
-    load_state_dict,
 )
 from quantization.formats.engine_config import engine_config, write_engine_config
 from quantization.linear import W4A8, W8A8
@@ -143,12 +144,25 @@ class _MsModelSlimLayout(CheckpointLayout):
 MSMODELSLIM_LAYOUT: CheckpointLayout = _MsModelSlimLayout()
 
 
-def load_msmodelslim(directory: str | Path, config: ModelConfig | None = None) -> CausalLM:
+def is_msmodelslim(directory: Path, hf_config: dict) -> bool:
+    """The format's detection rule: the directory holds quant_model_description.json (hf_config: unused)."""
+    return (Path(directory) / DESCRIPTION_FILE).is_file()
+
+
+def load_msmodelslim(
+    directory: str | Path,
+    config: ModelConfig | None = None,
+    *,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str | None = None,
+) -> CausalLM:
     """The CausalLM of an msModelSlim ascendv1 checkpoint (W8A8_DYNAMIC, per-channel W4A8_DYNAMIC v1.0.0, FLOAT),
     on the HAL's integer ops, without a float copy of any quantized weight.
 
     directory: written by `glm5-hal quantize --format msmodelslim` (or msModelSlim with these types and no extra
-    tensors such as smoothing scales). config: default: read from <dir>/config.json.
+    tensors such as smoothing scales). config: default: read from <dir>/config.json. dtype, device: the floating
+    tensors' dtype and the model's device (checkpoint.build_quantized_model; None: as stored, CPU). Tensors are
+    read one at a time, the description checked against the shards' headers first.
     Raises ValueError naming the key / tensor for another description version, per-group int4, other quant types
     (static W8A8, W4A4, ...), non-zero weight offsets (asymmetric weights).
     """
@@ -167,25 +181,32 @@ def load_msmodelslim(directory: str | Path, config: ModelConfig | None = None) -
     if unsupported:
         raise ValueError(f"{path}: quant types {unsupported} are not supported (W8A8_DYNAMIC, W4A8_DYNAMIC, FLOAT)")
     config = load_config(directory) if config is None else config
-    stored = load_state_dict(directory, index_file=f"{FILE_PREFIX}.safetensors.index.json")
-    described = set(tensor_types)
-    if set(stored) != described:
+    reader = CheckpointReader(directory, index_file=f"{FILE_PREFIX}.safetensors.index.json")
+    described, held = set(tensor_types), set(reader)
+    if held != described:
         raise ValueError(
-            f"{path}: describes {len(described)} tensors but the weights hold {len(stored)}; e.g. undescribed "
-            f"{sorted(set(stored) - described)[:3]}, missing {sorted(described - set(stored))[:3]}"
+            f"{path}: describes {len(described)} tensors but the weights hold {len(held)}; e.g. undescribed "
+            f"{sorted(held - described)[:3]}, missing {sorted(described - held)[:3]}"
         )
     quantized: dict[str, StoredQuantWeight] = {}
+    parameters: set[str] = set()  # the quantized weights' companions (scale, offset, scale_bias)
     for name, quant_type in tensor_types.items():
         if quant_type == FLOAT or not name.endswith(".weight"):
             continue
         base = name.removesuffix(".weight")
-        weight, scale = stored.pop(name), stored.pop(f"{base}.weight_scale")
-        offset = stored.pop(f"{base}.weight_offset")
-        if torch.count_nonzero(offset):
-            raise ValueError(f"{base}.weight_offset: expected zeros (symmetric weights)")
+        companions = [f"{base}.weight_scale", f"{base}.weight_offset"]
         if quant_type == W4A8_DYNAMIC:
-            stored.pop(f"{base}.scale_bias")  # a kernel-side sum of the weights; the HAL ops do not need it
+            companions.append(f"{base}.scale_bias")  # a kernel-side sum of the weights; the HAL ops do not need it
+        parameters.update(companions)
+        if torch.count_nonzero(reader.read(f"{base}.weight_offset")):
+            raise ValueError(f"{base}.weight_offset: expected zeros (symmetric weights)")
+        weight, scale = reader.read(name), reader.read(f"{base}.weight_scale")
+        if quant_type == W4A8_DYNAMIC:
             weight = torch.from_numpy(ref.pack_int4(unpack_int4_along_n(weight).numpy()))
         kind = W8A8 if quant_type == W8A8_DYNAMIC else W4A8
         quantized[name] = StoredQuantWeight(weight, scale.reshape(-1).to(torch.float32), kind)
-    return build_quantized_model(config, stored, quantized, directory)
+    float_state = {name: reader.read(name) for name in reader if name not in quantized and name not in parameters}
+    return build_quantized_model(config, float_state, quantized, directory, dtype=dtype, device=device)
+
+
+CHECKPOINT_FORMAT = QuantizedCheckpointFormat(FORMAT_NAME, is_msmodelslim, load_msmodelslim)
