@@ -1,6 +1,6 @@
 """CausalLM.generate and `glm5-hal generate`: greedy equals a step-by-step loop and transformers' greedy output
-(on models without score ties), continuous batching of ragged prompts, stop tokens, seeded nucleus sampling,
-argument errors.
+(on models without score ties), continuous batching of ragged prompts, quantized (FP8 / INT8) caches, stop tokens,
+seeded nucleus sampling, argument errors.
 
 Greedy decoding is only well defined where the top two logits of every step are apart by more than the numerical
 difference between two implementations (or two batch compositions): a model whose margin falls below MIN_MARGIN
@@ -40,9 +40,10 @@ def _prompts(seed: int, vocab: int) -> list[list[int]]:
     return [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in PROMPT_LENGTHS]
 
 
-def _greedy_loop(model: CausalLM, prompt: list[int], steps: int) -> tuple[list[int], float]:
-    """(tokens, smallest top-2 logit margin): one sequence, prefill then one decode step per token, argmax."""
-    cache = model.new_cache(len(prompt) + steps, block_size=4)
+def _greedy_loop(model: CausalLM, prompt: list[int], steps: int, **cache_formats: str) -> tuple[list[int], float]:
+    """(tokens, smallest top-2 logit margin): one sequence, prefill then one decode step per token, argmax.
+    cache_formats: kv_cache_dtype / index_cache_dtype of the cache (new_cache)."""
+    cache = model.new_cache(len(prompt) + steps, block_size=4, **cache_formats)
     logits = model.step(cache, {0: prompt}).logits[-1]
     tokens, margin = [], math.inf
     while True:
@@ -134,6 +135,27 @@ def test_greedy_matches_transformers_generate() -> None:
     assert got.tokens == want
 
 
+FP8_CACHES = {"kv_cache_dtype": "fp8_ds_mla", "index_cache_dtype": "fp8_index"}
+
+
+def test_greedy_on_quantized_caches_equals_a_step_by_step_loop_on_them(monkeypatch) -> None:
+    """The cache formats reach the cache generate makes: on FP8 latent and index-key caches, ragged prompts through a
+    batch of 2 get the tokens of their own greedy loop on caches of the same formats."""
+
+    def reference(state: dict, prompts: list[list[int]]) -> tuple[list[list[int]], float]:
+        model = CausalLM(CFG, state)
+        runs = [_greedy_loop(model, p, NEW_TOKENS, **FP8_CACHES) for p in prompts]
+        return [t for t, _ in runs], min(m for _, m in runs)
+
+    state, prompts, want = _tie_free(reference, 2000)
+    model = CausalLM(CFG, state)
+    made = []
+    real_new_cache = model.new_cache
+    monkeypatch.setattr(model, "new_cache", lambda *a, **kw: made.append(real_new_cache(*a, **kw)) or made[-1])
+    assert model.generate(prompts, NEW_TOKENS, max_batch_size=2, block_size=4, **FP8_CACHES).tokens == want
+    assert [(c.kv_cache_dtype, c.index_cache_dtype) for c in made] == [tuple(FP8_CACHES.values())]
+
+
 def test_stop_tokens_end_only_their_sequence(greedy_case) -> None:
     model, prompts, greedy = greedy_case
     stop = greedy[0][2]  # the third token of the first sequence (maybe others emit it too)
@@ -202,6 +224,7 @@ def test_sample_tokens_distribution() -> None:
         ({"seed": -3}, ValueError, "seed: expected an int >= 0"),
         ({"max_batch_size": 0}, ValueError, "max_batch_size: expected an int >= 1"),
         ({"block_size": 2.0}, TypeError, "block_size: expected an int >= 1"),
+        ({"kv_cache_dtype": "fp4"}, ValueError, r"kv_cache_dtype: expected one of .* for the latent cache"),
     ],
 )
 def test_bad_arguments_are_named(greedy_case, kwargs: dict, exc: type, match: str) -> None:
@@ -220,7 +243,7 @@ def _checkpoint(directory: Path, cfg: ModelConfig, state: dict) -> Path:
     return directory
 
 
-def test_generate_command(tie_free, tmp_path: Path, capsys) -> None:
+def test_generate_command(tie_free, tmp_path: Path, capsys, monkeypatch) -> None:
     state, prompts, greedy = tie_free
     directory = _checkpoint(tmp_path / "ckpt", CFG, state)
     argv = ["generate", str(directory), "--max-new-tokens", str(NEW_TOKENS), "--no-progress"]
@@ -231,6 +254,14 @@ def test_generate_command(tie_free, tmp_path: Path, capsys) -> None:
     assert lines[-1].startswith(f"prefill: {sum(PROMPT_LENGTHS)} tokens in ") and "tokens/s; decode: " in lines[-1]
     written = json.loads((tmp_path / "out.json").read_text())
     assert written["tokens"] == greedy and written["stats"]["decode_tokens"] == len(prompts) * (NEW_TOKENS - 1)
+
+    made = []  # --kv-cache picks both caches' formats
+    real_new_cache = CausalLM.new_cache
+    monkeypatch.setattr(CausalLM, "new_cache", lambda *a, **kw: made.append(real_new_cache(*a, **kw)) or made[-1])
+    int8 = ["generate", str(directory), "--prompt-ids", "1,2", "--max-new-tokens", "2", "--kv-cache", "int8"]
+    assert glm5_cli.main(int8) == 0
+    assert [(c.kv_cache_dtype, c.index_cache_dtype) for c in made] == [("int8_mla", "int8_index")]
+    capsys.readouterr()
 
     assert glm5_cli.main(["generate", str(directory), "--prompt-ids", "1,x"]) == 2
     assert "--prompt-ids #1: expected integer token ids" in capsys.readouterr().err

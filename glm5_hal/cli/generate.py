@@ -17,6 +17,7 @@ import sys
 import torch
 
 from glm5_hal.cli.progress import ProgressBar
+from glm5_hal.kv_formats import FAMILIES, INDEX, LATENT
 from glm5_hal.model import CausalLM
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, "float64": torch.float64}
@@ -46,6 +47,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", choices=sorted(DTYPES), help="model dtype (default: the checkpoint's)")
     p.add_argument("--device", default="cpu", help="torch device for the weights and cache (default cpu)")
     p.add_argument("--backend", help="glm5_hal backend for every op (default: GLM5_HAL_BACKEND / auto)")
+    p.add_argument(
+        "--kv-cache",
+        default="auto",
+        choices=tuple(FAMILIES),
+        help="cache formats: the model's dtype (auto), fp8 (fp8_ds_mla + fp8_index), int8 (int8_mla + int8_index)",
+    )
     p.add_argument("--json", metavar="FILE", help="also write the tokens and statistics as JSON")
     progress = p.add_mutually_exclusive_group()
     progress.add_argument("--progress", dest="progress", action="store_true", default=None, help="force the bar")
@@ -87,6 +94,8 @@ def run(args: argparse.Namespace) -> int:
             seed=args.seed,
             max_batch_size=args.max_batch_size,
             progress=ProgressBar(enabled=args.progress),
+            kv_cache_dtype=FAMILIES[args.kv_cache][LATENT],
+            index_cache_dtype=FAMILIES[args.kv_cache][INDEX],
         )
     except (ValueError, TypeError) as exc:
         print(f"generate: {exc}", file=sys.stderr)

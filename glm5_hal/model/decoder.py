@@ -370,11 +370,14 @@ class CausalLM(nn.Module):
         max_batch_size: int | None = None,
         block_size: int = 16,
         progress: Callable[[int, int, str], None] | None = None,
+        kv_cache_dtype: str = "auto",
+        index_cache_dtype: str = "auto",
     ) -> Generation:
         """Continue every prompt (token ids) by up to max_new_tokens tokens, in continuous batches through the
         paged cache: greedy at temperature 0, else sampled (top_p nucleus, seeded); a sequence that emits a
-        stop token leaves the batch. Returns a Generation (.tokens per prompt, .finish_reasons, .stats);
-        see glm5_hal.model.generate.generate for every argument."""
+        stop token leaves the batch; kv_cache_dtype / index_cache_dtype pick the cache formats (new_cache). Returns
+        a Generation (.tokens per prompt, .finish_reasons, .stats); see glm5_hal.model.generate.generate for every
+        argument."""
         from glm5_hal.model.generate import generate  # it drives this class: imported when called
 
         return generate(
@@ -388,4 +391,6 @@ class CausalLM(nn.Module):
             max_batch_size=max_batch_size,
             block_size=block_size,
             progress=progress,
+            kv_cache_dtype=kv_cache_dtype,
+            index_cache_dtype=index_cache_dtype,
         )

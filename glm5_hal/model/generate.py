@@ -147,6 +147,8 @@ def generate(
     max_batch_size: int | None = None,
     block_size: int = 16,
     progress: Callable[[int, int, str], None] | None = None,
+    kv_cache_dtype: str = "auto",
+    index_cache_dtype: str = "auto",
 ) -> Generation:
     """Generate up to max_new_tokens tokens after each prompt (module docstring).
 
@@ -163,6 +165,8 @@ def generate(
         block_size: tokens per cache block. The cache is sized for the max_batch_size longest sequences, so a
             step is never refused for lack of blocks.
         progress: called as progress(generated tokens, len(prompts) * max_new_tokens, label) after each step.
+        kv_cache_dtype, index_cache_dtype: the formats of the latent KV and indexer-key caches ("auto": the model's
+            dtype; "fp8_ds_mla" / "int8_mla" and "fp8_index" / "int8_index": quantized, glm5_hal.kv_formats).
 
     Returns:
         A Generation.
@@ -212,7 +216,13 @@ def generate(
     generators = [torch.Generator().manual_seed(sequence_seed(seed, i)) for i in range(len(ids))] if sampled else None
     # Blocks for the `batch` longest sequences (prompt + new tokens), the most that can be in the cache at once.
     blocks = sorted((-(-(len(p) + max_new_tokens) // block_size) for p in ids), reverse=True)
-    cache = model.new_cache(sum(blocks[:batch]) * block_size, block_size=block_size, device=model.device)
+    cache = model.new_cache(
+        sum(blocks[:batch]) * block_size,
+        block_size=block_size,
+        device=model.device,
+        kv_cache_dtype=kv_cache_dtype,
+        index_cache_dtype=index_cache_dtype,
+    )
 
     waiting, running = deque(range(len(ids))), []
     tokens: list[list[int]] = [[] for _ in ids]
