@@ -165,7 +165,9 @@ def quantized_transport(rank: int, world: int, seed: int) -> dict[str, float]:
 
 def model_from_checkpoint(rank: int, world: int, path: str, seed: int) -> dict[str, object]:
     """ExpertParallelCausalLM from a safetensors checkpoint: which tensors this rank read, and its logits of a
-    prompt against the single-process model's."""
+    prompt against the single-process model's. Then a generation-style step (logits="last", record=False) on
+    rank 0 with the other ranks idle: rank 0's last-token logits against the same reference, and what every rank
+    kept."""
     from glm5_hal.model import CausalLM
     from glm5_hal.model.parallel import ExpertParallelCausalLM, SafetensorsWeights, rank_parameter_names
 
@@ -176,7 +178,12 @@ def model_from_checkpoint(rank: int, world: int, path: str, seed: int) -> dict[s
     prompt = torch.randint(0, cfg.vocab_size, (6 + rank,), generator=torch.Generator().manual_seed(seed + rank))
     got = model.prefill(prompt).logits
     want = CausalLM(cfg, {name: weights[name] for name in weights}).prefill(prompt).logits
+    tokens = {"req": prompt} if rank == 0 else {}
+    last = model.step(model.new_cache(prompt.numel()), tokens, logits="last", record=False)
     return {
+        "last_rows": last.logits.shape[0],
+        "last_max_abs_diff": float((last.logits - want[-1:]).abs().max()) if rank == 0 else 0.0,
+        "last_kept": len(last.layer_outputs) + len(last.choices),
         "read": read,
         "expected": sorted(rank_parameter_names(cfg, rank, world)),
         "experts_held": model.model.layers[1].mlp.experts.num_experts,

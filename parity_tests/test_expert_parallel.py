@@ -247,7 +247,8 @@ def test_quantized_transport_error_bound(world: int) -> None:
 
 def test_each_rank_reads_only_its_experts_from_the_checkpoint(tmp_path: Path) -> None:
     """A safetensors checkpoint read lazily: rank r reads every non-expert tensor and exactly its E/W experts, and its
-    logits equal the single-process model's (prefill; decode and idle ranks are in the parity model cases)."""
+    logits equal the single-process model's (prefill, and a generation-style logits="last" / record=False step beside
+    idle ranks; decode and idle ranks are in the parity model cases)."""
     safetensors_torch = pytest.importorskip("safetensors.torch", reason="safetensors (a core dependency) is missing")
     world = 2
     cfg = glm5_hal.GLM5_MINI.with_overrides(n_routed_experts=4 * world)
@@ -261,6 +262,8 @@ def test_each_rank_reads_only_its_experts_from_the_checkpoint(tmp_path: Path) ->
         assert experts_read == {str(e) for e in range(4 * rank, 4 * rank + 4)}
         assert found["experts_held"] == 4
         assert found["max_abs_diff"] <= 1e-5 * found["scale"], found
+        assert found["last_rows"] == (1 if rank == 0 else 0) and found["last_kept"] == 0, found
+        assert found["last_max_abs_diff"] <= 1e-5 * found["scale"], found
 
 
 # --- the command line ----------------------------------------------------------------------------------------------

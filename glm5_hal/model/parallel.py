@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Hashable, Iterator, Mapping, Sequence
 from pathlib import Path
+from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -32,6 +33,7 @@ from torch import Tensor, nn
 from glm5_hal.config import ModelConfig
 from glm5_hal.distributed import resolve_group
 from glm5_hal.model.cache import PagedKVCache
+from glm5_hal.model.checkpoint import CheckpointReader
 from glm5_hal.model.decoder import CausalLM, DecoderStack, LayerChoices, ModelOutput, build_moe
 from glm5_hal.model.linear import Linear
 from glm5_hal.model.mlp import MoE, Routing, TopkRouter
@@ -68,42 +70,30 @@ def rank_parameter_names(cfg: ModelConfig, rank: int, world_size: int) -> list[s
 
 
 class SafetensorsWeights(Mapping[str, Tensor]):
-    """The tensors of a safetensors checkpoint (one file, or every *.safetensors of a directory) by name, each read
-    from disk only when asked for. `read` lists the names read so far.
+    """The tensors of a safetensors checkpoint (one file, or a directory: glm5_hal.model.checkpoint.checkpoint_files)
+    by name, each read from disk only when asked for. `read` lists the names read so far.
 
-    Only the headers are read on construction (to know which file holds which name).
+    Only the headers are read on construction (glm5_hal.model.checkpoint.CheckpointReader, which errors name the
+    file and tensor).
     """
 
     def __init__(self, path: str | Path) -> None:
-        from safetensors import safe_open
-
-        self._open = functools.partial(safe_open, framework="pt")
-        path = Path(path)
-        files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
-        if not files or not all(f.is_file() for f in files):
-            raise FileNotFoundError(f"path: no safetensors checkpoint at {path}")
-        self._file_of: dict[str, Path] = {}
-        for file in files:
-            with self._open(str(file)) as handle:
-                for name in handle.keys():
-                    self._file_of[name] = file
+        self._reader = CheckpointReader(path)
         self.read: list[str] = []
 
     def __getitem__(self, name: str) -> Tensor:
-        file = self._file_of[name]  # KeyError names it
-        with self._open(str(file)) as handle:
-            tensor = handle.get_tensor(name)
+        tensor = self._reader.read(name)  # KeyError names it
         self.read.append(name)
         return tensor
 
     def __contains__(self, name: object) -> bool:
-        return name in self._file_of  # Mapping's default would read the tensor to find out
+        return name in self._reader  # Mapping's default would read the tensor to find out
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self._file_of)
+        return iter(self._reader)
 
     def __len__(self) -> int:
-        return len(self._file_of)
+        return len(self._reader)
 
 
 class ExpertParallelMoE(MoE):
@@ -196,14 +186,17 @@ class ExpertParallelCausalLM(CausalLM):
         tokens: dict[Hashable, Sequence[int] | Tensor],
         *,
         choices: Sequence[LayerChoices] | None = None,
+        logits: Literal["all", "last"] = "all",
+        record: bool = True,
     ) -> ModelOutput:
         """CausalLM.step on this rank's requests; a collective. With no tokens ({} or only empty lists) this rank
-        only takes part in the MoE layers' exchanges, and the output has zero rows."""
+        only takes part in the MoE layers' exchanges, and the output has zero rows (and no layer outputs or
+        choices when record is False). choices, logits, record: see CausalLM.forward."""
         if sum(torch.as_tensor(t).numel() for t in tokens.values()) == 0:
-            return self._idle_step(cache)
-        return super().step(cache, tokens, choices=choices)
+            return self._idle_step(cache, record)
+        return super().step(cache, tokens, choices=choices, logits=logits, record=record)
 
-    def _idle_step(self, cache: PagedKVCache) -> ModelOutput:
+    def _idle_step(self, cache: PagedKVCache, record: bool = True) -> ModelOutput:
         """Every MoE layer's collectives with zero tokens, in layer order (what the other ranks' step runs)."""
         cfg, device = self.cfg, cache.device
         h = torch.zeros(0, cfg.hidden_size, dtype=self.dtype, device=device)
@@ -213,8 +206,9 @@ class ExpertParallelCausalLM(CausalLM):
             routing = None
             if is_moe_layer(cfg, n):
                 _, routing = layer.mlp(h)
-            outputs.append(h)
-            choices.append(LayerChoices(no_keys, routing))
+            if record:
+                outputs.append(h)
+                choices.append(LayerChoices(no_keys, routing))
         logits = torch.zeros(0, cfg.vocab_size, dtype=self.dtype, device=device)
         return ModelOutput(logits, outputs, choices)
 
