@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from backends.torch_eager.paged import slot_rows
+from backends.torch_eager.gemm import gemm_for
+from backends.torch_eager.paged import gather_rows, slot_rows
 from backends.torch_eager.primitives import COMPUTE_DTYPE, rows_per_tile
 from glm5_hal.paged import key_slots, token_sequences
 
@@ -40,6 +41,7 @@ def sparse_flash_attention(
     rows = slot_rows(kv_cache)  # [num_slots, D]
     seqs = token_sequences(cu_seqlens_q, num_tokens)  # [T]
     key_limit = seq_lens_k.to(torch.int64)[seqs]  # [T]
+    gemm = gemm_for(q.dtype, q.device)  # logits on gemm.logits; the softmax statistics stay fp32
 
     out = torch.empty(num_tokens, num_heads, d_v, dtype=q.dtype, device=q.device)
     lse = torch.empty(num_tokens, num_heads, dtype=COMPUTE_DTYPE, device=q.device)
@@ -50,16 +52,16 @@ def sparse_flash_attention(
         idx = indices[tokens].to(torch.int64)  # [t, topk]
         valid = (idx >= 0) & (idx < key_limit[tokens, None])  # [t, topk]
         slots = key_slots(block_table, seqs[tokens], idx, block_size)  # [t, topk]
-        kv = rows[slots].to(COMPUTE_DTYPE)  # [t, topk, D]: gathered once, shared by all heads
+        kv = gather_rows(rows, slots).to(gemm.operand)  # [t, topk, D]: gathered once, shared by all heads
 
-        scores = torch.bmm(q[tokens].to(COMPUTE_DTYPE), kv.transpose(1, 2)).mul_(sm_scale)  # [t, H, topk]
+        scores = gemm.logits.bmm(q[tokens], kv.transpose(1, 2)).mul_(sm_scale)  # [t, H, topk] fp32
         scores.masked_fill_(~valid[:, None, :], float("-inf"))
         peak = scores.amax(dim=-1, keepdim=True)  # [t, H, 1]
         # A row with no valid key has peak -inf; shifting by 0 instead keeps exp() at exactly 0 and avoids nan.
         peak = torch.where(torch.isfinite(peak), peak, torch.zeros_like(peak))
         probs = torch.exp(scores.sub_(peak))  # unnormalised, [t, H, topk]
         total = probs.sum(dim=-1, keepdim=True)  # [t, H, 1]; 0 for an empty row
-        weighted = torch.bmm(probs, kv[..., :d_v])  # [t, H, d_v]
+        weighted = gemm.bmm(probs, kv[..., :d_v])  # [t, H, d_v] fp32
         # Empty rows: 0 / tiny = 0 (the contract's out = 0), log(0) = -inf (the contract's lse).
         out[tokens] = (weighted / total.clamp_min(torch.finfo(COMPUTE_DTYPE).tiny)).to(q.dtype)
         lse[tokens] = (peak + torch.log(total)).squeeze(-1)
