@@ -8,20 +8,21 @@ a short measurement on the device itself:
   half-precision operands (fp32 accumulation; softmax statistics, norms and lse stay fp32). fp16 additionally
   needs a GEMM that hands back fp32 (`out_dtype=torch.float32`): an fp16 result could overflow where fp32 does not,
   and its rounding (2^-11) is a large part of the fp16 tolerance. A bf16 result has fp32's exponent range; where
-  no fp32-result GEMM exists its rounding (2^-9, well inside the bf16 tolerance) is the price.
+  no fp32-result GEMM exists its rounding (2^-9, well inside the bf16 tolerance) is the price, except for
+  attention logits, which stay fp32 there (backends/torch_eager/gemm.py says why).
 - an exact int8 GEMM (int8 x int8 -> int32, glm5_hal.int8_gemms): which route runs here, is it bit-exact at large
   K with extreme codes (checked on the device every time), and is it faster than the fp32 GEMM? Otherwise the
   quantized ops keep their exact chunked-fp32 path.
 
-Facts: accelerators of the types GLM-5 targets (CUDA, NPU, MLU, MUSA, GCU, XPU) have bf16 / fp16 / int8 units
-(CUDA: by compute capability); a CPU has them when its ISA flags say so (x86 avx512_bf16 / amx_bf16, avx512_fp16 /
-amx_fp16, avx512_vnni / avx_vnni / amx_int8; Arm bf16, asimdhp, asimddp / i8mm). A CPU whose flags lack a unit
-keeps the conservative path for it without measuring anything, so such a machine runs exactly the code it ran
-before. Where the flags name a unit (or cannot be read) the choice also needs a measured win: the flag says the
-ISA has it, the measurement says torch's kernels use it.
+Facts: the accelerator types the project targets (CUDA, NPU, MLU, MUSA, GCU; and Intel XPU) have bf16 / fp16 /
+int8 units (CUDA: by compute capability); a CPU has them when its ISA flags say so (x86 avx512_bf16 / amx_bf16,
+avx512_fp16 / amx_fp16, avx512_vnni / avx_vnni / amx_int8; Arm bf16, asimdhp, asimddp / i8mm). A CPU whose flags
+lack a unit keeps the conservative path for it without measuring anything: such a machine runs the same code as
+with GLM5_HAL_FAST_PATHS=0. Where the flags name a unit (or cannot be read) the choice also needs a measured win:
+the flag says the ISA has it, the measurement says torch's kernels use it.
 
 `GLM5_HAL_FAST_PATHS` overrides the choice: `auto` (default) as above; `0` the conservative fp32 path everywhere
-(for bisecting numerics: the code the backends ran before they had fast paths); `1` every fast path that is
+(for bisecting numerics: the arithmetic the backends did before they had fast paths); `1` every fast path that is
 correct on the device, whatever its speed (exactness and the fp16 rule still apply; for testing the fast paths on
 machines where they are slow).
 """
@@ -29,6 +30,7 @@ machines where they are slow).
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import threading
 import time
@@ -48,7 +50,7 @@ _MODE_SPELLINGS = {"": AUTO, "auto": AUTO, "0": OFF, "off": OFF, "false": OFF, "
 
 HALF_DTYPES = (torch.bfloat16, torch.float16)
 # A fast path must beat the fp32 GEMM by this much at the probe shape: a clear win, not noise (the measured ratios
-# are far from 1 either way: bf16 ~5x fp32 with avx512_bf16, ~0.01x without it).
+# are far from 1 either way: bf16 ~4x fp32 with avx512_bf16, ~0.01x without it on an AVX2 EPYC).
 MIN_SPEEDUP = 1.25
 # Probe GEMM: M tokens x K x N, big enough to be past call overheads, small enough to take milliseconds.
 PROBE_SHAPE = (64, 1024, 1024)
@@ -56,7 +58,8 @@ PROBE_REPS = 5
 # Depth of the int8 exactness check: GLM-5's widest projection (o_proj, K = 16384).
 EXACTNESS_DEPTH = 16384
 
-# Device types whose chips GLM-5 targets with bf16 / fp16 / int8 matrix units (their vendors' documentation).
+# Accelerator device types with bf16 / fp16 / int8 matrix units: the project's targets (issue 12 names NPU, MLU,
+# MUSA, GCU and CUDA, handled by compute capability below) and Intel XPU.
 ACCELERATOR_UNITS: dict[str, str] = {
     "npu": "Ascend NPU (Cube unit: fp16 / bf16 / int8)",
     "mlu": "Cambricon MLU (bf16 / fp16 / int8)",
@@ -382,6 +385,7 @@ class Capabilities:
         return lines
 
 
+@functools.cache
 def _conservative(device: str) -> Capabilities:
     reason = f"{ENV_FAST_PATHS}=0"
     half = {d: HalfChoice(d, False, False, reason) for d in HALF_DTYPES}

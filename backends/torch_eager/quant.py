@@ -60,19 +60,19 @@ def int8_matmul(a: Tensor, b: Tensor) -> Tensor:
     return chunked_fp32_int_matmul(a, b, INT8_MAX_PRODUCT)
 
 
-def _fast_route(x_q: Tensor, n: int) -> Int8Gemm | None:
-    """The probe's exact int8 GEMM for x_q's device if it takes [M, K] x [N, K]^T, else None (conservative)."""
-    route = capabilities(x_q.device).int8_route()
-    if route is None or not route.applies(x_q.shape[0], x_q.shape[1], n, x_q.device):
+def _fast_route(device: torch.device, m: int, k: int, n: int) -> Int8Gemm | None:
+    """The probe's exact int8 GEMM for `device` if it takes [M, K] x [N, K]^T, else None (the conservative path)."""
+    route = capabilities(device).int8_route()
+    if route is None or not route.applies(m, k, n, device):
         return None
     return route
 
 
-def _prepared(route: Int8Gemm, w_q: Tensor, kind: object = ()) -> object:
+def _prepared(route: Int8Gemm, w_q: Tensor) -> object:
     """route.prepare(w_q), once per weight where preparing makes a copy (weight_cache)."""
     if not route.caches_weights:
         return route.prepare(w_q)
-    return derived(w_q, (route.name, kind), route.prepare)
+    return derived(w_q, route.name, route.prepare)
 
 
 def quant_matmul(
@@ -88,7 +88,7 @@ def quant_matmul(
     x_q: [M, K] int8; x_scale: [M] fp32; w_q: [N, K] int8; w_scale: [N] fp32; bias: [N] or None.
     Returns y [M, N] out_dtype = int32(x_q @ w_q^T) * x_scale[:, None] * w_scale[None, :] (+ bias), scaled in fp32.
     """
-    route = _fast_route(x_q, w_q.shape[0])
+    route = _fast_route(x_q.device, *x_q.shape, w_q.shape[0])
     if route is not None:
         acc = route.accumulate(x_q, _prepared(route, w_q))  # fp32 of the exact int32 accumulators
     else:
@@ -161,7 +161,7 @@ def w4a8_matmul(
     group = k if group_size is None else group_size
     num_groups = k // group
     group_scales = w_scale.to(COMPUTE_DTYPE).reshape(n, num_groups).T  # [G, N]
-    route = _fast_route(x_q[:, :group], n)
+    route = _fast_route(x_q.device, m, group, n)
     if route is not None:  # the exact int8 GEMM, one call per group, on codes unpacked once per weight
         prepared = _int4_groups_prepared(route, w_packed, group)
 
