@@ -162,25 +162,23 @@ def w4a8_matmul(
     num_groups = k // group
     group_scales = w_scale.to(COMPUTE_DTYPE).reshape(n, num_groups).T  # [G, N]
     route = _fast_route(x_q.device, m, group, n)
-    if route is not None:  # the exact int8 GEMM, one call per group, on codes unpacked once per weight
-        prepared = _int4_groups_prepared(route, w_packed, group)
+    if route is not None:
+        # The exact int8 GEMM, one call per group, on codes unpacked once per weight; each group's accumulator is
+        # scaled and summed as it comes, so no [G, M, N] stack exists.
+        y = None
+        for g, prepared in enumerate(_int4_groups_prepared(route, w_packed, group)):
+            scaled = route.accumulate(x_q[:, g * group : (g + 1) * group], prepared).mul_(group_scales[g])
+            y = scaled if y is None else y.add_(scaled)
+        return (y * x_scale[:, None]).to(out_dtype)
 
-        def accumulators(x_rows: Tensor) -> Tensor:
-            cols = [x_rows[:, g * group : (g + 1) * group] for g in range(num_groups)]
-            return torch.stack([route.accumulate(x, p) for x, p in zip(cols, prepared, strict=True)])
-
-    else:
-        w_q = unpack_int4(w_packed)  # [N, K]
-        w_groups = None
-        if group <= INT4_EXACT_SPAN:
-            w_groups = w_q.view(n, num_groups, group).permute(1, 2, 0).to(COMPUTE_DTYPE)  # [G, g, N]
-
-        def accumulators(x_rows: Tensor) -> Tensor:
-            return _group_accumulators(x_rows, w_q, w_groups, group)
-
+    w_q = unpack_int4(w_packed)  # [N, K]
+    w_groups = None
+    if group <= INT4_EXACT_SPAN:
+        w_groups = w_q.view(n, num_groups, group).permute(1, 2, 0).to(COMPUTE_DTYPE)  # [G, g, N]
     y = torch.empty(m, n, dtype=COMPUTE_DTYPE, device=x_q.device)
     row_tile = rows_per_tile(num_groups * n)  # tiles of rows bound the [G, rows, N] accumulators
     for start in range(0, m, row_tile):
         rows = slice(start, start + row_tile)
-        y[rows] = (accumulators(x_q[rows]) * group_scales[:, None, :]).sum(dim=0)  # [G, rows, N] -> [rows, N]
+        acc = _group_accumulators(x_q[rows], w_q, w_groups, group)  # [G, rows, N]
+        y[rows] = (acc * group_scales[:, None, :]).sum(dim=0)
     return (y * x_scale[:, None]).to(out_dtype)
