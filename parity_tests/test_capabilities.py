@@ -11,12 +11,15 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
 from glm5_hal import capabilities as caps
 from glm5_hal import int8_gemms
 from glm5_hal.capabilities import AUTO, FORCE, DeviceFacts, decide
+from glm5_hal.cli import main
 
 AVX2_ZEN3 = "model name\t: AMD EPYC 7B13\ncpu family\t: 25\nflags\t\t: fpu sse sse2 avx avx2 fma f16c bmi2\n"
 ZEN5 = (
@@ -229,3 +232,20 @@ def test_exactness_check_catches_a_saturating_int8_gemm():
     assert int8_gemms.is_exact(never_applies, torch.device("cpu"), int8_gemms.exactness_cases(torch.Generator(), 8))[
         1
     ].startswith("takes none")
+
+
+# ------------------------------------------------------------------------------------------------ glm5-hal info
+
+
+def test_info_prints_and_records_the_choice_per_device(capsys, monkeypatch: pytest.MonkeyPatch):
+    assert main(["info", "--json"]) == 0
+    cpu = json.loads(capsys.readouterr().out)["fast_paths"]["cpu"]
+    assert cpu["device"] == "cpu" and set(cpu["bfloat16"]) == {"path", "used", "reason"}
+    assert cpu["summary"][0].startswith("cpu: fast paths")
+    monkeypatch.setenv(caps.ENV_FAST_PATHS, "0")
+    assert main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert "cpu: fast paths off" in out and "int8 GEMM (W8A8 / W4A8): chunked fp32 GEMMs" in out
+    monkeypatch.setenv(caps.ENV_FAST_PATHS, "bogus")
+    assert main(["info"]) == 0  # a diagnostic command reports a bad value instead of failing
+    assert "cpu: GLM5_HAL_FAST_PATHS: expected auto" in capsys.readouterr().out
