@@ -57,6 +57,8 @@ PROBE_SHAPE = (64, 1024, 1024)
 PROBE_REPS = 5
 # Depth of the int8 exactness check: GLM-5's widest projection (o_proj, K = 16384).
 EXACTNESS_DEPTH = 16384
+# What a GEMM that does not exist on a device (or in this torch) raises.
+RUNTIME_ERRORS = (RuntimeError, NotImplementedError, TypeError, AttributeError)
 
 # Accelerator device types with bf16 / fp16 / int8 matrix units: the project's targets (issue 12 names NPU, MLU,
 # MUSA, GCU and CUDA, handled by compute capability below) and Intel XPU.
@@ -269,8 +271,12 @@ class DeviceProbe:
 
     def _speedup_over_fp32(self, call: Callable[[], object]) -> float:
         a, b = self._fp32_operands
-        fp32_call = lambda: a @ b  # noqa: E731
-        fp32_call(), call()  # warm-up: first-call setup (kernel selection, page faults) is not speed
+
+        def fp32_call() -> object:
+            return a @ b
+
+        fp32_call()  # warm-up: first-call setup (kernel selection, page faults) is not speed
+        call()
         fp32_best = best = float("inf")
         for _ in range(PROBE_REPS):
             fp32_best = min(fp32_best, self._timed(fp32_call))
@@ -285,7 +291,7 @@ class DeviceProbe:
         a = torch.ones(16, 16, dtype=dtype, device=self.device)
         try:
             return torch.mm(a, a, out_dtype=torch.float32).dtype == torch.float32
-        except (RuntimeError, TypeError, NotImplementedError):
+        except RUNTIME_ERRORS:
             return False  # no such overload in this torch, or no kernel for this device
 
     def int8_exact(self, route: int8_gemms.Int8Gemm) -> tuple[bool, str]:
@@ -417,7 +423,10 @@ def _decide_half(
     known = f"{unit} units: {facts.evidence[unit]}" if facts.units[unit] else f"{unit} units unknown here"
     if not facts.measure_speed:
         return HalfChoice(dtype, True, fp32_output, known)
-    speedup = measured[f"{unit} GEMM"] = probe.half_speedup(dtype)
+    try:
+        speedup = measured[f"{unit} GEMM"] = probe.half_speedup(dtype)
+    except RUNTIME_ERRORS as exc:  # an unknown device without such a GEMM
+        return HalfChoice(dtype, False, False, f"{unit} GEMM does not run here ({str(exc).splitlines()[0][:160]})")
     use, why = _speed_verdict(speedup, f"{unit} GEMM")
     return HalfChoice(dtype, use, fp32_output, f"{known}; {why}")
 
@@ -440,7 +449,11 @@ def _decide_int8(facts: DeviceFacts, probe: Probe, mode: str, measured: dict[str
     # dominates at decode, where the weight is streamed from memory once per call.
     verdicts = []
     for route in exact:
-        speedup = measured[f"{route.name} (int8)"] = probe.int8_speedup(route)
+        try:
+            speedup = measured[f"{route.name} (int8)"] = probe.int8_speedup(route)
+        except RUNTIME_ERRORS as exc:
+            verdicts.append(f"{route.name} fails at the probe shape ({str(exc).splitlines()[0][:160]})")
+            continue
         use, why = _speed_verdict(speedup, route.name)
         if use:
             return Int8Choice(route.name, f"{exactness}; {why}")

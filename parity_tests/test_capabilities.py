@@ -146,6 +146,20 @@ def test_known_accelerators_are_trusted_without_timing():
     assert caps.device_facts(torch.device("meta")).measure_speed  # unknown types must measure
 
 
+def test_a_gemm_that_does_not_run_is_not_used():
+    class Failing(FakeProbe):
+        def half_speedup(self, dtype: torch.dtype) -> float:
+            raise RuntimeError("no bf16 matmul kernel for this device\nmore")
+
+        def int8_speedup(self, route: int8_gemms.Int8Gemm) -> float:
+            raise NotImplementedError(f"{route.name} has no kernel here")
+
+    got = decide(_cpu("processor\t: 0\n"), Failing(exact={ONEDNN: True, INT_MM: True}), AUTO)
+    bf16 = got.half[torch.bfloat16]
+    assert not bf16.use and "does not run here (no bf16 matmul kernel" in bf16.reason
+    assert got.int8.route is None and "fails at the probe shape" in got.int8.reason
+
+
 def test_decide_rejects_the_off_mode():
     with pytest.raises(ValueError, match="mode"):
         decide(_cpu(ZEN5), FakeProbe(), "off")
