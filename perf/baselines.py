@@ -2,7 +2,8 @@
 
 - `dense_mla_attention`: every query over its whole visible context (perf/dense.py): what sparse attention and the
   indexer replace.
-- `fp32_matmul`: x [M, K] fp32 @ w [N, K]^T fp32, the unquantized projection W8A8 / W4A8 replace.
+- `fp32_matmul`, `bf16_matmul`: x [M, K] @ w [N, K]^T, both fp32 or both bf16 (torch's bf16 GEMM, fp32
+  accumulation): the unquantized projection W8A8 / W4A8 replace.
 - `transformers_layer`: transformers' eager glm_moe_dsa decoder layer on the weights of the `glm5_layer` it is
   compared with (perf/layer.py).
 
@@ -25,7 +26,8 @@ from perf.layer import TRANSFORMERS_LAYER
 
 
 def fp32_matmul(x: Tensor, w: Tensor) -> Tensor:
-    """x: [M, K] fp32; w: [N, K] fp32 (nn.Linear layout). Returns x @ w^T, [M, N] fp32."""
+    """x: [M, K]; w: [N, K] (nn.Linear layout), both fp32 (or both bf16: `bf16_matmul`). Returns x @ w^T, [M, N] in
+    their dtype."""
     return x @ w.T
 
 
@@ -51,14 +53,17 @@ class Baseline:
 BASELINES: dict[str, Baseline] = {
     "dense_mla_attention": Baseline(dense_mla_attention, _dense_cost),
     "fp32_matmul": Baseline(fp32_matmul, _matmul_cost),
+    "bf16_matmul": Baseline(fp32_matmul, _matmul_cost),  # the same product, on bf16 inputs
     "transformers_layer": Baseline(TRANSFORMERS_LAYER.run, TRANSFORMERS_LAYER.cost),
 }
 
 
-def float_matmul_inputs(m: int, n: int, k: int) -> Callable[[torch.Generator, torch.dtype], dict]:
-    """Build for `fp32_matmul` at [M, K] x [N, K] (always fp32, whatever the benchmark dtype)."""
+def float_matmul_inputs(
+    m: int, n: int, k: int, dtype: torch.dtype = torch.float32
+) -> Callable[[torch.Generator, torch.dtype], dict]:
+    """Build for `fp32_matmul` (or `bf16_matmul`) at [M, K] x [N, K], in `dtype` whatever the benchmark dtype."""
 
-    def build(gen: torch.Generator, dtype: torch.dtype) -> dict:
-        return {"x": randn((m, k), gen), "w": linear_weight(n, k, gen, torch.float32)}
+    def build(gen: torch.Generator, _: torch.dtype) -> dict:
+        return {"x": randn((m, k), gen, dtype=dtype), "w": linear_weight(n, k, gen, dtype)}
 
     return build

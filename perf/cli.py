@@ -6,17 +6,21 @@
     glm5-hal bench --scenarios ep-decode,ep-prefill --ep-ranks 2   ep_dispatch / ep_combine on 2 local ranks
                                                               (or under torchrun: perf/ep_bench.py)
     glm5-hal bench --scenarios layer --reps 3                 a whole decoder layer vs transformers' (perf/layer.py)
+    glm5-hal bench --scenarios decode --fast-paths 0,auto     conservative fp32 paths vs the probe's fast paths
 
 For every (scenario, backend): warm-up calls, then timed calls over rotated input sets (perf/timing.py); the op's
 FLOPs and minimum bytes (perf/costs.py) turn the median into TFLOP/s, GB/s and the fraction of the roofline
 min(matmul peak, bandwidth x intensity) (perf/peaks.py: vendor figures for known accelerators, measured on the spot
 elsewhere or with --measure-peaks). Several backends run side by side with a speedup against the first; baselines
-(dense MLA attention, fp32 matmul: perf/baselines.py) run once and give the `vs baseline` column.
+(dense MLA attention, fp32 / bf16 matmul: perf/baselines.py) run once and give the `vs baseline` column. With
+--fast-paths, every backend also runs once per GLM5_HAL_FAST_PATHS mode (glm5_hal.capabilities), labelled
+`<backend> fast=<mode>`, and the probe's choices for the device are printed and recorded in the JSON.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import sys
@@ -27,6 +31,7 @@ from functools import partial
 import torch
 
 import glm5_hal
+from glm5_hal.capabilities import capabilities, fast_paths, parse_mode
 from glm5_hal.cli.progress import ProgressBar
 from glm5_hal.registry import OP_NAMES, registry
 from glm5_hal.selection import OpNotImplementedError, use_backend
@@ -102,6 +107,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--threads", type=int, help="CPU threads for torch (default: torch's choice); 1 avoids stalls on a busy CPU"
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of the first input set (set i uses seed + i)")
+    parser.add_argument(
+        "--fast-paths",
+        metavar="MODES",
+        help="comma-separated GLM5_HAL_FAST_PATHS modes to run side by side (e.g. 0,auto: the conservative fp32 "
+        "paths, then the probe's choice); default: the environment's mode only",
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.set_defaults(func=run)
 
@@ -148,6 +159,10 @@ def _input_sets(scenario: Scenario, count: int, seed: int, device: torch.device,
     return sets
 
 
+def _label(backend: str, mode: str | None) -> str:
+    return backend if mode is None else f"{backend} fast={mode}"
+
+
 def bench(
     scenarios: list[Scenario],
     backends: list[str],
@@ -160,14 +175,20 @@ def bench(
     input_sets: int = 2,
     max_seconds: float = 30.0,
     seed: int = 0,
+    fast_path_modes: list[str] | None = None,
     progress: Callable[[int, int, str], None] | None = None,
 ) -> list[Row]:
-    """Time every scenario on every backend (baselines once) and judge it against `peaks`; rows in run order."""
-    jobs = [(s, b) for s in scenarios for b in ([BASELINE_BACKEND] if s.op in BASELINES else backends)]
+    """Time every scenario on every backend (baselines once) and judge it against `peaks`; rows in run order.
+    fast_path_modes: GLM5_HAL_FAST_PATHS modes each backend runs in, rows labelled `_label(backend, mode)`; None =
+    the environment's mode, rows labelled by the backend alone."""
+    modes: list[str | None] = list(fast_path_modes) if fast_path_modes else [None]
+    variants = [(b, m) for b in backends for m in modes]
+    jobs = [(s, v) for s in scenarios for v in ([(BASELINE_BACKEND, None)] if s.op in BASELINES else variants)]
     rows: list[Row] = []
-    for i, (scenario, backend) in enumerate(jobs):
+    for i, (scenario, (backend, mode)) in enumerate(jobs):
+        label = _label(backend, mode)
         if progress is not None:
-            progress(i, len(jobs), f"{backend} {scenario.op} {scenario.name}")
+            progress(i, len(jobs), f"{label} {scenario.op} {scenario.name}")
         try:
             sets = _input_sets(scenario, input_sets, seed, device, dtype)
         except ScenarioSkipped as exc:
@@ -178,10 +199,11 @@ def bench(
             timing = time_calls(call, sets, device, warmup=warmup, reps=reps, max_seconds=max_seconds)
         else:
             try:
-                with use_backend(backend, strict=True):  # a backend lacking the op must not time torch's instead
+                # strict: a backend lacking the op must not time torch's instead
+                with use_backend(backend, strict=True), fast_paths(mode) if mode else contextlib.nullcontext():
                     timing = time_calls(call, sets, device, warmup=warmup, reps=reps, max_seconds=max_seconds)
             except OpNotImplementedError as exc:
-                print(f"bench: skipped {scenario.op} on {backend}: {exc}", file=sys.stderr)
+                print(f"bench: skipped {scenario.op} on {label}: {exc}", file=sys.stderr)
                 continue
         c = op_cost(scenario.op, sets[0])
         compute_s = c.flops / (peaks.int8_ops if scenario.op in INT8_OPS else peaks.flops)
@@ -190,7 +212,7 @@ def bench(
             Row(
                 scenario=scenario.name,
                 op=scenario.op,
-                backend=backend,
+                backend=label,
                 context=scenario.context,
                 median_ms=timing.median_s * 1e3,
                 p10_ms=timing.p10_s * 1e3,
@@ -207,7 +229,7 @@ def bench(
         del sets  # free this scenario's inputs before the next one is built
     if progress is not None:
         progress(len(jobs), len(jobs), "done")
-    return _with_comparisons(rows, scenarios, backends)
+    return _with_comparisons(rows, scenarios, [_label(b, m) for b, m in variants])
 
 
 def _with_comparisons(rows: list[Row], scenarios: list[Scenario], backends: list[str]) -> list[Row]:
@@ -309,6 +331,13 @@ def run(args: argparse.Namespace) -> int:
     if args.reps < 1 or args.input_sets < 1 or args.warmup < 0:
         print("--reps and --input-sets: expected >= 1, --warmup: expected >= 0", file=sys.stderr)
         return 2
+    modes = _split(args.fast_paths)
+    try:
+        for mode in modes:
+            parse_mode(mode)
+    except ValueError as exc:
+        print(f"--fast-paths: {exc}", file=sys.stderr)
+        return 2
 
     if args.threads is not None:
         if args.threads < 1:
@@ -321,6 +350,10 @@ def run(args: argparse.Namespace) -> int:
     if peaks is None:
         peaks = measure_peaks(device, dtype, max_size=2048 if args.quick else 8192)
     print(describe_peaks(peaks))
+    # The probe runs here, before any timing, once per mode (the environment's when --fast-paths is not given).
+    choices = {mode or "environment": capabilities(device, mode) for mode in (modes or [None])}
+    for mode, caps in choices.items():
+        print(f"fast paths ({mode}): " + "\n".join(caps.describe()))
     rows = bench(
         scenarios,
         backends,
@@ -332,6 +365,7 @@ def run(args: argparse.Namespace) -> int:
         input_sets=args.input_sets,
         max_seconds=args.max_seconds,
         seed=args.seed,
+        fast_path_modes=modes or None,
         progress=ProgressBar(enabled=False if args.no_progress else None),
     )
     print(format_table(rows))
@@ -343,6 +377,7 @@ def run(args: argparse.Namespace) -> int:
         with open(args.json, "w") as f:
             meta = {"device": args.device, "dtype": args.dtype, "backends": backends, "torch": torch.__version__}
             meta |= {"threads": torch.get_num_threads(), "cpu_share_of_other_processes": others}
+            meta |= {"fast_paths": {mode: caps.as_dict() for mode, caps in choices.items()}}
             json.dump({**meta, "peaks": asdict(peaks), "rows": [asdict(r) for r in rows]}, f, indent=2)
     if args.markdown:
         with open(args.markdown, "w") as f:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from glm5_hal import int8_gemms
 from perf.timing import device_module, time_calls
 
 
@@ -94,12 +95,17 @@ def _float_gemm(device: torch.device, dtype: torch.dtype) -> Callable[[int], Cal
 
 
 def _int8_gemms(device: torch.device) -> dict[str, Callable[[int], Callable[[dict], object]]]:
-    """The int8 GEMMs torch can run here (the fastest counts as the int8 peak): torch._int_mm, and on a CPU the
-    quantized engine's linear (fbgemm / oneDNN, u8 x s8)."""
+    """The int8 GEMMs torch can run here (the fastest counts as the int8 peak): the exact routes of
+    glm5_hal.int8_gemms (torch._int_mm; oneDNN u8 x s8 with a prepacked weight, prepared before timing), and on a
+    CPU the quantized engine's linear (fbgemm / oneDNN, u8 x s8, not necessarily exact)."""
 
-    def int_mm(size: int) -> Callable[[dict], object]:
-        a, b = (torch.randint(-127, 128, (size, size), dtype=torch.int8, device=device) for _ in range(2))
-        return lambda _: torch._int_mm(a, b)
+    def route_gemm(route: int8_gemms.Int8Gemm) -> Callable[[int], Callable[[dict], object]]:
+        def make(size: int) -> Callable[[dict], object]:
+            a, b = (torch.randint(-127, 128, (size, size), dtype=torch.int8, device=device) for _ in range(2))
+            prepared = route.prepare(b)
+            return lambda _: route.accumulate(a, prepared)
+
+        return make
 
     def quantized_linear(size: int) -> Callable[[dict], object]:
         with warnings.catch_warnings():  # quantized tensors are deprecated, yet still the CPU's int8 GEMM in 2.13
@@ -109,7 +115,7 @@ def _int8_gemms(device: torch.device) -> dict[str, Callable[[int], Callable[[dic
             packed = torch.ops.quantized.linear_prepack(w, None)
         return lambda _: torch.ops.quantized.linear(x, packed, 1.0, 0)
 
-    gemms = {"torch._int_mm": int_mm}
+    gemms = {r.name: route_gemm(r) for r in int8_gemms.ROUTES if r.applies(FIRST_SIZE, FIRST_SIZE, FIRST_SIZE, device)}
     if device.type == "cpu":
         gemms[f"quantized.linear ({torch.backends.quantized.engine})"] = quantized_linear
     return gemms

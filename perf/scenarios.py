@@ -12,7 +12,8 @@ moves them to the device), through the same `glm5_hal.parity.cases` builders the
     context                    decode, batch 4, at 4K..128K keys: sparse attention, the indexer, and dense MLA
                                attention over the whole context (the baseline)
     quant                      GLM-5's four attention projections at 4 tokens (decode: weight traffic dominates)
-                               and 64 tokens (arithmetic dominates): W8A8, W4A8, and fp32 (the baseline)
+                               and 64 tokens (arithmetic dominates): W8A8, W4A8, the bf16 matmul they are
+                               compared with (the baseline) and the fp32 one
     kv-cache, mini-kv-cache    the attention side of a decode step (batch 4 at 16K and 64K keys; mini: 512) with
                                float, fp8 (fp8_ds_mla + fp8_index) and int8 (int8_mla + int8_index) caches
     layer, mini-layer          one whole MoE decoder layer (8 resident experts), decode (1 token) and a prefill
@@ -113,7 +114,7 @@ def _step(cfg: ModelConfig, tag: str, seqs: list[SeqSpec], moe_tokens: int) -> l
 
 
 def _projections(cfg: ModelConfig, tokens: int) -> list[Scenario]:
-    """W8A8 / W4A8 / fp32 at the attention projections: (label, out features N, in features K)."""
+    """W8A8 / W4A8 / bf16 / fp32 at the attention projections: (label, out features N, in features K)."""
     heads_v = cfg.num_attention_heads * cfg.v_head_dim
     shapes = [
         ("q_a_proj", cfg.q_lora_rank, cfg.hidden_size),
@@ -126,8 +127,9 @@ def _projections(cfg: ModelConfig, tokens: int) -> list[Scenario]:
         name = f"{cfg.name}/{label}-{tokens}tok"
         found += [
             Scenario(name, "fp32_matmul", float_matmul_inputs(tokens, n, k)),
-            Scenario(name, "quant_matmul", builders.quant_matmul_inputs(tokens, n, k), baseline="fp32_matmul"),
-            Scenario(name, "w4a8_matmul", builders.w4a8_matmul_inputs(tokens, n, k, None), baseline="fp32_matmul"),
+            Scenario(name, "bf16_matmul", float_matmul_inputs(tokens, n, k, torch.bfloat16)),
+            Scenario(name, "quant_matmul", builders.quant_matmul_inputs(tokens, n, k), baseline="bf16_matmul"),
+            Scenario(name, "w4a8_matmul", builders.w4a8_matmul_inputs(tokens, n, k, None), baseline="bf16_matmul"),
         ]
     return found
 

@@ -73,3 +73,17 @@ def test_markdown_table_has_a_comparison_column_only_when_there_is_one():
     assert "speedup" not in plain and "vs baseline" not in plain
     compared = Row(**{**_row("quant_matmul", 0, 1.0).__dict__, "vs_baseline": 3.0})
     assert "| 3.00x |" in format_table([compared], markdown=True)
+
+
+def test_fast_paths_run_side_by_side_and_the_choice_is_recorded(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    argv = ["bench", "--quick", "--ops", "quant_matmul", "--threads", "1", "--no-progress", "--fast-paths", "0,auto"]
+    assert main([*argv, "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert [r["backend"] for r in data["rows"]] == ["torch fast=0", "torch fast=auto"]
+    assert data["rows"][0]["speedup"] == 1.0 and data["rows"][1]["speedup"] > 0
+    assert set(data["fast_paths"]) == {"0", "auto"}
+    assert data["fast_paths"]["0"]["int8"]["path"].startswith("chunked fp32")
+    assert "int8 GEMM (W8A8 / W4A8)" in capsys.readouterr().out
+    assert main(["bench", "--quick", "--fast-paths", "sometimes"]) == 2
+    assert "--fast-paths: GLM5_HAL_FAST_PATHS: expected auto, 0" in capsys.readouterr().err

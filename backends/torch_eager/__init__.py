@@ -1,12 +1,17 @@
 """The `torch` backend: every glm5-hal op in portable PyTorch eager, on any torch device.
 
 [paged: token positions, key slots, cache writes] + [primitives: fp32 linear, norms, RoPE]
+  + [gemm: the GEMM path of a call] + [weight_cache: what the int8 paths derive from a weight, made once]
+  + [quantized_cache: rows encoded on write, decoded into the GEMM operand dtype as they are gathered]
   -> mla_prolog | indexer (prolog, logits, top-k) | sparse_attention | moe | quant | hadamard
   -> expert_parallel (ep_dispatch / ep_combine over torch.distributed.all_to_all_single)
 
 Arguments arrive validated by the public ops in glm5_hal; each implementation takes and returns exactly what its
-public op does. bf16/fp16 inputs are computed in fp32 and outputs cast back. Large working sets (the indexer's
-scores, sparse attention's gathered rows) are tiled so that memory stays bounded at real GLM-5 dims.
+public op does. Everything but the GEMMs is computed in fp32 and outputs are cast back. The GEMMs take the path
+glm5_hal.capabilities chose for the device: fp32 operands (the conservative path, and always for fp32 inputs), or
+bf16 / fp16 operands with fp32 accumulation and an exact int8 GEMM where the device has faster units for them
+(GLM5_HAL_FAST_PATHS=0 forces the conservative path). Large working sets (the indexer's scores, sparse attention's
+gathered rows) are tiled so that memory stays bounded at real GLM-5 dims.
 """
 
 from collections.abc import Callable

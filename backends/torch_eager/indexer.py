@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from backends.torch_eager.gemm import gemm_for
+from backends.torch_eager.paged import gather_rows
 from backends.torch_eager.primitives import COMPUTE_DTYPE, layer_norm, linear, rope_leading, rows_per_tile
 from backends.torch_eager.quantized_cache import row_reader, write_rows
 from glm5_hal.kv_formats import AUTO
@@ -47,13 +49,14 @@ def indexer_prolog(
 
     Returns (q_idx [T, HI, DI] in x's dtype, weights [T, HI] fp32 = (x @ w_iw^T) * HI^-0.5 * DI^-0.5).
     """
-    num_heads, head_dim = w_iw.shape[0], w_ik.shape[0]
-    x32 = x.to(COMPUTE_DTYPE)
-    q = linear(q_norm.to(COMPUTE_DTYPE), w_iq).view(x.shape[0], num_heads, head_dim)  # [T, HI, DI]
-    k = layer_norm(linear(x32, w_ik), k_norm_weight, k_norm_bias, eps)  # [T, DI]
+    num_heads, head_dim = w_iw.shape[0], w_ik.shape[0]  # not the cache's width: a quantized row is row_bytes wide
+    gemm = gemm_for(x.dtype, x.device)
+    q = gemm.linear(q_norm, w_iq).view(x.shape[0], num_heads, head_dim)  # [T, HI, DI]
+    k = layer_norm(gemm.linear(x, w_ik), k_norm_weight, k_norm_bias, eps)  # [T, DI]
     q = rope_leading(q, cos, sin, interleaved=rope_interleaved)
     k = rope_leading(k, cos, sin, interleaved=rope_interleaved)
-    weights = linear(x32, w_iw) * (num_heads**-0.5 * head_dim**-0.5)  # [T, HI]
+    # The head weights are an fp32 output: always fp32 products (HI rows of weight, a negligible GEMM).
+    weights = linear(x.to(COMPUTE_DTYPE), w_iw) * (num_heads**-0.5 * head_dim**-0.5)  # [T, HI]
     write_rows(index_k_cache, slot_mapping, k, kv_cache_dtype)
     return q.to(x.dtype), weights
 
@@ -73,8 +76,10 @@ class _ScoringBatch:
         kv_cache_dtype: str = AUTO,
     ) -> None:
         num_tokens, num_heads, head_dim = q_idx.shape
-        self.read_rows = row_reader(kv_cache_dtype)
-        self.q = q_idx  # upcast per tile, so a bf16 batch never exists whole in fp32
+        self.gemm = gemm_for(q_idx.dtype, q_idx.device)  # q . k products; the head reduction stays fp32
+        # Keys reach the q . k GEMM in its operand dtype, decoded first where the cache holds a quantized format.
+        self.read_rows = row_reader(kv_cache_dtype, self.gemm.operand)
+        self.q = q_idx  # converted per tile, so a bf16 batch never exists whole in fp32
         self.weights = weights.to(COMPUTE_DTYPE)  # [T, HI]
         self.cache = index_k_cache  # [num_blocks, block_size, DI]
         self.block_table = block_table
@@ -96,17 +101,17 @@ class _ScoringBatch:
     def row_logits(self, start: int, out: Tensor) -> None:
         """Fill out [tile, width] fp32 with the logits of tokens start : start + tile (-inf where not visible)."""
         tokens = slice(start, start + out.shape[0])
-        q = self.q[tokens].to(COMPUTE_DTYPE)  # [t, HI, DI]
+        q = self.q[tokens].to(self.gemm.operand)  # [t, HI, DI]
         head_weights = self.weights[tokens].unsqueeze(1)  # [t, 1, HI]
         seqs, positions = self.seqs[tokens], self.positions[tokens]
         last_block = self.cache.shape[0] - 1
         for first_block in range(0, self.block_table.shape[1], self.blocks_per_chunk):
             # Table entries past a sequence's blocks may hold anything: clamp them; their keys are masked below.
             block_ids = self.block_table[seqs, first_block : first_block + self.blocks_per_chunk].long()  # [t, nb]
-            keys = self.read_rows(self.cache[block_ids.clamp_(0, last_block)].flatten(1, 2))  # [t, c, DI] fp32
+            keys = self.read_rows(gather_rows(self.cache, block_ids.clamp_(0, last_block)).flatten(1, 2))  # [t, c, DI]
             key_start = first_block * self.block_size
             key_pos = torch.arange(key_start, key_start + keys.shape[1], device=q.device)  # [c]
-            relu_dots = torch.bmm(q, keys.transpose(1, 2)).relu_()  # [t, HI, c]
+            relu_dots = self.gemm.bmm(q, keys.transpose(1, 2)).relu_()  # [t, HI, c] fp32
             scores = torch.bmm(head_weights, relu_dots).squeeze(1)  # head reduction: [t, c]
             visible = key_pos[None, :] <= positions[:, None]  # causal; also keeps s < seq_lens_k
             out[:, key_start : key_start + key_pos.shape[0]] = scores.masked_fill_(~visible, float("-inf"))

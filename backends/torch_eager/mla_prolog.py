@@ -1,12 +1,13 @@
 """MLA prolog: [q down-proj -> RMSNorm -> q up-proj -> absorb W_UK | RoPE] and [kv down-proj -> RMSNorm | RoPE ->
-cache write], all in fp32."""
+cache write]; GEMMs on the path backends.torch_eager.gemm chose, everything else in fp32."""
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
-from backends.torch_eager.primitives import COMPUTE_DTYPE, linear, rms_norm, rope
+from backends.torch_eager.gemm import gemm_for
+from backends.torch_eager.primitives import rms_norm, rope
 from backends.torch_eager.quantized_cache import write_rows
 from glm5_hal.kv_formats import AUTO
 
@@ -39,15 +40,15 @@ def mla_prolog(
     """
     num_tokens = x.shape[0]
     num_heads, nope, kv_lora = w_uk.shape
-    x32 = x.to(COMPUTE_DTYPE)
+    gemm = gemm_for(x.dtype, x.device)
 
-    q_norm = rms_norm(linear(x32, w_dq), gamma_cq, eps)  # [T, q_lora]
-    q = linear(q_norm, w_uq_qr).view(num_tokens, num_heads, nope + 2 * cos.shape[1])  # [T, H, nope + rope]
+    q_norm = rms_norm(gemm.linear(x, w_dq), gamma_cq, eps)  # [T, q_lora]
+    q = gemm.linear(q_norm, w_uq_qr).view(num_tokens, num_heads, nope + 2 * cos.shape[1])  # [T, H, nope + rope]
     # Absorb W_UK head by head as one batched GEMM: [H, T, nope] @ [H, nope, kv_lora] -> [H, T, kv_lora].
-    q_lat = torch.bmm(q[..., :nope].transpose(0, 1), w_uk.to(COMPUTE_DTYPE)).transpose(0, 1)
+    q_lat = gemm.bmm(q[..., :nope].transpose(0, 1), w_uk).transpose(0, 1)
     q_pe = rope(q[..., nope:], cos, sin, interleaved=True)  # [T, H, rope]
 
-    kv = linear(x32, w_dkv_kr)  # [T, kv_lora + rope]
+    kv = gemm.linear(x, w_dkv_kr)  # [T, kv_lora + rope]
     cache_row = torch.cat(
         (rms_norm(kv[:, :kv_lora], gamma_ckv, eps), rope(kv[:, kv_lora:], cos, sin, interleaved=True)), dim=-1
     )

@@ -11,7 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from backends.torch_eager.primitives import COMPUTE_DTYPE, linear
+from backends.torch_eager.gemm import Gemm, gemm_for
+from backends.torch_eager.primitives import COMPUTE_DTYPE
 
 
 def _descending_order(values: Tensor, k: int) -> Tensor:
@@ -73,14 +74,15 @@ def moe_dispatch(x: Tensor, topk_ids: Tensor, num_experts: int) -> tuple[Tensor,
     return x[src_index // top_k], expert_offsets, src_index
 
 
-def _grouped_linear(x: Tensor, w: Tensor, row_ends: list[int]) -> Tensor:
-    """x: [M, K] fp32 grouped by expert; w: [E, N, K]; row_ends: [E + 1] host ints. Returns [M, N] fp32."""
-    y = x.new_empty(x.shape[0], w.shape[1])
+def _grouped_linear(x: Tensor, w: Tensor, row_ends: list[int], gemm: Gemm) -> Tensor:
+    """x: [M, K] grouped by expert, in gemm.operand; w: [E, N, K]; row_ends: [E + 1] host ints. Returns [M, N]
+    fp32."""
+    y = x.new_empty(x.shape[0], w.shape[1], dtype=COMPUTE_DTYPE)
     # The unavoidable loop over experts (see the module docstring); only experts that own rows cost a GEMM.
     for expert in range(w.shape[0]):
         lo, hi = row_ends[expert], row_ends[expert + 1]
         if hi > lo:
-            y[lo:hi] = linear(x[lo:hi], w[expert])
+            y[lo:hi] = gemm.linear(x[lo:hi], w[expert])
     return y
 
 
@@ -95,7 +97,8 @@ def grouped_matmul(x_sorted: Tensor, w: Tensor, expert_offsets: Tensor) -> Tenso
     x_sorted: [M, K]; w: [E, N, K]; expert_offsets: [E + 1] int64 row ranges. Returns y [M, N] in x_sorted's
     dtype, fp32 accumulation.
     """
-    y = _grouped_linear(x_sorted.to(COMPUTE_DTYPE), w, _host_offsets(expert_offsets))
+    gemm = gemm_for(x_sorted.dtype, x_sorted.device)
+    y = _grouped_linear(x_sorted.to(gemm.operand), w, _host_offsets(expert_offsets), gemm)
     return y.to(x_sorted.dtype)
 
 
@@ -121,12 +124,14 @@ def fused_moe(x: Tensor, topk_weights: Tensor, topk_ids: Tensor, w13: Tensor, w2
     """Routed experts of one MoE layer (validated by glm5_hal.fused_moe).
 
     x: [T, D]; topk_weights: [T, k] fp32; topk_ids: [T, k]; w13: [E, 2I, D] (gate rows, then up rows); w2:
-    [E, D, I]. Returns out [T, D] in x's dtype; every intermediate stays fp32.
+    [E, D, I]. Returns out [T, D] in x's dtype; every intermediate is fp32 (the activation enters the down
+    projection in the GEMM operand dtype).
     """
     num_experts, inter = w13.shape[0], w13.shape[1] // 2
+    gemm = gemm_for(x.dtype, x.device)
     x_sorted, expert_offsets, src_index = moe_dispatch(x, topk_ids, num_experts)
     row_ends = _host_offsets(expert_offsets)
-    h = _grouped_linear(x_sorted.to(COMPUTE_DTYPE), w13, row_ends)  # [T * k, 2I]
-    activated = F.silu(h[:, :inter]) * h[:, inter:]  # [T * k, I]
-    y = _grouped_linear(activated, w2, row_ends)  # [T * k, D]
+    h = _grouped_linear(x_sorted.to(gemm.operand), w13, row_ends, gemm)  # [T * k, 2I] fp32
+    activated = (F.silu(h[:, :inter]) * h[:, inter:]).to(gemm.operand)  # [T * k, I]
+    y = _grouped_linear(activated, w2, row_ends, gemm)  # [T * k, D] fp32
     return _combine(y, src_index, topk_weights).to(x.dtype)

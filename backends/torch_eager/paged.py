@@ -20,6 +20,12 @@ def slot_rows(cache: Tensor) -> Tensor:
     return cache.flatten(0, 1)
 
 
+def gather_rows(table: Tensor, index: Tensor) -> Tensor:
+    """table [R, ...] rows picked by index [...] (int64, all in range): [*index.shape, ...]. index_select copies whole
+    rows (7-9x faster on CPU than advanced indexing `table[index]`, which moves bf16 rows element by element)."""
+    return table.index_select(0, index.reshape(-1)).view(*index.shape, *table.shape[1:])
+
+
 def write_cache(cache: Tensor, slot_mapping: Tensor, rows: Tensor) -> None:
     """Write rows[t] to flat slot slot_mapping[t] of cache [num_blocks, block_size, D] in place; slot -1 = skip.
 

@@ -1,10 +1,15 @@
 """Quantization ops: per-token int8 quantization, and W8A8 / W4A8 GEMMs whose integer accumulators are exact.
 
+Where glm5_hal.capabilities found an exact int8 GEMM that beats fp32 on the device (glm5_hal.int8_gemms: oneDNN's
+u8 x s8 kernels on CPUs with VNNI / AMX, torch._int_mm on CUDA), the accumulators come from it; what it derives
+from a weight (a prepacked copy, unpacked int4 codes) is made once per weight (backends.torch_eager.weight_cache).
+Otherwise, and with GLM5_HAL_FAST_PATHS=0, they come from the conservative path below.
+
 Exactness without an integer GEMM: fp32 holds every integer of magnitude <= 2^24 exactly, and every partial sum of
 a dot product of integers is itself an integer no larger than (columns x the largest product). So an fp32 GEMM
 over at most 2^24 / max|product| columns is exact whatever order the library sums in (and so are its TF32 / bf16
 fast modes, which keep int8 and int4 inputs exact and accumulate in fp32). Wider GEMMs run in such chunks, summed
-in int32. That works on any device with an fp32 GEMM; `torch._int_mm` is used where it is the faster exact path.
+in int32. That works on any device with an fp32 GEMM.
 """
 
 from __future__ import annotations
@@ -13,15 +18,14 @@ import torch
 from torch import Tensor
 
 from backends.torch_eager.primitives import COMPUTE_DTYPE, rows_per_tile
+from backends.torch_eager.weight_cache import derived
+from glm5_hal.capabilities import capabilities
+from glm5_hal.int8_gemms import Int8Gemm
 
 FP32_EXACT_INTEGER = 2**24
 INT8_MAX_PRODUCT = 128 * 128  # int8 x int8, -128 included
 INT4_MAX_PRODUCT = 128 * 8  # int8 activation x int4 weight
 QMAX_INT8 = 127
-
-# Devices where torch._int_mm is the fast exact path. Not the CPU: there it measured ~6x slower than the chunked
-# fp32 path (M=64, K=7168, N=2048: 0.60 s vs 0.1 s on 2 cores, torch 2.13).
-_INT_MM_DEVICE_TYPES = ("cuda",)
 
 
 def dynamic_quant(x: Tensor) -> tuple[Tensor, Tensor]:
@@ -39,13 +43,6 @@ def dynamic_quant(x: Tensor) -> tuple[Tensor, Tensor]:
     return q, scale
 
 
-def _int_mm_applies(a: Tensor, b: Tensor) -> bool:
-    # cuBLAS int8 GEMM constraints checked by torch._int_mm on CUDA: M > 16, K and N multiples of 8.
-    m, k = a.shape
-    n = b.shape[0]
-    return a.device.type in _INT_MM_DEVICE_TYPES and m > 16 and k % 8 == 0 and n % 8 == 0
-
-
 def chunked_fp32_int_matmul(a: Tensor, b: Tensor, max_product: int) -> Tensor:
     """Exact a [M, K] @ b [N, K]^T of small integers (any integer dtype) -> [M, N] int32, by fp32 GEMMs over K
     chunks narrow enough to be exact (see the module docstring); max_product bounds |a[i, k] * b[j, k]|."""
@@ -58,10 +55,24 @@ def chunked_fp32_int_matmul(a: Tensor, b: Tensor, max_product: int) -> Tensor:
 
 
 def int8_matmul(a: Tensor, b: Tensor) -> Tensor:
-    """Exact int8 a [M, K] @ int8 b [N, K]^T -> [M, N] int32 (bit-equal to int64 math while it fits int32)."""
-    if _int_mm_applies(a, b):
-        return torch._int_mm(a.contiguous(), b.contiguous().T)
+    """Exact int8 a [M, K] @ int8 b [N, K]^T -> [M, N] int32 (bit-equal to int64 math while it fits int32), on the
+    conservative path."""
     return chunked_fp32_int_matmul(a, b, INT8_MAX_PRODUCT)
+
+
+def _fast_route(device: torch.device, m: int, k: int, n: int) -> Int8Gemm | None:
+    """The probe's exact int8 GEMM for `device` if it takes [M, K] x [N, K]^T, else None (the conservative path)."""
+    route = capabilities(device).int8_route()
+    if route is None or not route.applies(m, k, n, device):
+        return None
+    return route
+
+
+def _prepared(route: Int8Gemm, w_q: Tensor) -> object:
+    """route.prepare(w_q), once per weight where preparing makes a copy (weight_cache)."""
+    if not route.caches_weights:
+        return route.prepare(w_q)
+    return derived(w_q, route.name, route.prepare)
 
 
 def quant_matmul(
@@ -77,7 +88,12 @@ def quant_matmul(
     x_q: [M, K] int8; x_scale: [M] fp32; w_q: [N, K] int8; w_scale: [N] fp32; bias: [N] or None.
     Returns y [M, N] out_dtype = int32(x_q @ w_q^T) * x_scale[:, None] * w_scale[None, :] (+ bias), scaled in fp32.
     """
-    y = int8_matmul(x_q, w_q).to(COMPUTE_DTYPE) * x_scale[:, None] * w_scale[None, :]
+    route = _fast_route(x_q.device, *x_q.shape, w_q.shape[0])
+    if route is not None:
+        acc = route.accumulate(x_q, _prepared(route, w_q))  # fp32 of the exact int32 accumulators
+    else:
+        acc = int8_matmul(x_q, w_q).to(COMPUTE_DTYPE)
+    y = acc * x_scale[:, None] * w_scale[None, :]
     if bias is not None:
         y = y + bias.to(COMPUTE_DTYPE)
     return y.to(out_dtype)
@@ -116,6 +132,16 @@ def _group_accumulators(x_q: Tensor, w_q: Tensor, w_groups: Tensor | None, group
     ).to(COMPUTE_DTYPE)
 
 
+def _int4_groups_prepared(route: Int8Gemm, w_packed: Tensor, group: int) -> list[object]:
+    """Unpack w_packed [N, K/2] once and prepare each group of `group` columns for `route` (cached per weight)."""
+
+    def make(packed: Tensor) -> list[object]:
+        codes = unpack_int4(packed)  # [N, K] int8, a fresh tensor: the cache entry must not reference the weight
+        return [route.prepare(codes[:, g : g + group].contiguous()) for g in range(0, codes.shape[1], group)]
+
+    return derived(w_packed, (route.name, "int4 groups", group), make)
+
+
 def w4a8_matmul(
     x_q: Tensor,
     x_scale: Tensor,
@@ -130,12 +156,22 @@ def w4a8_matmul(
     fp32 (group_size None: per channel) or [N, K / group_size] fp32. Returns y [M, N] out_dtype: each group's
     exact integer accumulator times its weight scale, summed over groups, times x_scale (fp32).
     """
-    w_q = unpack_int4(w_packed)  # [N, K]
     m, k = x_q.shape
-    n = w_q.shape[0]
+    n = w_packed.shape[0]
     group = k if group_size is None else group_size
     num_groups = k // group
     group_scales = w_scale.to(COMPUTE_DTYPE).reshape(n, num_groups).T  # [G, N]
+    route = _fast_route(x_q.device, m, group, n)
+    if route is not None:
+        # The exact int8 GEMM, one call per group, on codes unpacked once per weight; each group's accumulator is
+        # scaled and summed as it comes, so no [G, M, N] stack exists.
+        y = None
+        for g, prepared in enumerate(_int4_groups_prepared(route, w_packed, group)):
+            scaled = route.accumulate(x_q[:, g * group : (g + 1) * group], prepared).mul_(group_scales[g])
+            y = scaled if y is None else y.add_(scaled)
+        return (y * x_scale[:, None]).to(out_dtype)
+
+    w_q = unpack_int4(w_packed)  # [N, K]
     w_groups = None
     if group <= INT4_EXACT_SPAN:
         w_groups = w_q.view(n, num_groups, group).permute(1, 2, 0).to(COMPUTE_DTYPE)  # [G, g, N]

@@ -1,15 +1,19 @@
 """Quantized caches in the torch backend (glm5_hal.kv_formats): rows are encoded on write and decoded as they are
-gathered, so only the rows an op reads at a time (a key chunk, a token tile's topk rows) ever exist in fp32.
+gathered, so only the rows an op reads at a time (a key chunk, a token tile's topk rows) ever exist decoded.
 
-    write_rows(cache, slot_mapping, rows, kv_cache_dtype)   fp32 rows -> [encode] -> paged cache write
-    row_reader(kv_cache_dtype)(gathered uint8 or float rows) -> fp32 values
+    write_rows(cache, slot_mapping, rows, kv_cache_dtype)          fp32 rows -> [encode] -> paged cache write
+    row_reader(kv_cache_dtype, operand)(gathered uint8 or float rows) -> values in the GEMM operand dtype
+
+A reader hands its rows to the GEMM in the operand dtype of the op's GEMM path (backends.torch_eager.gemm): fp32 on
+the conservative path; on a half-precision path the decoded rows are rounded once to bf16 / fp16, as a float cache
+of that dtype would have stored them, and feed the same fast GEMM.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from functools import partial
 
+import torch
 from torch import Tensor
 
 from backends.torch_eager.paged import write_cache
@@ -25,10 +29,11 @@ def write_rows(cache: Tensor, slot_mapping: Tensor, rows: Tensor, kv_cache_dtype
     write_cache(cache, slot_mapping, rows)
 
 
-def _upcast(rows: Tensor) -> Tensor:
-    return rows.to(COMPUTE_DTYPE)
-
-
-def row_reader(kv_cache_dtype: str = AUTO) -> Callable[[Tensor], Tensor]:
-    """A function from gathered cache rows [..., row] (float, or uint8 of a format) to their fp32 values."""
-    return _upcast if kv_cache_dtype == AUTO else partial(decode_rows, fmt=FORMATS[kv_cache_dtype])
+def row_reader(kv_cache_dtype: str = AUTO, operand: torch.dtype = COMPUTE_DTYPE) -> Callable[[Tensor], Tensor]:
+    """A function from gathered cache rows [..., row] (float, or uint8 of a format) to their values [..., width] in
+    `operand` (the dtype the op's GEMMs take: fp32, or the activation's bf16 / fp16 on a half-precision path)."""
+    if kv_cache_dtype == AUTO:
+        return lambda rows: rows.to(operand)
+    fmt = FORMATS[kv_cache_dtype]
+    # decode_rows gives each value exactly rounded to fp32; the operand cast rounds it once more (a no-op in fp32).
+    return lambda rows: decode_rows(rows, fmt).to(operand)

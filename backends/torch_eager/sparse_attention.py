@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from backends.torch_eager.paged import slot_rows
+from backends.torch_eager.gemm import gemm_for
+from backends.torch_eager.paged import gather_rows, slot_rows
 from backends.torch_eager.primitives import COMPUTE_DTYPE, rows_per_tile
 from backends.torch_eager.quantized_cache import row_reader
 from glm5_hal.kv_formats import AUTO
@@ -42,9 +43,10 @@ def sparse_flash_attention(
     topk = indices.shape[1]
     block_size = kv_cache.shape[1]
     rows = slot_rows(kv_cache)  # [num_slots, D] (or [num_slots, row_bytes] uint8)
-    read_rows = row_reader(kv_cache_dtype)
     seqs = token_sequences(cu_seqlens_q, num_tokens)  # [T]
     key_limit = seq_lens_k.to(torch.int64)[seqs]  # [T]
+    gemm = gemm_for(q.dtype, q.device)  # logits on gemm.logits; the softmax statistics stay fp32
+    read_rows = row_reader(kv_cache_dtype, gemm.operand)  # decoded (a quantized cache) into the GEMM operand dtype
 
     out = torch.empty(num_tokens, num_heads, d_v, dtype=q.dtype, device=q.device)
     lse = torch.empty(num_tokens, num_heads, dtype=COMPUTE_DTYPE, device=q.device)
@@ -55,16 +57,16 @@ def sparse_flash_attention(
         idx = indices[tokens].to(torch.int64)  # [t, topk]
         valid = (idx >= 0) & (idx < key_limit[tokens, None])  # [t, topk]
         slots = key_slots(block_table, seqs[tokens], idx, block_size)  # [t, topk]
-        kv = read_rows(rows[slots])  # [t, topk, D] fp32: gathered once, shared by all heads
+        kv = read_rows(gather_rows(rows, slots))  # [t, topk, D]: gathered and decoded once, shared by all heads
 
-        scores = torch.bmm(q[tokens].to(COMPUTE_DTYPE), kv.transpose(1, 2)).mul_(sm_scale)  # [t, H, topk]
+        scores = gemm.logits.bmm(q[tokens], kv.transpose(1, 2)).mul_(sm_scale)  # [t, H, topk] fp32
         scores.masked_fill_(~valid[:, None, :], float("-inf"))
         peak = scores.amax(dim=-1, keepdim=True)  # [t, H, 1]
         # A row with no valid key has peak -inf; shifting by 0 instead keeps exp() at exactly 0 and avoids nan.
         peak = torch.where(torch.isfinite(peak), peak, torch.zeros_like(peak))
         probs = torch.exp(scores.sub_(peak))  # unnormalised, [t, H, topk]
         total = probs.sum(dim=-1, keepdim=True)  # [t, H, 1]; 0 for an empty row
-        weighted = torch.bmm(probs, kv[..., :d_v])  # [t, H, d_v]
+        weighted = gemm.bmm(probs, kv[..., :d_v])  # [t, H, d_v] fp32
         # Empty rows: 0 / tiny = 0 (the contract's out = 0), log(0) = -inf (the contract's lse).
         out[tokens] = (weighted / total.clamp_min(torch.finfo(COMPUTE_DTYPE).tiny)).to(q.dtype)
         lse[tokens] = (peak + torch.log(total)).squeeze(-1)

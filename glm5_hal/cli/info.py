@@ -1,4 +1,5 @@
-"""`glm5-hal info`: the hardware torch sees, every backend (available or why not) and who runs each op."""
+"""`glm5-hal info`: the hardware torch sees, every backend (available or why not), who runs each op, and which fast
+GEMM paths the portable backends use on each device and why (glm5_hal.capabilities)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import platform
 
 import torch
 
+from glm5_hal.capabilities import capabilities
 from glm5_hal.registry import ALL_OP_NAMES, OP_NAMES, registry
 from glm5_hal.selection import BackendError, requested_backend, resolve
 
@@ -51,6 +53,18 @@ def op_table(name: str) -> dict[str, str]:
     return table
 
 
+def fast_paths() -> dict[str, dict[str, object]]:
+    """Per device torch can use here (the CPU, every CUDA device): the probe's choices, or the error that stopped
+    it (a bad GLM5_HAL_FAST_PATHS value)."""
+    found: dict[str, dict[str, object]] = {}
+    for device in ["cpu"] + [f"cuda:{i}" for i in range(torch.cuda.device_count())]:
+        try:
+            found[device] = capabilities(device).as_dict()
+        except ValueError as exc:
+            found[device] = {"error": str(exc)}
+    return found
+
+
 def collect() -> dict[str, object]:
     reg = registry()
     backends = []
@@ -80,6 +94,7 @@ def collect() -> dict[str, object]:
     requested, strict = requested_backend(OP_NAMES[0])
     return {
         "hardware": hardware(),
+        "fast_paths": fast_paths(),
         "requested": requested,
         "strict": strict,
         "backends": backends,
@@ -114,6 +129,10 @@ def run(args: argparse.Namespace) -> int:
             print(f"  {'':<10} native: {', '.join(native) or 'none'}")
             for op, how in other.items():
                 print(f"  {'':<10} {op}: {how}")
+    print("\nfast GEMM paths of the portable backends (GLM5_HAL_FAST_PATHS: auto, 0 = conservative fp32, 1 = all)")
+    for device, choice in data["fast_paths"].items():
+        for line in choice.get("summary", [f"{device}: {choice.get('error')}"]):
+            print(f"  {line}")
     print("\nwho runs each op on cpu tensors now")
     for op, sel in data["cpu_selection"].items():
         # The backends list above already says why the others were not considered; keep one line per op.

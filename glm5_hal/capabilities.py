@@ -1,0 +1,510 @@
+"""Which fast GEMM units a device has and whether the portable backends use them: the capability probe.
+
+Per device (cached per process), two questions, answered from known device facts and, where facts are not enough,
+a short measurement on the device itself:
+
+- half-precision GEMMs (bf16, fp16): are there units for them, and is a GEMM with half-precision operands and
+  fp32 accumulation faster than the fp32 GEMM? If so, ops whose activations are bf16 / fp16 give their products
+  half-precision operands (fp32 accumulation; softmax statistics, norms and lse stay fp32). fp16 additionally
+  needs a GEMM that hands back fp32 (`out_dtype=torch.float32`): an fp16 result could overflow where fp32 does not,
+  and its rounding (2^-11) is a large part of the fp16 tolerance. A bf16 result has fp32's exponent range; where
+  no fp32-result GEMM exists its rounding (2^-9, well inside the bf16 tolerance) is the price, except for
+  attention logits, which stay fp32 there (backends/torch_eager/gemm.py says why).
+- an exact int8 GEMM (int8 x int8 -> int32, glm5_hal.int8_gemms): which route runs here, is it bit-exact at large
+  K with extreme codes (checked on the device every time), and is it faster than the fp32 GEMM? Otherwise the
+  quantized ops keep their exact chunked-fp32 path.
+
+Facts: the accelerator types the project targets (CUDA, NPU, MLU, MUSA, GCU; and Intel XPU) have bf16 / fp16 /
+int8 units (CUDA: by compute capability); a CPU has them when its ISA flags say so (x86 avx512_bf16 / amx_bf16,
+avx512_fp16 / amx_fp16, avx512_vnni / avx_vnni / amx_int8; Arm bf16, asimdhp, asimddp / i8mm). A CPU whose flags
+lack a unit keeps the conservative path for it without measuring anything: such a machine runs the same code as
+with GLM5_HAL_FAST_PATHS=0. Where the flags name a unit (or cannot be read) the choice also needs a measured win:
+the flag says the ISA has it, the measurement says torch's kernels use it.
+
+`GLM5_HAL_FAST_PATHS` overrides the choice: `auto` (default) as above; `0` the conservative fp32 path everywhere
+(for bisecting numerics: the arithmetic the backends did before they had fast paths); `1` every fast path that is
+correct on the device, whatever its speed (exactness and the fp16 rule still apply; for testing the fast paths on
+machines where they are slow).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+from glm5_hal import int8_gemms
+from glm5_hal.checks import check
+
+ENV_FAST_PATHS = "GLM5_HAL_FAST_PATHS"
+AUTO, OFF, FORCE = "auto", "off", "force"
+_MODE_SPELLINGS = {"": AUTO, "auto": AUTO, "0": OFF, "off": OFF, "false": OFF, "1": FORCE, "on": FORCE, "force": FORCE}
+
+HALF_DTYPES = (torch.bfloat16, torch.float16)
+# A fast path must beat the fp32 GEMM by this much at the probe shape: a clear win, not noise (the measured ratios
+# are far from 1 either way: bf16 ~4x fp32 with avx512_bf16, ~0.01x without it on an AVX2 EPYC).
+MIN_SPEEDUP = 1.25
+# Probe GEMM: M tokens x K x N, big enough to be past call overheads, small enough to take milliseconds.
+PROBE_SHAPE = (64, 1024, 1024)
+PROBE_REPS = 5
+# Depth of the int8 exactness check: GLM-5's widest projection (o_proj, K = 16384).
+EXACTNESS_DEPTH = 16384
+# What a GEMM that does not exist on a device (or in this torch) raises.
+RUNTIME_ERRORS = (RuntimeError, NotImplementedError, TypeError, AttributeError)
+
+# Accelerator device types with bf16 / fp16 / int8 matrix units: the project's targets (issue 12 names NPU, MLU,
+# MUSA, GCU and CUDA, handled by compute capability below) and Intel XPU.
+ACCELERATOR_UNITS: dict[str, str] = {
+    "npu": "Ascend NPU (Cube unit: fp16 / bf16 / int8)",
+    "mlu": "Cambricon MLU (bf16 / fp16 / int8)",
+    "musa": "Moore Threads MUSA GPU (tensor cores)",
+    "gcu": "Enflame GCU (bf16 / fp16 / int8)",
+    "xpu": "Intel XPU (XMX engines)",
+}
+# CPU ISA flags (Linux /proc/cpuinfo: x86 `flags`, Arm `Features`) that mean a unit exists.
+CPU_UNIT_FLAGS: dict[str, tuple[str, ...]] = {
+    "bfloat16": ("avx512_bf16", "amx_bf16", "bf16"),
+    "float16": ("avx512_fp16", "amx_fp16", "asimdhp"),
+    "int8": ("avx512_vnni", "avx_vnni", "amx_int8", "asimddp", "i8mm"),
+}
+UNITS = tuple(CPU_UNIT_FLAGS)  # "bfloat16", "float16", "int8"
+
+
+def _unit(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+# ------------------------------------------------------------------------------------------------ the mode
+
+
+_override: list[str] = []  # innermost `fast_paths(...)` first
+
+
+def parse_mode(value: str) -> str:
+    """AUTO, OFF or FORCE from a GLM5_HAL_FAST_PATHS spelling; a ValueError names the accepted ones."""
+    mode = _MODE_SPELLINGS.get(value.strip().lower())
+    check(
+        mode is not None,
+        ValueError,
+        lambda: (
+            f"{ENV_FAST_PATHS}: expected auto, 0 (conservative fp32 paths) or 1 (every correct fast path), "
+            f"got {value!r}"
+        ),
+    )
+    return mode
+
+
+def fast_paths_mode() -> str:
+    """The mode in force: the innermost `fast_paths(...)` block, else GLM5_HAL_FAST_PATHS, else AUTO."""
+    return _override[-1] if _override else parse_mode(os.environ.get(ENV_FAST_PATHS, ""))
+
+
+@contextlib.contextmanager
+def fast_paths(mode: str) -> Iterator[None]:
+    """Run a block with the fast paths in `mode` (a GLM5_HAL_FAST_PATHS spelling), whatever the environment says;
+    `glm5-hal bench --fast-paths auto,0` times both sides in one run this way."""
+    _override.append(parse_mode(mode))
+    try:
+        yield
+    finally:
+        _override.pop()
+
+
+# ------------------------------------------------------------------------------------------------ facts
+
+
+@dataclass(frozen=True)
+class DeviceFacts:
+    """What is known about a device without running anything on it.
+
+    units: per unit ("bfloat16", "float16", "int8"): True (it has one), False (it has none), None (unknown).
+    evidence: per unit, where that comes from (the CPU flags found or missed, the compute capability, ...).
+    measure_speed: whether a fast path also needs a measured win here (CPUs and unknown device types; the
+    accelerator types GLM-5 targets are trusted).
+    """
+
+    device: str
+    description: str
+    units: dict[str, bool | None]
+    evidence: dict[str, str]
+    measure_speed: bool
+
+
+def _cpu_model_and_flags(cpuinfo: str) -> tuple[str, frozenset[str] | None]:
+    """(model name with its family, the ISA flags or None) from the first processor of /proc/cpuinfo's text."""
+    fields: dict[str, str] = {}
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip().lower(), value.strip())
+    model = fields.get("model name") or fields.get("hardware") or "CPU"
+    if "cpu family" in fields:
+        model += f" (family {fields['cpu family']}, model {fields.get('model', '?')})"
+    flags = fields.get("flags", fields.get("features"))
+    return model, None if flags is None else frozenset(flags.split())
+
+
+def cpu_facts(cpuinfo: str | None = None) -> DeviceFacts:
+    """Facts of the CPU from its ISA flags (`cpuinfo`: the text of /proc/cpuinfo; read when None)."""
+    if cpuinfo is None:
+        path = Path("/proc/cpuinfo")
+        cpuinfo = path.read_text(errors="replace") if path.exists() else ""
+    model, flags = _cpu_model_and_flags(cpuinfo)
+    description = f"{model}, {torch.get_num_threads()} torch threads, ATen {_cpu_capability()} kernels"
+    if flags is None:
+        return DeviceFacts("cpu", description, dict.fromkeys(UNITS), dict.fromkeys(UNITS, "no CPU flags here"), True)
+    units: dict[str, bool | None] = {}
+    evidence = {}
+    for unit, names in CPU_UNIT_FLAGS.items():
+        found = [f for f in names if f in flags]
+        units[unit] = bool(found)
+        evidence[unit] = f"CPU flag {', '.join(found)}" if found else f"no CPU flag {' / '.join(names)}"
+    return DeviceFacts("cpu", description, units, evidence, True)
+
+
+def _cpu_capability() -> str:
+    try:
+        return torch.backends.cpu.get_cpu_capability()
+    except (AttributeError, RuntimeError):
+        return "unknown"
+
+
+def cuda_facts(device: torch.device) -> DeviceFacts:
+    """Facts of a CUDA (or ROCm) GPU from its compute capability: bf16 from sm_80 (or ROCm's own answer), fp16
+    tensor cores from sm_70, int8 tensor cores from sm_75."""
+    name = torch.cuda.get_device_name(device)
+    if torch.version.hip:
+        bf16 = torch.cuda.is_bf16_supported()
+        units = {"bfloat16": bf16, "float16": True, "int8": True}
+        return DeviceFacts(str(device), f"{name} (ROCm)", units, dict.fromkeys(UNITS, "ROCm GPU"), False)
+    major, minor = torch.cuda.get_device_capability(device)
+    cc = (major, minor)
+    units = {"bfloat16": cc >= (8, 0), "float16": cc >= (7, 0), "int8": cc >= (7, 5)}
+    evidence = dict.fromkeys(UNITS, f"CUDA compute capability {major}.{minor}")
+    return DeviceFacts(str(device), name, units, evidence, False)
+
+
+def device_facts(device: torch.device) -> DeviceFacts:
+    """The facts for any torch device: CPU flags, CUDA capability, the GLM-5 accelerator table, else unknown."""
+    if device.type == "cpu":
+        return cpu_facts()
+    if device.type == "cuda":
+        return cuda_facts(device)
+    if device.type in ACCELERATOR_UNITS:
+        evidence = dict.fromkeys(UNITS, f"{device.type} device")
+        return DeviceFacts(str(device), ACCELERATOR_UNITS[device.type], dict.fromkeys(UNITS, True), evidence, False)
+    unknown = dict.fromkeys(UNITS, "unknown device type")
+    return DeviceFacts(str(device), device.type, dict.fromkeys(UNITS), unknown, True)
+
+
+# ------------------------------------------------------------------------------------------------ measurements
+
+
+class Probe(Protocol):
+    """What the decision may measure on the device (faked in the unit tests)."""
+
+    def half_speedup(self, dtype: torch.dtype) -> float:
+        """Time of the fp32 GEMM / time of the same GEMM with `dtype` operands, at PROBE_SHAPE."""
+
+    def fp32_output(self, dtype: torch.dtype) -> bool:
+        """Whether a GEMM of `dtype` operands can hand back fp32 (torch.mm(..., out_dtype=torch.float32))."""
+
+    def int8_exact(self, route: int8_gemms.Int8Gemm) -> tuple[bool, str]:
+        """Whether the route runs and is bit-exact here (int8_gemms.is_exact at EXACTNESS_DEPTH), and why."""
+
+    def int8_speedup(self, route: int8_gemms.Int8Gemm) -> float:
+        """Time of the fp32 GEMM / time of the route's accumulate, at PROBE_SHAPE (weight prepared beforehand)."""
+
+
+def _synchronize(device: torch.device) -> None:
+    module = getattr(torch, device.type, None) if device.type != "cpu" else None
+    if module is not None and hasattr(module, "synchronize"):
+        module.synchronize()
+
+
+@contextlib.contextmanager
+def _one_cpu_thread(device: torch.device) -> Iterator[None]:
+    """The probe runs in one CPU thread: on a shared machine a multi-threaded GEMM stalls whenever another process holds
+    one of its cores (100x on a busy 2-core machine), while the ratio of two kernels' speeds is a property of the
+    kernels, not of the thread count."""
+    if device.type != "cpu":
+        yield
+        return
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+class DeviceProbe:
+    """The real measurements: a few GEMMs at PROBE_SHAPE on the device. A speedup is the ratio of the best of
+    PROBE_REPS alternating calls of each kernel (other processes only ever add time, so the minimum is what the
+    hardware does, and alternating exposes both kernels to the same conditions)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._gen = torch.Generator().manual_seed(0)
+        self._fp32_operands = self._operands(torch.float32)
+        self._exactness_cases: list | None = None
+
+    def _operands(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        m, k, n = PROBE_SHAPE
+        a = torch.randn(m, k, generator=self._gen).to(self.device, dtype)
+        b = torch.randn(k, n, generator=self._gen).to(self.device, dtype)
+        return a, b
+
+    def _timed(self, call: Callable[[], object]) -> float:
+        _synchronize(self.device)
+        start = time.perf_counter()
+        call()
+        _synchronize(self.device)
+        return time.perf_counter() - start
+
+    def _speedup_over_fp32(self, call: Callable[[], object]) -> float:
+        a, b = self._fp32_operands
+
+        def fp32_call() -> object:
+            return a @ b
+
+        fp32_call()  # warm-up: first-call setup (kernel selection, page faults) is not speed
+        call()
+        fp32_best = best = float("inf")
+        for _ in range(PROBE_REPS):
+            fp32_best = min(fp32_best, self._timed(fp32_call))
+            best = min(best, self._timed(call))
+        return fp32_best / best
+
+    def half_speedup(self, dtype: torch.dtype) -> float:
+        a, b = self._operands(dtype)
+        return self._speedup_over_fp32(lambda: a @ b)
+
+    def fp32_output(self, dtype: torch.dtype) -> bool:
+        a = torch.ones(16, 16, dtype=dtype, device=self.device)
+        try:
+            return torch.mm(a, a, out_dtype=torch.float32).dtype == torch.float32
+        except RUNTIME_ERRORS:
+            return False  # no such overload in this torch, or no kernel for this device
+
+    def int8_exact(self, route: int8_gemms.Int8Gemm) -> tuple[bool, str]:
+        if self._exactness_cases is None:  # built once, shared by every route
+            self._exactness_cases = int8_gemms.exactness_cases(self._gen, EXACTNESS_DEPTH)
+        return int8_gemms.is_exact(route, self.device, self._exactness_cases)
+
+    def int8_speedup(self, route: int8_gemms.Int8Gemm) -> float:
+        m, k, n = PROBE_SHAPE
+        x = torch.randint(-128, 128, (m, k), generator=self._gen, dtype=torch.int8).to(self.device)
+        w = torch.randint(-128, 128, (n, k), generator=self._gen, dtype=torch.int8).to(self.device)
+        prepared = route.prepare(w)
+        return self._speedup_over_fp32(lambda: route.accumulate(x, prepared))
+
+
+# ------------------------------------------------------------------------------------------------ decisions
+
+
+@dataclass(frozen=True)
+class HalfChoice:
+    """Whether ops with `dtype` activations give their GEMMs `dtype` operands (fp32 accumulation), and how the
+    result comes back: fp32_output = the GEMM returns its fp32 accumulators, else its `dtype` result is upcast."""
+
+    dtype: torch.dtype
+    use: bool
+    fp32_output: bool
+    reason: str
+
+    @property
+    def path(self) -> str:
+        if not self.use:
+            return "fp32 operands (conservative)"
+        result = "fp32 result" if self.fp32_output else f"{_unit(self.dtype)} result upcast to fp32"
+        return f"{_unit(self.dtype)} operands, fp32 accumulation, {result}"
+
+
+@dataclass(frozen=True)
+class Int8Choice:
+    """The exact int8 GEMM the quantized ops use: an int8_gemms route name, or None for the chunked-fp32 path."""
+
+    route: str | None
+    reason: str
+
+    @property
+    def path(self) -> str:
+        return self.route or "chunked fp32 GEMMs (exact, conservative)"
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """The probe's answer for one device in one mode: the facts, and per GEMM kind what is used and why."""
+
+    device: str
+    mode: str
+    facts: DeviceFacts | None  # None in OFF mode (nothing is probed)
+    half: dict[torch.dtype, HalfChoice]
+    int8: Int8Choice
+    measured: dict[str, float] = field(default_factory=dict)  # speedups over fp32 that were measured
+
+    def half_choice(self, dtype: torch.dtype) -> HalfChoice | None:
+        """The choice for bf16 / fp16 activations; None for any other dtype (fp32 stays fp32)."""
+        return self.half.get(dtype)
+
+    def int8_route(self) -> int8_gemms.Int8Gemm | None:
+        return None if self.int8.route is None else int8_gemms.by_name(self.int8.route)
+
+    def as_dict(self) -> dict[str, object]:
+        """JSON-ready: what `glm5-hal info --json` and `glm5-hal bench --json` record."""
+        facts = None
+        if self.facts is not None:
+            facts = {
+                "description": self.facts.description,
+                "units": self.facts.units,
+                "evidence": self.facts.evidence,
+                "measure_speed": self.facts.measure_speed,
+            }
+        return {
+            "device": self.device,
+            "mode": self.mode,
+            "env": f"{ENV_FAST_PATHS}={os.environ.get(ENV_FAST_PATHS, '')}",
+            "facts": facts,
+            **{_unit(d): {"path": c.path, "used": c.use, "reason": c.reason} for d, c in self.half.items()},
+            "int8": {"path": self.int8.path, "reason": self.int8.reason},
+            "measured_speedup_vs_fp32": self.measured,
+            "summary": self.describe(),
+        }
+
+    def describe(self) -> list[str]:
+        """One line per GEMM kind: what is used and why (`glm5-hal info`, `glm5-hal bench`)."""
+        head = f"{self.device}: fast paths {self.mode}"
+        if self.facts is not None:
+            head += f" on {self.facts.description}"
+        lines = [head]
+        for dtype, c in self.half.items():
+            lines.append(f"  {_unit(dtype)} activations: {c.path} ({c.reason})")
+        lines.append(f"  int8 GEMM (W8A8 / W4A8): {self.int8.path} ({self.int8.reason})")
+        return lines
+
+
+@functools.cache
+def _conservative(device: str) -> Capabilities:
+    reason = f"{ENV_FAST_PATHS}=0"
+    half = {d: HalfChoice(d, False, False, reason) for d in HALF_DTYPES}
+    return Capabilities(device, OFF, None, half, Int8Choice(None, reason))
+
+
+def _speed_verdict(speedup: float, what: str) -> tuple[bool, str]:
+    if speedup >= MIN_SPEEDUP:
+        return True, f"measured {speedup:.2f}x the fp32 GEMM"
+    return False, f"{what} measured {speedup:.2f}x the fp32 GEMM (a fast path needs >= {MIN_SPEEDUP}x)"
+
+
+def _decide_half(
+    dtype: torch.dtype, facts: DeviceFacts, probe: Probe, mode: str, measured: dict[str, float]
+) -> HalfChoice:
+    unit = _unit(dtype)
+    if mode == AUTO and facts.units[unit] is False:
+        return HalfChoice(dtype, False, False, f"no {unit} units: {facts.evidence[unit]}")
+    fp32_output = probe.fp32_output(dtype)
+    if dtype == torch.float16 and not fp32_output:
+        return HalfChoice(
+            dtype,
+            False,
+            False,
+            "fp16 GEMMs here return fp16 only (no out_dtype=float32): products that fit fp32 could overflow fp16",
+        )
+    if mode == FORCE:
+        return HalfChoice(dtype, True, fp32_output, f"{ENV_FAST_PATHS}=1")
+    known = f"{unit} units: {facts.evidence[unit]}" if facts.units[unit] else f"{unit} units unknown here"
+    if not facts.measure_speed:
+        return HalfChoice(dtype, True, fp32_output, known)
+    try:
+        speedup = measured[f"{unit} GEMM"] = probe.half_speedup(dtype)
+    except RUNTIME_ERRORS as exc:  # an unknown device without such a GEMM
+        return HalfChoice(dtype, False, False, f"{unit} GEMM does not run here ({str(exc).splitlines()[0][:160]})")
+    use, why = _speed_verdict(speedup, f"{unit} GEMM")
+    return HalfChoice(dtype, use, fp32_output, f"{known}; {why}")
+
+
+def _decide_int8(facts: DeviceFacts, probe: Probe, mode: str, measured: dict[str, float]) -> Int8Choice:
+    if mode == AUTO and facts.units["int8"] is False:
+        return Int8Choice(None, f"no int8 dot-product units: {facts.evidence['int8']}")
+    rejected, exact = [], []
+    for route in int8_gemms.ROUTES:
+        ok, why = probe.int8_exact(route)
+        (exact if ok else rejected).append(route if ok else f"{route.name}: {why}")
+    if not exact:
+        return Int8Choice(None, "no exact int8 GEMM: " + "; ".join(rejected))
+    exactness = f"{EXACTNESS_DEPTH}-deep -128/127 check passed"
+    if mode == FORCE or not facts.measure_speed:
+        why = f"{ENV_FAST_PATHS}=1" if mode == FORCE else f"int8 units: {facts.evidence['int8']}"
+        return Int8Choice(exact[0].name, f"{why}; {exactness}")
+    # The first exact route (int8_gemms.ROUTES is in order of preference) that beats fp32 is used. The order is a
+    # fact about the kernels the probe shape cannot show: a prepacked weight saves a reorder per call, which
+    # dominates at decode, where the weight is streamed from memory once per call.
+    verdicts = []
+    for route in exact:
+        try:
+            speedup = measured[f"{route.name} (int8)"] = probe.int8_speedup(route)
+        except RUNTIME_ERRORS as exc:
+            verdicts.append(f"{route.name} fails at the probe shape ({str(exc).splitlines()[0][:160]})")
+            continue
+        use, why = _speed_verdict(speedup, route.name)
+        if use:
+            return Int8Choice(route.name, f"{exactness}; {why}")
+        verdicts.append(why)
+    return Int8Choice(None, "; ".join(verdicts))
+
+
+def decide(facts: DeviceFacts, probe: Probe, mode: str) -> Capabilities:
+    """The choices for a device from its facts and (where needed) the probe's measurements, in AUTO or FORCE mode
+    (OFF needs neither). Pure given `probe`: the unit tests pass fake facts and a fake probe."""
+    check(mode in (AUTO, FORCE), ValueError, lambda: f"mode: expected {AUTO!r} or {FORCE!r}, got {mode!r}")
+    measured: dict[str, float] = {}
+    half = {d: _decide_half(d, facts, probe, mode, measured) for d in HALF_DTYPES}
+    int8 = _decide_int8(facts, probe, mode, measured)
+    return Capabilities(facts.device, mode, facts, half, int8, measured)
+
+
+# ------------------------------------------------------------------------------------------------ the cache
+
+_cache: dict[tuple[str, str], Capabilities] = {}
+_lock = threading.Lock()
+
+
+def _device_key(device: torch.device | str) -> torch.device:
+    device = torch.device(device)
+    if device.type != "cpu" and device.index is None:
+        module = getattr(torch, device.type, None)
+        if module is not None and hasattr(module, "current_device"):
+            device = torch.device(device.type, module.current_device())
+    return device
+
+
+def capabilities(device: torch.device | str, mode: str | None = None) -> Capabilities:
+    """The choices for `device` in `mode` (default: fast_paths_mode()), probed once per process, device and mode."""
+    mode = fast_paths_mode() if mode is None else parse_mode(mode)
+    device = _device_key(device)
+    if mode == OFF:
+        return _conservative(str(device))
+    key = (str(device), mode)
+    found = _cache.get(key)
+    if found is None:
+        with _lock:  # one probe per device even if several threads ask at once
+            found = _cache.get(key)
+            if found is None:
+                facts = device_facts(device)
+                with _one_cpu_thread(device):
+                    found = _cache[key] = decide(facts, DeviceProbe(device), mode)
+    return found
+
+
+def clear_cache() -> None:
+    """Forget every probe result (tests; a process whose thread count changed and wants a fresh measurement)."""
+    with _lock:
+        _cache.clear()

@@ -1,0 +1,265 @@
+"""The capability probe (glm5_hal.capabilities) and the exact int8 GEMM routes (glm5_hal.int8_gemms).
+
+- Decisions from faked facts and a faked probe: a CPU without bf16 / int8 flags keeps the conservative path and
+  measures nothing; flags plus a measured win take the fast path; flags with a measured loss do not; an inexact
+  int8 route is never used; known accelerators are trusted without timing; fp16 needs an fp32-result GEMM;
+  GLM5_HAL_FAST_PATHS=0 / 1 / bad values.
+- CPU flag parsing (x86 and Arm /proc/cpuinfo), the per-process cache.
+- The real int8 routes on this machine: bit-exact at K = 16384 and 40960 with -128 / 127 codes, and the
+  exactness check catches a GEMM that saturates like AVX2's 16-bit pair sums.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from glm5_hal import capabilities as caps
+from glm5_hal import int8_gemms
+from glm5_hal.capabilities import AUTO, FORCE, DeviceFacts, decide
+from glm5_hal.cli import main
+
+AVX2_ZEN3 = "model name\t: AMD EPYC 7B13\ncpu family\t: 25\nflags\t\t: fpu sse sse2 avx avx2 fma f16c bmi2\n"
+ZEN5 = (
+    "model name\t: AMD EPYC\ncpu family\t: 26\nflags\t\t: avx2 fma avx512f avx512bw avx512_bf16 avx512_vnni avx_vnni\n"
+)
+SAPPHIRE_RAPIDS = "model name\t: Intel Xeon\nflags\t\t: avx2 avx512f avx512_bf16 avx512_fp16 amx_bf16 amx_int8\n"
+GRAVITON3 = "processor\t: 0\nFeatures\t: fp asimd asimdhp asimddp bf16 i8mm sve\n"
+ONEDNN, INT_MM = int8_gemms.ONEDNN_U8S8.name, int8_gemms.INT_MM.name
+
+
+class FakeProbe:
+    """Measurements on demand, with a record of what was asked (a decision that needs none must ask nothing)."""
+
+    def __init__(
+        self,
+        half: dict[torch.dtype, float] | None = None,
+        fp32_output: bool = False,
+        exact: dict[str, bool] | None = None,
+        int8: dict[str, float] | None = None,
+    ) -> None:
+        self.half, self._fp32_output = half or {}, fp32_output
+        self.exact, self.int8 = exact or {}, int8 or {}
+        self.asked: list[str] = []
+
+    def half_speedup(self, dtype: torch.dtype) -> float:
+        self.asked.append(f"half_speedup {dtype}")
+        return self.half[dtype]
+
+    def fp32_output(self, dtype: torch.dtype) -> bool:
+        self.asked.append(f"fp32_output {dtype}")
+        return self._fp32_output
+
+    def int8_exact(self, route: int8_gemms.Int8Gemm) -> tuple[bool, str]:
+        self.asked.append(f"int8_exact {route.name}")
+        ok = self.exact.get(route.name, False)
+        return ok, "exact" if ok else "17 of 85 accumulators differ"
+
+    def int8_speedup(self, route: int8_gemms.Int8Gemm) -> float:
+        self.asked.append(f"int8_speedup {route.name}")
+        return self.int8[route.name]
+
+
+def _cpu(cpuinfo: str) -> DeviceFacts:
+    return caps.cpu_facts(cpuinfo)
+
+
+# ------------------------------------------------------------------------------------------------ decisions
+
+
+def test_cpu_without_bf16_or_int8_units_keeps_the_conservative_path_and_measures_nothing():
+    probe = FakeProbe()  # any measurement would raise KeyError: nothing is configured
+    got = decide(_cpu(AVX2_ZEN3), probe, AUTO)
+    assert probe.asked == []
+    assert not any(choice.use for choice in got.half.values())
+    assert got.int8.route is None and got.int8_route() is None
+    assert "no CPU flag avx512_bf16" in got.half[torch.bfloat16].reason
+    assert "no int8 dot-product units" in got.int8.reason
+    # The same choices as GLM5_HAL_FAST_PATHS=0: the backend runs exactly the conservative code.
+    off = caps.capabilities("cpu", "0")
+    assert [c.use for c in got.half.values()] == [c.use for c in off.half.values()]
+    assert got.int8.route == off.int8.route is None
+
+
+def test_cpu_with_units_and_a_measured_win_takes_the_fast_paths():
+    probe = FakeProbe(half={torch.bfloat16: 4.0}, exact={ONEDNN: True, INT_MM: True}, int8={ONEDNN: 6.0, INT_MM: 7.0})
+    got = decide(_cpu(ZEN5), probe, AUTO)
+    bf16, fp16 = got.half[torch.bfloat16], got.half[torch.float16]
+    assert bf16.use and not bf16.fp32_output and "bfloat16 result upcast" in bf16.path
+    assert "avx512_bf16" in bf16.reason and "4.00x" in bf16.reason
+    assert not fp16.use and "no CPU flag avx512_fp16" in fp16.reason
+    # Routes are taken in order of preference among the exact ones that win, not by the probe shape's speed alone.
+    assert got.int8.route == ONEDNN and got.int8_route() is int8_gemms.ONEDNN_U8S8
+    assert got.measured == {"bfloat16 GEMM": 4.0, f"{ONEDNN} (int8)": 6.0}
+
+
+def test_cpu_flags_without_a_measured_win_keep_the_conservative_path():
+    probe = FakeProbe(half={torch.bfloat16: 0.9}, exact={ONEDNN: True, INT_MM: True}, int8={ONEDNN: 1.1, INT_MM: 0.2})
+    got = decide(_cpu(ZEN5), probe, AUTO)
+    assert not got.half[torch.bfloat16].use and "0.90x" in got.half[torch.bfloat16].reason
+    assert got.int8.route is None and ">= 1.25x" in got.int8.reason
+
+
+def test_an_inexact_int8_route_is_never_used():
+    probe = FakeProbe(half={torch.bfloat16: 4.0}, exact={ONEDNN: False, INT_MM: True}, int8={INT_MM: 3.0})
+    got = decide(_cpu(ZEN5), probe, AUTO)
+    assert got.int8.route == INT_MM
+    assert f"int8_speedup {ONEDNN}" not in probe.asked  # an inexact route is not even timed
+    nothing_exact = decide(_cpu(ZEN5), FakeProbe(half={torch.bfloat16: 4.0}), AUTO)
+    assert nothing_exact.int8.route is None and "no exact int8 GEMM" in nothing_exact.int8.reason
+    # Forcing the fast paths never forces an inexact GEMM either.
+    assert decide(_cpu(AVX2_ZEN3), FakeProbe(), FORCE).int8.route is None
+
+
+def test_unreadable_flags_decide_by_measurement_alone():
+    facts = _cpu("processor\t: 0\n")  # no flags line (a non-Linux-like cpuinfo)
+    assert facts.units == {"bfloat16": None, "float16": None, "int8": None}
+    got = decide(facts, FakeProbe(half={torch.bfloat16: 2.0}, exact={INT_MM: True}, int8={INT_MM: 1.0}), AUTO)
+    assert got.half[torch.bfloat16].use and "unknown" in got.half[torch.bfloat16].reason
+    assert got.int8.route is None
+
+
+def test_forced_fast_paths_skip_facts_and_timing_but_not_correctness():
+    probe = FakeProbe(exact={ONEDNN: False, INT_MM: True})
+    got = decide(_cpu(AVX2_ZEN3), probe, FORCE)
+    assert got.half[torch.bfloat16].use and got.int8.route == INT_MM
+    assert not any(a.startswith(("half_speedup", "int8_speedup")) for a in probe.asked)
+    # fp16 products need an fp32-result GEMM even when forced: an fp16 result could overflow.
+    assert not got.half[torch.float16].use and "overflow" in got.half[torch.float16].reason
+    assert decide(_cpu(AVX2_ZEN3), FakeProbe(fp32_output=True, exact={INT_MM: True}), FORCE).half[torch.float16].use
+
+
+def test_known_accelerators_are_trusted_without_timing():
+    units = {"bfloat16": True, "float16": True, "int8": True}
+    facts = DeviceFacts("cuda:0", "NVIDIA H100", units, dict.fromkeys(units, "CUDA 9.0"), measure_speed=False)
+    probe = FakeProbe(fp32_output=True, exact={ONEDNN: False, INT_MM: True})
+    got = decide(facts, probe, AUTO)
+    assert all(c.use and c.fp32_output for c in got.half.values())
+    assert got.half[torch.bfloat16].path == "bfloat16 operands, fp32 accumulation, fp32 result"
+    assert got.int8.route == INT_MM
+    assert not any(a.startswith(("half_speedup", "int8_speedup")) for a in probe.asked)
+    # An accelerator type from the GLM-5 table: units known, nothing timed.
+    xpu = caps.device_facts(torch.device("xpu"))
+    assert xpu.units == units and not xpu.measure_speed
+    assert caps.device_facts(torch.device("meta")).measure_speed  # unknown types must measure
+
+
+def test_a_gemm_that_does_not_run_is_not_used():
+    class Failing(FakeProbe):
+        def half_speedup(self, dtype: torch.dtype) -> float:
+            raise RuntimeError("no bf16 matmul kernel for this device\nmore")
+
+        def int8_speedup(self, route: int8_gemms.Int8Gemm) -> float:
+            raise NotImplementedError(f"{route.name} has no kernel here")
+
+    got = decide(_cpu("processor\t: 0\n"), Failing(exact={ONEDNN: True, INT_MM: True}), AUTO)
+    bf16 = got.half[torch.bfloat16]
+    assert not bf16.use and "does not run here (no bf16 matmul kernel" in bf16.reason
+    assert got.int8.route is None and "fails at the probe shape" in got.int8.reason
+
+
+def test_decide_rejects_the_off_mode():
+    with pytest.raises(ValueError, match="mode"):
+        decide(_cpu(ZEN5), FakeProbe(), "off")
+
+
+# ------------------------------------------------------------------------------------------------ facts, mode, cache
+
+
+@pytest.mark.parametrize(
+    ("cpuinfo", "units", "model"),
+    [
+        (AVX2_ZEN3, {"bfloat16": False, "float16": False, "int8": False}, "AMD EPYC 7B13 (family 25"),
+        (ZEN5, {"bfloat16": True, "float16": False, "int8": True}, "AMD EPYC (family 26"),
+        (SAPPHIRE_RAPIDS, {"bfloat16": True, "float16": True, "int8": True}, "Intel Xeon"),
+        (GRAVITON3, {"bfloat16": True, "float16": True, "int8": True}, "CPU"),
+    ],
+)
+def test_cpu_flags_name_the_units(cpuinfo: str, units: dict, model: str):
+    facts = _cpu(cpuinfo)
+    assert facts.units == units and facts.description.startswith(model) and facts.measure_speed
+
+
+def test_mode_from_the_environment_and_the_context_manager(monkeypatch: pytest.MonkeyPatch):
+    for value, mode in [("", AUTO), ("auto", AUTO), ("0", caps.OFF), ("off", caps.OFF), ("1", FORCE), ("ON", FORCE)]:
+        monkeypatch.setenv(caps.ENV_FAST_PATHS, value)
+        assert caps.fast_paths_mode() == mode
+    monkeypatch.setenv(caps.ENV_FAST_PATHS, "fast")
+    with pytest.raises(ValueError, match="GLM5_HAL_FAST_PATHS: expected auto, 0 .* got 'fast'"):
+        caps.fast_paths_mode()
+    with caps.fast_paths("0"):  # the context manager wins over the environment, innermost first
+        assert caps.fast_paths_mode() == caps.OFF
+        with caps.fast_paths("1"):
+            assert caps.fast_paths_mode() == FORCE
+        assert caps.fast_paths_mode() == caps.OFF
+
+
+def test_off_probes_nothing_and_auto_is_probed_once_per_process(monkeypatch: pytest.MonkeyPatch):
+    calls = []
+    monkeypatch.setattr(caps, "DeviceProbe", lambda device: calls.append(device) or FakeProbe())
+    monkeypatch.setattr(caps, "device_facts", lambda device: _cpu(AVX2_ZEN3))
+    monkeypatch.setattr(caps, "_cache", {})
+    off = caps.capabilities("cpu", "0")
+    assert calls == [] and off.mode == caps.OFF and off.facts is None
+    first = caps.capabilities("cpu", "auto")
+    assert caps.capabilities(torch.device("cpu"), "auto") is first and len(calls) == 1
+    assert "fast paths auto" in first.describe()[0] and first.as_dict()["int8"]["path"].startswith("chunked fp32")
+
+
+# ------------------------------------------------------------------------------------------------ int8 routes
+
+
+def _runnable_routes() -> list[int8_gemms.Int8Gemm]:
+    return [r for r in int8_gemms.ROUTES if r.applies(1, 16, 16, torch.device("cpu"))]
+
+
+@pytest.mark.parametrize("route", _runnable_routes(), ids=lambda r: r.name)
+@pytest.mark.parametrize("depth", [16384, 40960])
+def test_int8_routes_are_bit_exact_at_large_k_with_extreme_codes(route: int8_gemms.Int8Gemm, depth: int):
+    cases = int8_gemms.exactness_cases(torch.Generator().manual_seed(depth), depth)
+    # The all-extreme rows are past fp32's exact integers, so fp32 accumulation could not pass.
+    assert max(float(want.abs().max()) for _, _, want in cases) > 2**24
+    ok, why = int8_gemms.is_exact(route, torch.device("cpu"), cases)
+    if not ok and "does not run here" in why:
+        pytest.skip(f"{route.name} {why}")
+    assert ok, why
+
+
+def _saturating_pair_sums(x_q: torch.Tensor, w_q: torch.Tensor) -> torch.Tensor:
+    """An int8 GEMM that sums adjacent u8 x s8 products into saturating int16 first, as AVX2's vpmaddubsw does."""
+    x_u8 = x_q.to(torch.int64) + 128
+    products = x_u8[:, None, :] * w_q.to(torch.int64)[None, :, :]  # [M, N, K]
+    pairs = products.view(*products.shape[:2], -1, 2).sum(-1).clamp(-(2**15), 2**15 - 1)
+    correction = 128 * w_q.to(torch.int64).sum(-1)  # the zero point, removed exactly
+    return (pairs.sum(-1) - correction[None, :]).to(torch.float32)
+
+
+def test_exactness_check_catches_a_saturating_int8_gemm():
+    saturating = int8_gemms.Int8Gemm(
+        "saturating", lambda m, k, n, d: True, lambda w: w, _saturating_pair_sums, caches_weights=False
+    )
+    ok, why = int8_gemms.is_exact(saturating, torch.device("cpu"), int8_gemms.exactness_cases(torch.Generator(), 64))
+    assert not ok and "accumulators differ" in why
+    never_applies = int8_gemms.Int8Gemm("none", lambda m, k, n, d: False, lambda w: w, lambda x, w: x, False)
+    assert int8_gemms.is_exact(never_applies, torch.device("cpu"), int8_gemms.exactness_cases(torch.Generator(), 8))[
+        1
+    ].startswith("takes none")
+
+
+# ------------------------------------------------------------------------------------------------ glm5-hal info
+
+
+def test_info_prints_and_records_the_choice_per_device(capsys, monkeypatch: pytest.MonkeyPatch):
+    assert main(["info", "--json"]) == 0
+    cpu = json.loads(capsys.readouterr().out)["fast_paths"]["cpu"]
+    assert cpu["device"] == "cpu" and set(cpu["bfloat16"]) == {"path", "used", "reason"}
+    assert cpu["summary"][0].startswith("cpu: fast paths")
+    monkeypatch.setenv(caps.ENV_FAST_PATHS, "0")
+    assert main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert "cpu: fast paths off" in out and "int8 GEMM (W8A8 / W4A8): chunked fp32 GEMMs" in out
+    monkeypatch.setenv(caps.ENV_FAST_PATHS, "bogus")
+    assert main(["info"]) == 0  # a diagnostic command reports a bad value instead of failing
+    assert "cpu: GLM5_HAL_FAST_PATHS: expected auto" in capsys.readouterr().out

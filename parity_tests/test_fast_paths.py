@@ -1,0 +1,175 @@
+"""The `torch` backend on both GEMM paths, whatever this machine's probe picks (glm5_hal.capabilities).
+
+- Parity of every parity case (real-dims ones excepted: the main suite runs those on the probe's own choice) with
+  GLM5_HAL_FAST_PATHS=1 (every correct fast path) and =0 (the conservative fp32 path), at the usual tolerances.
+- Wiring: which dtypes the GEMMs actually receive on each path (an aten-level spy), attention logits in fp32
+  wherever the GEMM cannot return fp32.
+- The per-weight cache of the int8 paths: made once, remade after an in-place write, shared by views, released
+  with the weight.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import ops_reference as ref
+from backends.torch_eager import OPS, weight_cache
+from backends.torch_eager.gemm import FP32, gemm_for
+from conftest import parity_backends
+from glm5_hal.capabilities import capabilities, fast_paths
+from glm5_hal.parity import CASES, run_case
+from glm5_hal.parity.compare import compare_float, to_numpy
+from glm5_hal.parity.inputs import SeqSpec, paged_batch, randn, random_topk_indices
+
+MODES = {"1": "fast paths forced", "0": "conservative fp32 paths"}
+GEMM_OPS = {torch.ops.aten.mm.default, torch.ops.aten.bmm.default, torch.ops.aten.addmm.default}
+
+
+def _params():
+    for case in CASES:
+        if case.slow:
+            continue
+        for dtype in case.dtypes:
+            for mode in MODES:
+                yield pytest.param(case, dtype, mode, id=f"{case.id}-{str(dtype).removeprefix('torch.')}-fast{mode}")
+
+
+@pytest.mark.skipif("torch" not in parity_backends(), reason="GLM5_HAL_BACKEND selects another backend")
+@pytest.mark.parametrize(("case", "dtype", "mode"), list(_params()))
+def test_torch_backend_parity_on_both_paths(case, dtype: torch.dtype, mode: str) -> None:
+    with fast_paths(mode):
+        result = run_case(case, "torch", dtype)
+    assert result.passed, f"{MODES[mode]}: {result.status}: {result.detail} (worst rel err {result.rel_err:.3g})"
+
+
+# ------------------------------------------------------------------------------------------------ wiring
+
+
+class _GemmSpy(TorchDispatchMode):
+    """Records the operand dtypes of every aten GEMM."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.operands: list[tuple[torch.dtype, ...]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in GEMM_OPS:
+            self.operands.append(tuple(a.dtype for a in args if isinstance(a, torch.Tensor)))
+        return func(*args, **(kwargs or {}))
+
+
+def _sparse_attention_inputs(dtype: torch.dtype) -> tuple:
+    gen = torch.Generator().manual_seed(0)
+    batch = paged_batch([SeqSpec(3, 40)], 16, gen)
+    q = randn((batch.num_tokens, 4, 576), gen, dtype=dtype)
+    cache = randn((batch.num_blocks, 16, 576), gen, dtype=dtype)
+    indices = random_topk_indices(batch, 8, gen)
+    return q, cache, indices, batch.block_table, batch.seq_lens_k, batch.cu_seqlens_q, 0.1, 512
+
+
+def test_gemm_path_follows_the_mode_and_the_activation_dtype() -> None:
+    cpu = torch.device("cpu")
+    with fast_paths("0"):
+        assert gemm_for(torch.bfloat16, cpu) is FP32
+    with fast_paths("1"):
+        assert gemm_for(torch.float32, cpu) is FP32  # fp32 activations always keep fp32 products
+        fast = gemm_for(torch.bfloat16, cpu)
+        assert fast.operand == torch.bfloat16
+        choice = capabilities(cpu).half_choice(torch.bfloat16)
+        assert fast.fp32_output == choice.fp32_output
+        # Logits keep fp32 unless the GEMM returns fp32 (a bf16-rounded logit is off by 2^-9 of its size).
+        assert fast.logits is (fast if fast.fp32_output else FP32)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_sparse_attention_gemm_operands(mode: str) -> None:
+    spy = _GemmSpy()
+    with fast_paths(mode), spy:
+        OPS["sparse_flash_attention"](*_sparse_attention_inputs(torch.bfloat16))
+    scores, values = spy.operands  # one token tile: the logits product, then the value product
+    fast = gemm_for(torch.bfloat16, torch.device("cpu")) if mode == "1" else FP32
+    assert values == (fast.operand, fast.operand)
+    assert scores == (fast.logits.operand, fast.logits.operand)
+    with fast_paths(mode), _GemmSpy() as fp32_spy:
+        OPS["sparse_flash_attention"](*_sparse_attention_inputs(torch.float32))
+    assert all(dtypes == (torch.float32, torch.float32) for dtypes in fp32_spy.operands)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_projections_and_experts_gemm_operands(mode: str) -> None:
+    gen = torch.Generator().manual_seed(1)
+    x = randn((5, 64), gen, dtype=torch.bfloat16)
+    w13, w2 = randn((3, 32, 64), gen, dtype=torch.bfloat16), randn((3, 64, 16), gen, dtype=torch.bfloat16)
+    topk_ids = torch.tensor([[0, 1], [1, 2], [0, 2], [2, 1], [0, 1]], dtype=torch.int32)
+    weights = torch.rand(5, 2, generator=gen)
+    with fast_paths(mode), _GemmSpy() as spy:
+        OPS["fused_moe"](x, weights, topk_ids, w13, w2)
+    expert_gemms = spy.operands[:-1]  # the last GEMM is the fp32 combine with the routing weights
+    want = torch.bfloat16 if mode == "1" and gemm_for(torch.bfloat16, torch.device("cpu")).half else torch.float32
+    assert expert_gemms and all(set(dtypes) == {want} for dtypes in expert_gemms)
+
+
+# ------------------------------------------------------------------------------------------------ int8 weight cache
+
+
+def _quant(m: int, n: int, k: int, gen: torch.Generator) -> tuple[torch.Tensor, ...]:
+    x_q = torch.randint(-128, 128, (m, k), generator=gen, dtype=torch.int8)
+    w_q = torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8)
+    return x_q, torch.rand(m, generator=gen) + 0.5, w_q, torch.rand(n, generator=gen) * 0.01
+
+
+def _check_quant(got: torch.Tensor, x_q, x_scale, w_q, w_scale) -> None:
+    want = ref.quant_matmul(*(to_numpy(t) for t in (x_q, x_scale, w_q, w_scale)))
+    verdict = compare_float("y", got, want, torch.float32)
+    assert verdict.passed, verdict.detail
+
+
+def test_derived_values_are_made_once_per_weight_and_remade_after_a_write() -> None:
+    made = []
+
+    def make(w: torch.Tensor) -> torch.Tensor:
+        made.append(w.shape)
+        return w.sum(dim=-1)  # a fresh tensor, as the real derivations are
+
+    weight = torch.arange(24.0).reshape(4, 6)
+    first = weight_cache.derived(weight, "sum", make)
+    assert weight_cache.derived(weight, "sum", make) is first and len(made) == 1
+    assert weight_cache.derived(weight[1:3], "sum", make).tolist() == [51.0, 87.0] and len(made) == 2
+    assert weight_cache.derived(weight[1:3], "sum", make).tolist() == [51.0, 87.0] and len(made) == 2  # a fresh view
+    weight.mul_(2)  # an in-place write moves the version counter shared by every view
+    assert weight_cache.derived(weight, "sum", make).tolist() == [30.0, 102.0, 174.0, 246.0] and len(made) == 3
+    before = weight_cache.cached_entries()
+    del weight, first
+    gc.collect()
+    assert weight_cache.cached_entries() == before - 2  # both entries went with their weight
+
+
+@pytest.mark.parametrize("op", ["quant_matmul", "w4a8_matmul"])
+def test_int8_fast_path_prepares_each_weight_once_and_sees_in_place_writes(op: str) -> None:
+    gen = torch.Generator().manual_seed(2)
+    x_q, x_scale, w_q, w_scale = _quant(5, 24, 256, gen)
+    with fast_paths("1"):
+        route = capabilities("cpu").int8_route()
+        if route is None or not route.caches_weights:
+            pytest.skip(f"no int8 route that prepares weights runs here ({capabilities('cpu').int8.reason})")
+        if op == "quant_matmul":
+            weight, args = w_q, (x_q, x_scale, w_q, w_scale, None, torch.float32)
+        else:
+            codes = torch.randint(-8, 8, (24, 256), generator=gen)
+            weight = torch.from_numpy(ref.pack_int4(codes.numpy()))
+            args = (x_q, x_scale, weight, w_scale, None, torch.float32)
+        before = weight_cache.cached_entries()
+        first = OPS[op](*args)
+        assert weight_cache.cached_entries() == before + 1
+        assert torch.equal(OPS[op](*args), first) and weight_cache.cached_entries() == before + 1
+        weight.copy_(torch.flip(weight, dims=[0]))  # new contents, same tensor: the cache must notice
+        got = OPS[op](*args)
+    with fast_paths("0"):
+        want = OPS[op](*args)  # the conservative path on the new contents, exact accumulators
+    assert torch.equal(got, want)
+    if op == "quant_matmul":
+        _check_quant(got, x_q, x_scale, w_q, w_scale)
