@@ -3,9 +3,10 @@
 - glm5_hal.topk: its composite key orders like (score, -position) for every float, -0.0 == +0.0 included, and
   picks the contract's set where torch.topk on the floats is free to pick any;
 - lightning_indexer on every backend that runs here, float and quantized key caches, with deliberately tied
-  scores: keys are small integers (exact in every dtype, so every backend's scores tie exactly, whatever its
-  summation order), copied to several positions, plus keys whose every head's dot is negative (score 0, +0.0 or
-  -0.0 depending on the head weights' signs); the set must be the contract's and identical over repeated calls.
+  scores: keys are small integers and every q . k dot an integer below 256 in magnitude (exact in every dtype, even
+  as the bf16 result of a fast-path GEMM, so every backend's scores tie exactly, whatever its summation order and
+  GEMM path), copied to several positions, plus keys whose every head's dot is negative (score 0, +0.0 or -0.0
+  depending on the head weights' signs); the set must be the contract's and identical over repeated calls.
 
 The ascend backend is excluded from the backend sweep: npu_lightning_indexer does not document its tie order, so
 the strict fake cannot model it (docs/ascend.md); its portable path is the torch backend's, swept here.
@@ -83,7 +84,8 @@ def _tied_inputs(kv_cache_dtype: str, dtype: torch.dtype, seed: int) -> dict:
     gen = torch.Generator().manual_seed(seed)
     heads, dim, block = 4, 128, 16
     batch = paged_batch([SeqSpec(3, 90), SeqSpec(1, 41), SeqSpec(2, 64)], block, gen)
-    q = torch.randint(1, 3, (batch.num_tokens, heads, dim), generator=gen).float()  # positive entries
+    q = torch.randint(1, 3, (batch.num_tokens, heads, dim), generator=gen).float()  # positive entries...
+    q[..., 0] = 0.0  # ...except against the keys' peak column, which only sets their scale: the dots stay small
     # Every key's largest magnitude is the format's qmax, so its scale is exactly 1 and the stored codes are the
     # integers themselves (small integers are e4m3 values too).
     peak = FORMATS[kv_cache_dtype].qmax if kv_cache_dtype != "auto" else 127.0
@@ -92,6 +94,8 @@ def _tied_inputs(kv_cache_dtype: str, dtype: torch.dtype, seed: int) -> dict:
     pool[0] = -1.0  # q . pool[0] < 0 for every head: ReLU 0 everywhere, a score of +-0
     pool[0, 0] = -peak
     keys = pool[torch.randint(0, 5, (batch.num_blocks * block,), generator=gen)]
+    # Integers below 256 are exact in bf16: every backend's q . k products are then exact, whichever GEMM path.
+    assert (torch.einsum("thd,sd->ths", q, keys).abs() < 256).all()
     signs = torch.where(torch.rand(batch.num_tokens, heads, generator=gen) < 0.5, -1.0, 1.0)
     weights = signs * torch.exp2(torch.randint(-3, 1, (batch.num_tokens, heads), generator=gen).float())
     cache = keys.view(batch.num_blocks, block, dim)
