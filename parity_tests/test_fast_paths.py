@@ -3,7 +3,8 @@
 - Parity of every parity case (real-dims ones excepted: the main suite runs those on the probe's own choice) with
   GLM5_HAL_FAST_PATHS=1 (every correct fast path) and =0 (the conservative fp32 path), at the usual tolerances.
 - Wiring: which dtypes the GEMMs actually receive on each path (an aten-level spy), attention logits in fp32
-  wherever the GEMM cannot return fp32.
+  wherever the GEMM cannot return fp32, rows decoded from a quantized cache in the same operand dtype as a float
+  cache's.
 - The per-weight cache of the int8 paths: made once, remade after an in-place write, shared by views, released
   with the weight.
 """
@@ -18,12 +19,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import ops_reference as ref
 from backends.torch_eager import OPS, weight_cache
-from backends.torch_eager.gemm import FP32, gemm_for
+from backends.torch_eager.gemm import FP32, Gemm, gemm_for
 from conftest import parity_backends
 from glm5_hal.capabilities import capabilities, fast_paths
+from glm5_hal.kv_formats import FORMATS
 from glm5_hal.parity import CASES, run_case
 from glm5_hal.parity.compare import compare_float, to_numpy
 from glm5_hal.parity.inputs import SeqSpec, paged_batch, randn, random_topk_indices
+from glm5_hal.parity.quantized_cache import encode_cache
 
 MODES = {"1": "fast paths forced", "0": "conservative fp32 paths"}
 GEMM_OPS = {torch.ops.aten.mm.default, torch.ops.aten.bmm.default, torch.ops.aten.addmm.default}
@@ -71,6 +74,13 @@ def _sparse_attention_inputs(dtype: torch.dtype) -> tuple:
     return q, cache, indices, batch.block_table, batch.seq_lens_k, batch.cu_seqlens_q, 0.1, 512
 
 
+def _bf16_gemm(mode: str) -> Gemm:
+    """The GEMM path of bf16 activations on the CPU in `mode`, whatever GLM5_HAL_FAST_PATHS says; asked before a spy
+    is installed, so that a first probe's own GEMMs are not recorded as the op's."""
+    with fast_paths(mode):
+        return gemm_for(torch.bfloat16, torch.device("cpu"))
+
+
 def test_gemm_path_follows_the_mode_and_the_activation_dtype() -> None:
     cpu = torch.device("cpu")
     with fast_paths("0"):
@@ -87,11 +97,10 @@ def test_gemm_path_follows_the_mode_and_the_activation_dtype() -> None:
 
 @pytest.mark.parametrize("mode", MODES)
 def test_sparse_attention_gemm_operands(mode: str) -> None:
-    spy = _GemmSpy()
-    with fast_paths(mode), spy:
+    fast = _bf16_gemm(mode)
+    with fast_paths(mode), _GemmSpy() as spy:
         OPS["sparse_flash_attention"](*_sparse_attention_inputs(torch.bfloat16))
     scores, values = spy.operands  # one token tile: the logits product, then the value product
-    fast = gemm_for(torch.bfloat16, torch.device("cpu")) if mode == "1" else FP32
     assert values == (fast.operand, fast.operand)
     assert scores == (fast.logits.operand, fast.logits.operand)
     with fast_paths(mode), _GemmSpy() as fp32_spy:
@@ -109,8 +118,43 @@ def test_projections_and_experts_gemm_operands(mode: str) -> None:
     with fast_paths(mode), _GemmSpy() as spy:
         OPS["fused_moe"](x, weights, topk_ids, w13, w2)
     expert_gemms = spy.operands[:-1]  # the last GEMM is the fp32 combine with the routing weights
-    want = torch.bfloat16 if mode == "1" and gemm_for(torch.bfloat16, torch.device("cpu")).half else torch.float32
+    want = _bf16_gemm(mode).operand
     assert expert_gemms and all(set(dtypes) == {want} for dtypes in expert_gemms)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8_ds_mla", "int8_mla"])
+def test_quantized_latent_rows_feed_the_same_gemms(mode: str, kv_cache_dtype: str) -> None:
+    """Rows decoded from a quantized cache reach sparse attention's GEMMs in the operand dtype of the path."""
+    q, cache, *rest = _sparse_attention_inputs(torch.bfloat16)
+    quantized = encode_cache(cache.float(), FORMATS[kv_cache_dtype], reference=False)
+    fast = _bf16_gemm(mode)
+    with fast_paths(mode), _GemmSpy() as spy:
+        OPS["sparse_flash_attention"](q, quantized, *rest, kv_cache_dtype=kv_cache_dtype)
+    scores, values = spy.operands
+    assert values == (fast.operand, fast.operand)
+    assert scores == (fast.logits.operand, fast.logits.operand)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_index", "int8_index"])
+def test_indexer_keys_feed_the_path_gemm_and_the_head_reduction_stays_fp32(mode: str, kv_cache_dtype: str) -> None:
+    gen = torch.Generator().manual_seed(3)
+    batch = paged_batch([SeqSpec(2, 40)], 16, gen)
+    keys = randn((batch.num_blocks, 16, 128), gen)
+    cache = (
+        keys.bfloat16() if kv_cache_dtype == "auto" else encode_cache(keys, FORMATS[kv_cache_dtype], reference=False)
+    )
+    q = randn((batch.num_tokens, 4, 128), gen, dtype=torch.bfloat16)
+    weights = torch.rand(batch.num_tokens, 4, generator=gen)
+    fast = _bf16_gemm(mode)
+    with fast_paths(mode), _GemmSpy() as spy:
+        OPS["indexer_logits"](
+            q, weights, cache, batch.block_table, batch.seq_lens_k, batch.cu_seqlens_q, kv_cache_dtype=kv_cache_dtype
+        )
+    dots, head_reduction = spy.operands  # one key chunk: q . k, then the fp32 sum over heads
+    assert dots == (fast.operand, fast.operand)
+    assert head_reduction == (torch.float32, torch.float32)
 
 
 # ------------------------------------------------------------------------------------------------ int8 weight cache
