@@ -308,6 +308,9 @@ def run(args: argparse.Namespace) -> int:
         if len(ep_sets) != len(_split(args.scenarios)) or args.ep_ranks < 1:
             print("--scenarios: run the EP sets apart from the per-op sets (--ep-ranks >= 1)", file=sys.stderr)
             return 2
+        if args.fast_paths:  # said, not ignored: every mode would time the same exchange
+            print("--fast-paths: the EP sets time ep_dispatch / ep_combine, which have no GEMMs", file=sys.stderr)
+            return 2
         from perf import ep_bench
 
         return ep_bench.run(args, ep_sets, DTYPES[args.dtype])

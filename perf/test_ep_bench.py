@@ -38,3 +38,8 @@ def test_ep_bench_reports_latency_and_bytes_per_rank(tmp_path, capsys, ranks: in
 def test_ep_sets_do_not_mix_with_per_op_sets(capsys) -> None:
     assert main(["bench", "--scenarios", "ep-quick,decode"]) == 2
     assert "run the EP sets apart" in capsys.readouterr().err
+
+
+def test_ep_sets_refuse_fast_path_modes(capsys) -> None:
+    assert main(["bench", "--scenarios", "ep-quick", "--fast-paths", "0,auto"]) == 2
+    assert "--fast-paths: the EP sets time ep_dispatch / ep_combine, which have no GEMMs" in capsys.readouterr().err
