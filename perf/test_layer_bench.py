@@ -66,12 +66,19 @@ def quick_peaks(monkeypatch) -> None:
 
 
 def test_bench_command_runs_the_mini_layer(tmp_path, capsys, quick_peaks) -> None:
+    """On both GEMM paths side by side (--fast-paths): our layer once per mode, transformers' (the baseline) once."""
     out = tmp_path / "layer.json"
     argv = ["bench", "--scenarios", "mini-layer", "--reps", "1", "--warmup", "0", "--input-sets", "1"]
-    assert glm5_cli.main([*argv, "--no-progress", "--json", str(out)]) == 0
+    assert glm5_cli.main([*argv, "--fast-paths", "0,auto", "--no-progress", "--json", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
     scenarios = {r["scenario"] for r in rows}
     assert len(scenarios) == 4 and {r["op"] for r in rows} == {"glm5_layer", "transformers_layer"}
+    for scenario in scenarios:
+        assert sorted(r["backend"] for r in rows if r["scenario"] == scenario) == [
+            "baseline (torch)",
+            "torch fast=0",
+            "torch fast=auto",
+        ]
     for r in rows:
         assert r["median_ms"] > 0 and 0 < r["roofline_fraction"]
         if r["op"] == "glm5_layer":
