@@ -57,6 +57,15 @@ def check(condition: bool, exc: type[Exception], message: Callable[[], str]) -> 
         raise exc(message())
 
 
+def _is_size(value: object) -> bool:
+    """A concrete or symbolic (torch.compile) integer size."""
+    return isinstance(value, (int, torch.SymInt)) and not isinstance(value, bool)
+
+
+def _shape_doc(dims: Dims) -> str:
+    return "[" + ", ".join("*" if d is None else str(d) for d in dims) + "]"
+
+
 def check_tensor(
     name: str,
     t: object,
@@ -66,12 +75,13 @@ def check_tensor(
 ) -> torch.Tensor:
     """Check that `t` is a tensor of rank len(dims) with one of `dtypes`.
 
-    `dims` names each dimension: an int is a required size, a str is a symbolic size that must agree with
-    `sizes[str]` if already there (and is recorded in `sizes` otherwise), None accepts any size. Returns `t`.
+    `dims` names each dimension: an int (or a symbolic size) is a required size, a str is a symbolic size that
+    must agree with `sizes[str]` if already there (and is recorded in `sizes` otherwise), None accepts any size.
+    Returns `t`. Sizes stay symbolic under torch.compile, and messages are built only on failure (formatting a
+    symbolic size is a graph break).
     """
     check(isinstance(t, torch.Tensor), TypeError, lambda: f"{name}: expected a torch.Tensor, got {type(t).__name__}")
     assert isinstance(t, torch.Tensor)
-    shape_doc = "[" + ", ".join("*" if d is None else str(d) for d in dims) + "]"
     check(
         t.dtype in dtypes,
         TypeError,
@@ -80,24 +90,27 @@ def check_tensor(
     check(
         t.dim() == len(dims),
         ValueError,
-        lambda: f"{name}: expected a {len(dims)}-D tensor {shape_doc}, got shape {tuple(t.shape)}",
+        lambda: f"{name}: expected a {len(dims)}-D tensor {_shape_doc(dims)}, got shape {tuple(t.shape)}",
     )
     for dim, actual in zip(dims, t.shape):
         if dim is None:
             continue
-        if isinstance(dim, int):
+        if _is_size(dim):
             expected = dim
         elif sizes is not None and dim in sizes:
             expected = sizes[dim]
         else:
             if sizes is not None:
-                sizes[dim] = int(actual)
+                sizes[dim] = actual
             continue
-        where = f" with {dim} = {expected}" if isinstance(dim, str) else ""
         check(
             actual == expected,
             ValueError,
-            lambda where=where: f"{name}: expected shape {shape_doc}{where}, got {tuple(t.shape)}",
+            lambda dim=dim, expected=expected: (
+                f"{name}: expected shape {_shape_doc(dims)}"
+                + (f" with {dim} = {expected}" if isinstance(dim, str) else "")
+                + f", got {tuple(t.shape)}"
+            ),
         )
     return t
 
@@ -183,15 +196,15 @@ def value_checks_enabled(*tensors: torch.Tensor) -> bool:
     return not any(is_fake(t) or t.device.type == "meta" for t in tensors)
 
 
-def check_index_range(name: str, t: torch.Tensor, low: int, high: int, meaning: str) -> None:
-    """Every value of `t` in [low, high) (value check)."""
+def check_index_range(name: str, t: torch.Tensor, low: int, high: int, meaning: Callable[[], str]) -> None:
+    """Every value of `t` in [low, high) (value check). `meaning()` says what the values are, for the message."""
     if t.numel() == 0 or not value_checks_enabled(t):
         return
     lo, hi = int(t.min()), int(t.max())
     check(
         low <= lo and hi < high,
         ValueError,
-        lambda: f"{name}: expected values in [{low}, {high}) ({meaning}), got values in [{lo}, {hi}]",
+        lambda: f"{name}: expected values in [{low}, {high}) ({meaning()}), got values in [{lo}, {hi}]",
     )
 
 

@@ -69,4 +69,4 @@ def check_cache_write(
     check_tensor("slot_mapping", slot_mapping, [num_tokens], (torch.int64,), sizes)
     check_same_device(**{cache_name: cache}, slot_mapping=slot_mapping)
     num_slots = cache.shape[0] * cache.shape[1]
-    check_index_range("slot_mapping", slot_mapping, -1, num_slots, f"-1 or a slot of the {num_slots}-slot cache")
+    check_index_range("slot_mapping", slot_mapping, -1, num_slots, lambda: f"-1 or a slot of the {num_slots}-slot cache")

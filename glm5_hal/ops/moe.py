@@ -135,7 +135,7 @@ def moe_gate(
 
 def _check_topk_ids(topk_ids: Tensor, num_experts: int, sizes: dict[str, int]) -> None:
     check_tensor("topk_ids", topk_ids, ["T", "k"], (torch.int32, torch.int64), sizes)
-    check_index_range("topk_ids", topk_ids, 0, num_experts, f"an expert id of the {num_experts} experts")
+    check_index_range("topk_ids", topk_ids, 0, num_experts, lambda: f"an expert id of the {num_experts} experts")
 
 
 def _check_expert_offsets(expert_offsets: Tensor, num_rows: int, sizes: dict[str, int]) -> None:
@@ -258,7 +258,7 @@ def moe_combine(y_sorted: Tensor, src_index: Tensor, topk_weights: Tensor) -> Te
     rows = sizes["T*k"] = sizes["T"] * sizes["k"]
     check_tensor("y_sorted", y_sorted, ["T*k", "D"], FLOAT_OP_DTYPES, sizes)
     check_tensor("src_index", src_index, ["T*k"], (torch.int64,), sizes)
-    check_index_range("src_index", src_index, 0, rows, "an assignment t * k + j")
+    check_index_range("src_index", src_index, 0, rows, lambda: "an assignment t * k + j")
     check_same_device(y_sorted=y_sorted, src_index=src_index, topk_weights=topk_weights)
     return _moe_combine_op(y_sorted, src_index, topk_weights)
 

@@ -90,7 +90,7 @@ def sparse_flash_attention(
     )
     check_same_device(q=q, kv_cache=kv_cache, indices=indices)
     check_paged_batch("kv_cache", kv_cache, block_table, seq_lens_k, cu_seqlens_q, sizes["T"], sizes)
-    check_index_range("indices", indices, -1, 2**31 - 1, "-1 or a request-local key position")
+    check_index_range("indices", indices, -1, 2**31 - 1, lambda: "-1 or a request-local key position")
     return _sparse_flash_attention_op(
         q, kv_cache, indices, block_table, seq_lens_k, cu_seqlens_q, float(sm_scale), int(d_v)
     )
