@@ -12,6 +12,7 @@ Two kinds of checks:
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable, Sequence
 
@@ -172,13 +173,46 @@ def check_same_dtype(**tensors: torch.Tensor) -> torch.dtype:
     return next(iter(dtypes))
 
 
-def check_positive_int(name: str, value: object) -> int:
+def check_positive_int(name: str, value: object, maximum: int | None = None) -> int:
+    """A Python int (not a bool) in [1, maximum]; returns it."""
+    bound = "" if maximum is None else f" <= {maximum}"
     check(
-        isinstance(value, int) and not isinstance(value, bool) and value > 0,
-        ValueError if isinstance(value, int) else TypeError,
-        lambda: f"{name}: expected a positive int, got {value!r}",
+        isinstance(value, int) and not isinstance(value, bool),
+        TypeError,
+        lambda: f"{name}: expected a positive int{bound}, got {value!r}",
+    )
+    check(
+        value > 0 and (maximum is None or value <= maximum),  # type: ignore[operator]
+        ValueError,
+        lambda: f"{name}: expected a positive int{bound}, got {value!r}",
     )
     return int(value)  # type: ignore[arg-type]
+
+
+def check_finite_float(name: str, value: object, *, positive: bool = False) -> float:
+    """A Python int or float (not a bool), finite, and > 0 if `positive`; returns it as a float."""
+    what = "a positive float (finite, > 0)" if positive else "a finite float"
+    check(
+        isinstance(value, (int, float)) and not isinstance(value, bool),
+        TypeError,
+        lambda: f"{name}: expected {what}, got {value!r}",
+    )
+    check(
+        math.isfinite(value) and (not positive or value > 0),  # type: ignore[arg-type]
+        ValueError,
+        lambda: f"{name}: expected {what}, got {value!r}",
+    )
+    return float(value)  # type: ignore[arg-type]
+
+
+def check_block_size(cache_name: str, cache: torch.Tensor) -> None:
+    """A paged cache [num_blocks, block_size, D] has at least one slot per block (slot = block * block_size + offset
+    divides by it)."""
+    check(
+        cache.shape[1] >= 1,
+        ValueError,
+        lambda: f"{cache_name}: expected block_size >= 1 in [num_blocks, block_size, D], got {tuple(cache.shape)}",
+    )
 
 
 def check_even(name: str, value: int, what: str) -> None:

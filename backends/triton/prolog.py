@@ -239,7 +239,7 @@ def mla_prolog(
     q_pe = torch.empty((num_tokens, num_heads, rope_dim), dtype=x.dtype, device=x.device)
     norm_rope(q[:, nope:], q_pe.view(-1, rope_dim), cos=cos, sin=sin, rows_per_token=num_heads)
     # Absorb W_UK head by head as one batched GEMM: [H, T, nope] @ [H, nope, kv_lora] -> [H, T, kv_lora].
-    q_nope = q.view(num_tokens, num_heads, -1)[..., :nope].transpose(0, 1)
+    q_nope = q.view(num_tokens, num_heads, nope + rope_dim)[..., :nope].transpose(0, 1)
     q_lat = torch.bmm(q_nope, w_uk.to(x.dtype)).transpose(0, 1).contiguous()
 
     norm_rope(

@@ -7,8 +7,8 @@ from torch import Tensor
 
 from glm5_hal.checks import (
     FLOAT_OP_DTYPES,
-    check,
     check_accumulation_tensor,
+    check_finite_float,
     check_same_device,
     check_tensor,
 )
@@ -122,11 +122,7 @@ def mla_prolog(
     check_tensor("gamma_ckv", gamma_ckv, ["kv_lora"], (dtype,), sizes)
     check_tensor("kv_cache", kv_cache, [None, None, "kv_lora+rope"], (dtype,), sizes)
     check_cache_write("kv_cache", kv_cache, slot_mapping, sizes["T"], sizes)
-    check(
-        isinstance(eps, (int, float)) and float(eps) > 0.0,
-        ValueError,
-        lambda: f"eps: expected a positive float, got {eps!r}",
-    )
+    eps = check_finite_float("eps", eps, positive=True)
     check_same_device(
         x=x,
         w_dq=w_dq,
@@ -140,6 +136,4 @@ def mla_prolog(
         kv_cache=kv_cache,
         slot_mapping=slot_mapping,
     )
-    return _mla_prolog_op(
-        x, w_dq, gamma_cq, w_uq_qr, w_uk, w_dkv_kr, gamma_ckv, cos, sin, kv_cache, slot_mapping, float(eps)
-    )
+    return _mla_prolog_op(x, w_dq, gamma_cq, w_uq_qr, w_uk, w_dkv_kr, gamma_ckv, cos, sin, kv_cache, slot_mapping, eps)

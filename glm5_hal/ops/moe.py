@@ -14,6 +14,7 @@ from glm5_hal.checks import (
     FLOAT_OP_DTYPES,
     check,
     check_accumulation_tensor,
+    check_finite_float,
     check_index_range,
     check_optional_tensor,
     check_positive_int,
@@ -120,17 +121,11 @@ def moe_gate(
             f"{num_experts // n_group}"
         ),
     )
-    check(
-        isinstance(routed_scaling_factor, (int, float)),
-        TypeError,
-        lambda: f"routed_scaling_factor: expected a float, got {routed_scaling_factor!r}",
-    )
+    routed_scaling_factor = check_finite_float("routed_scaling_factor", routed_scaling_factor)
     check(
         isinstance(norm_topk_prob, bool), TypeError, lambda: f"norm_topk_prob: expected a bool, got {norm_topk_prob!r}"
     )
-    return _moe_gate_op(
-        router_logits, bias, top_k, n_group, topk_group, float(routed_scaling_factor), norm_topk_prob, scoring
-    )
+    return _moe_gate_op(router_logits, bias, top_k, n_group, topk_group, routed_scaling_factor, norm_topk_prob, scoring)
 
 
 def _check_topk_ids(topk_ids: Tensor, num_experts: int, sizes: dict[str, int]) -> None:

@@ -14,6 +14,7 @@ from glm5_hal.checks import (
     ACTIVATION_DTYPES,
     FLOAT_OP_DTYPES,
     check,
+    check_finite_float,
     check_optional_tensor,
     check_same_device,
     check_tensor,
@@ -31,6 +32,14 @@ def _check_out_dtype(out_dtype: object) -> torch.dtype:
         lambda: f"out_dtype: expected torch.bfloat16, torch.float16 or torch.float32, got {out_dtype!r}",
     )
     return out_dtype  # type: ignore[return-value]
+
+
+def _check_int8_activations(x_q: Tensor, x_scale: Tensor, sizes: dict[str, int]) -> None:
+    """x_q: [M, K] int8 with K >= 1 (dynamic_quant never makes an empty row, and a GEMM without a reduction dim
+    is a caller bug); x_scale: [M] fp32."""
+    check_tensor("x_q", x_q, ["M", "K"], (torch.int8,), sizes)
+    check(sizes["K"] >= 1, ValueError, lambda: f"x_q: expected K >= 1 in [M, K], got shape {tuple(x_q.shape)}")
+    check_tensor("x_scale", x_scale, ["M"], (torch.float32,), sizes)
 
 
 @torch.library.custom_op(f"{NAMESPACE}::dynamic_quant", mutates_args=())
@@ -96,8 +105,7 @@ def quant_matmul(
     Reference: ops_reference/quant.py
     """
     sizes: dict[str, int] = {}
-    check_tensor("x_q", x_q, ["M", "K"], (torch.int8,), sizes)
-    check_tensor("x_scale", x_scale, ["M"], (torch.float32,), sizes)
+    _check_int8_activations(x_q, x_scale, sizes)
     check_tensor("w_q", w_q, ["N", "K"], (torch.int8,), sizes)
     check_tensor("w_scale", w_scale, ["N"], (torch.float32,), sizes)
     out_dtype = _check_out_dtype(out_dtype)
@@ -143,8 +151,7 @@ def w4a8_matmul(
     Reference: ops_reference/quant.py
     """
     sizes: dict[str, int] = {}
-    check_tensor("x_q", x_q, ["M", "K"], (torch.int8,), sizes)
-    check_tensor("x_scale", x_scale, ["M"], (torch.float32,), sizes)
+    _check_int8_activations(x_q, x_scale, sizes)
     k = sizes["K"]
     check(k % 2 == 0, ValueError, lambda: f"x_q: expected an even K (int4 weights pack two per byte), got K = {k}")
     check_tensor("w_packed", w_packed, ["N", k // 2], (torch.uint8,), sizes)
@@ -206,9 +213,5 @@ def hadamard_transform(x: Tensor, *, scale: float | None = None) -> Tensor:
         ValueError,
         lambda: f"x: expected a last dim n = K * 2^m with K in {sorted(HADAMARD_BASE_SIZES)}, got n = {n}",
     )
-    check(
-        scale is None or isinstance(scale, (int, float)),
-        TypeError,
-        lambda: f"scale: expected None or a float, got {scale!r}",
-    )
-    return _hadamard_transform_op(x, None if scale is None else float(scale))
+    scale = None if scale is None else check_finite_float("scale", scale)
+    return _hadamard_transform_op(x, scale)

@@ -159,7 +159,8 @@ def moe_gate_inputs(
 def _topk_ids(tokens: int, k: int, num_experts: int, gen: torch.Generator, used_experts: int | None) -> torch.Tensor:
     """[T, k] int32 distinct expert ids per token, drawn from the first `used_experts` experts only."""
     pool = num_experts if used_experts is None else used_experts
-    return torch.stack([torch.randperm(pool, generator=gen)[:k] for _ in range(tokens)]).to(torch.int32)
+    rows = [torch.randperm(pool, generator=gen)[:k] for _ in range(tokens)]
+    return torch.stack(rows).to(torch.int32) if rows else torch.zeros(0, k, dtype=torch.int32)
 
 
 def _routing(tokens: int, k: int, num_experts: int, gen: torch.Generator, used_experts: int | None):
