@@ -242,6 +242,22 @@ def check_index_range(name: str, t: torch.Tensor, low: int, high: int, meaning: 
     )
 
 
+def check_permutation(name: str, t: torch.Tensor, n: int) -> None:
+    """`t` [n] holds every value of 0 .. n-1 exactly once (value check; one host read, after the range check)."""
+    check_index_range(name, t, 0, n, lambda: f"a permutation of 0 .. {n - 1}")
+    if t.numel() == 0 or not value_checks_enabled(t):
+        return
+    seen = torch.zeros(n, dtype=torch.int32, device=t.device).index_put_(
+        (t.to(torch.int64),), torch.ones_like(t, dtype=torch.int32), accumulate=True
+    )
+    repeated = int((seen != 1).sum())
+    check(
+        repeated == 0,
+        ValueError,
+        lambda: f"{name}: expected a permutation of 0 .. {n - 1}, got {repeated} values missing or repeated",
+    )
+
+
 def check_ragged_layout(
     cu_seqlens_q: torch.Tensor,
     seq_lens_k: torch.Tensor,

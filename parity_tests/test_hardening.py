@@ -14,6 +14,10 @@ The property-based suite in parity_tests/fuzz/ keeps looking for more of the sam
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -170,3 +174,36 @@ def test_defect6_non_finite_and_bool_scalars_are_named(op: str, arg: str, value:
     inputs[arg] = value
     with pytest.raises(exc, match=f"{arg}: expected"):
         getattr(glm5_hal, op)(**inputs)
+
+
+# ---------------------------------------------------------------------------------- 3: moe_combine src_index
+def test_defect3_src_index_must_be_a_permutation() -> None:
+    inputs = C.moe_combine_inputs(3, 2, 8)(torch.Generator().manual_seed(0), torch.float32)
+    inputs["src_index"] = torch.tensor([0, 0, 1, 2, 3, 4])  # 0 twice, 5 never
+    with pytest.raises(ValueError, match=r"src_index: expected a permutation of 0 \.\. 5"):
+        glm5_hal.moe_combine(**inputs)
+
+
+_UNCHECKED_COMBINE = """
+import torch, glm5_hal
+with glm5_hal.use_backend("triton", strict=True):
+    y = torch.randn(4, 8)
+    for src in ([0, 0, 1, 2], [0, 1, 2, 10**9], [3, -7, 1, 0]):
+        out = glm5_hal.moe_combine(y, torch.tensor(src), torch.rand(2, 2))
+        assert out.shape == (2, 8)
+print("survived")
+"""
+
+
+def test_defect3_triton_combine_is_memory_safe_with_value_checks_off() -> None:
+    # With GLM5_HAL_CHECK_VALUES=0 (or under torch.compile) a bad src_index is the caller's bug and its result is
+    # undefined, but the kernel must neither write nor read outside its buffers. A subprocess, so a segfault
+    # fails this test instead of killing the run.
+    done = _run_python(_UNCHECKED_COMBINE, {"GLM5_HAL_CHECK_VALUES": "0", "TRITON_INTERPRET": "1"})
+    assert done.returncode == 0 and "survived" in done.stdout, (done.returncode, done.stderr[-2000:])
+
+
+def _run_python(code: str, env: dict[str, str], timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, env={**os.environ, **env}
+    )

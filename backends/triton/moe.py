@@ -850,10 +850,13 @@ def _int_gemm_blocks(n: int, k: int) -> dict[str, int]:
 # ---------------------------------------------------------------------------------- combine, silu-and-mul
 @triton.jit
 def _invert_permutation_kernel(src_index_ptr, row_of_ptr, num_rows, BLOCK: tl.constexpr):
-    """row_of[src_index[r]] = r."""
+    """row_of[src_index[r]] = r. Values outside [0, num_rows) are skipped: validation rules them out, and with value
+    checks off they must not become stores outside row_of."""
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = rows < num_rows
-    tl.store(row_of_ptr + tl.load(src_index_ptr + rows, mask=ok, other=0), rows, mask=ok)
+    assignment = tl.load(src_index_ptr + rows, mask=ok, other=0)
+    ok &= (assignment >= 0) & (assignment < num_rows)
+    tl.store(row_of_ptr + assignment, rows, mask=ok)
 
 
 @triton.jit
@@ -880,9 +883,12 @@ def _combine_kernel(
     mask = token_ok[:, None] & (cols < width)[None, :]
     acc = tl.zeros((BLOCK_T, BLOCK_D), tl.float32)
     for j in range(top_k):  # slots in order: a fixed, deterministic summation order
-        rows = tl.load(row_of_ptr + tokens * top_k + j, mask=token_ok, other=0)
+        rows = tl.load(row_of_ptr + tokens * top_k + j, mask=token_ok, other=-1)
         weight = tl.load(weights_ptr + tokens * stride_wt + j * stride_wk, mask=token_ok, other=0.0)
-        y = tl.load(y_ptr + rows[:, None] * stride_ym + cols[None, :] * stride_yd, mask=mask, other=0.0)
+        # row -1: an assignment no row came from (only with value checks off); it reads nothing.
+        y = tl.load(
+            y_ptr + rows[:, None] * stride_ym + cols[None, :] * stride_yd, mask=mask & (rows >= 0)[:, None], other=0.0
+        )
         acc += weight[:, None] * y.to(tl.float32)
     tl.store(
         out_ptr + tokens[:, None] * stride_ot + cols[None, :] * stride_od,
@@ -923,7 +929,7 @@ def moe_combine(y_sorted: Tensor, src_index: Tensor, topk_weights: Tensor) -> Te
     """y_sorted [T * k, D], src_index [T * k] int64 (a permutation), topk_weights [T, k] fp32 -> out [T, D]
     = sum_j topk_weights[t, j] * y_sorted[row of assignment t * k + j]."""
     num_rows = src_index.shape[0]
-    row_of = torch.empty(num_rows, dtype=torch.int32, device=src_index.device)
+    row_of = torch.full((num_rows,), -1, dtype=torch.int32, device=src_index.device)
     if num_rows > 0:
         block = 1024
         _invert_permutation_kernel[(triton.cdiv(num_rows, block),)](src_index, row_of, num_rows=num_rows, BLOCK=block)

@@ -17,6 +17,7 @@ from glm5_hal.checks import (
     check_finite_float,
     check_index_range,
     check_optional_tensor,
+    check_permutation,
     check_positive_int,
     check_same_device,
     check_tensor,
@@ -236,7 +237,8 @@ def moe_combine(y_sorted: Tensor, src_index: Tensor, topk_weights: Tensor) -> Te
     Args:
         y_sorted: [T * k, D], bf16/fp16/fp32, or fp64 (verification mode, reference backend). Expert outputs
             in dispatch order.
-        src_index: [T * k], int64. From `moe_dispatch`: the assignment t * k + j of each row (a permutation).
+        src_index: [T * k], int64. From `moe_dispatch`: the assignment t * k + j of each row, a permutation of
+            0 .. T * k - 1 (checked, unless value checks are off: then anything else is undefined).
         topk_weights: [T, k], fp32 (fp64 for fp64 y_sorted). From `moe_gate`. Routing weights are applied
             here and nowhere else.
 
@@ -253,7 +255,7 @@ def moe_combine(y_sorted: Tensor, src_index: Tensor, topk_weights: Tensor) -> Te
     rows = sizes["T*k"] = sizes["T"] * sizes["k"]
     check_tensor("y_sorted", y_sorted, ["T*k", "D"], FLOAT_OP_DTYPES, sizes)
     check_tensor("src_index", src_index, ["T*k"], (torch.int64,), sizes)
-    check_index_range("src_index", src_index, 0, rows, lambda: "an assignment t * k + j")
+    check_permutation("src_index", src_index, rows)
     check_same_device(y_sorted=y_sorted, src_index=src_index, topk_weights=topk_weights)
     return _moe_combine_op(y_sorted, src_index, topk_weights)
 
