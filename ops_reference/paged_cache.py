@@ -35,7 +35,7 @@ def gather_keys(cache: np.ndarray, block_table: np.ndarray, b: int, positions: n
 
 def write_cache(cache: np.ndarray, slot_mapping: np.ndarray, rows: np.ndarray) -> np.ndarray:
     """A copy of `cache` with rows[t] written to flat slot slot_mapping[t]; slot -1 is not written."""
-    new = np.array(cache, np.float64, copy=True)
+    new = np.array(cache, np.float64, copy=True, order="C")  # C order: `flat` below must be a view of it
     flat = new.reshape(-1, new.shape[-1])
     slots = np.asarray(slot_mapping, np.int64)
     keep = slots >= 0

@@ -118,9 +118,12 @@ def _gemm_unsupported(num_rows: int, w: Tensor) -> str | None:
 
 def _gemm(x_sorted: Tensor, w: Tensor, cumulative_rows: Tensor) -> Tensor:
     """y [M, N] = rows of each expert times its w[e]^T; w [E, N, K] goes in as the transposed view [E, K, N]."""
+    w_t = w.transpose(1, 2)
+    if not (w.is_contiguous() or w_t.is_contiguous()):
+        w_t = w.contiguous().transpose(1, 2)  # the kernel takes w or its transpose dense: a copy for other views
     (y,) = npu().npu_grouped_matmul(
         [x_sorted.contiguous()],
-        [w.transpose(1, 2)],  # the kernel takes a transposed weight; no copy
+        [w_t],  # the kernel takes a transposed weight; no copy for a dense w
         group_list=cumulative_rows,
         split_item=2,
         group_type=0,

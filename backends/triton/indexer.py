@@ -22,8 +22,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from backends.triton.runtime import DOT_UPCAST, interpreting
-from backends.triton.sparse_attention import key_slots, token_sequence
+from backends.triton.runtime import DOT_UPCAST, interpreting, unit_stride_arguments
+from backends.triton.sparse_attention import key_rows, token_sequence
 
 # Key positions per program: a [HI, DI] x [DI, 128] tensor-core dot on GPU (64 x 128 x 128 at GLM-5), and few
 # enough programs for the interpreter, whose cost is per program.
@@ -37,7 +37,7 @@ def _indexer_logits_kernel(
     # Pointers
     q_ptr,  # [T, HI, DI]
     weights_ptr,  # [T, HI] fp32
-    k_ptr,  # [num_blocks, BLOCK_SIZE, DI] viewed as flat slots: row s at k_ptr + s * stride_k_slot
+    k_ptr,  # [num_blocks, BLOCK_SIZE, DI], any strides
     block_table_ptr,  # [B, max_blocks] int32
     seq_lens_k_ptr,  # [B] int32
     cu_seqlens_q_ptr,  # [B+1] int32
@@ -55,6 +55,7 @@ def _indexer_logits_kernel(
     stride_qd,
     stride_wt,
     stride_wh,
+    stride_k_block,
     stride_k_slot,
     stride_kd,
     stride_bt_b,
@@ -87,9 +88,11 @@ def _indexer_logits_kernel(
             other=0.0,
         )
         w = tl.load(weights_ptr + token * stride_wt + heads * stride_wh, mask=head_ok, other=0.0)
-        slots = key_slots(block_table_ptr, stride_bt_b, seq, key_pos, max_blocks, BLOCK_SIZE)
+        rows = key_rows(
+            block_table_ptr, stride_bt_b, seq, key_pos, max_blocks, stride_k_block, stride_k_slot, BLOCK_SIZE
+        )
         keys = tl.load(
-            k_ptr + slots[:, None] * stride_k_slot + dims[None, :] * stride_kd,
+            k_ptr + rows[:, None] + dims[None, :] * stride_kd,
             mask=visible[:, None] & dim_ok[None, :],
             other=0.0,
         )
@@ -119,8 +122,6 @@ def _fill_logits(
     if num_rows == 0 or width == 0:
         return
     num_heads, head_dim = q_idx.shape[1], q_idx.shape[2]
-    # The kernel reads these with unit element stride (they are tiny: a copy only for odd layouts).
-    block_table, seq_lens_k, cu_seqlens_q = (t.contiguous() for t in (block_table, seq_lens_k, cu_seqlens_q))
     block_s = _BLOCK_S
     _indexer_logits_kernel[(num_rows, triton.cdiv(width, block_s))](
         q_idx,
@@ -141,6 +142,7 @@ def _fill_logits(
         stride_qd=q_idx.stride(2),
         stride_wt=weights.stride(0),
         stride_wh=weights.stride(1),
+        stride_k_block=index_k_cache.stride(0),
         stride_k_slot=index_k_cache.stride(1),
         stride_kd=index_k_cache.stride(2),
         stride_bt_b=block_table.stride(0),
@@ -156,13 +158,7 @@ def _fill_logits(
     )
 
 
-def _flat_slot_cache(index_k_cache: Tensor) -> Tensor:
-    """The cache with rows addressable as flat slots (slot s at s * stride(1)); a copy only for odd layouts."""
-    if index_k_cache.stride(0) != index_k_cache.shape[1] * index_k_cache.stride(1):
-        return index_k_cache.contiguous()
-    return index_k_cache
-
-
+@unit_stride_arguments()
 def indexer_logits(
     q_idx: Tensor,
     weights: Tensor,
@@ -180,10 +176,11 @@ def indexer_logits(
     """
     width = block_table.shape[1] * index_k_cache.shape[1]
     logits = torch.empty((q_idx.shape[0], width), dtype=torch.float32, device=q_idx.device)
-    _fill_logits(logits, 0, q_idx, weights, _flat_slot_cache(index_k_cache), block_table, seq_lens_k, cu_seqlens_q)
+    _fill_logits(logits, 0, q_idx, weights, index_k_cache, block_table, seq_lens_k, cu_seqlens_q)
     return logits
 
 
+@unit_stride_arguments()
 def lightning_indexer(
     q_idx: Tensor,
     weights: Tensor,
@@ -202,7 +199,6 @@ def lightning_indexer(
     num_tokens = q_idx.shape[0]
     width = block_table.shape[1] * index_k_cache.shape[1]
     device = q_idx.device
-    index_k_cache = _flat_slot_cache(index_k_cache)
     indices = torch.full((num_tokens, topk), -1, dtype=torch.int32, device=device)
     scores = torch.full((num_tokens, topk), float("-inf"), dtype=torch.float32, device=device)
     ranked = min(topk, width)  # columns past the cache width stay -1 / -inf from the fill above

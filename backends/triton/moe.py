@@ -25,7 +25,7 @@ import triton.language as tl
 from torch import Tensor
 
 from backends.triton.quant import cast_for_store, int8_tile_matmul, w4a8_tile_matmul
-from backends.triton.runtime import DOT_UPCAST, interpreting
+from backends.triton.runtime import DOT_UPCAST, interpreting, unit_stride_arguments
 from glm5_hal.checks import check, check_same_device, check_tensor
 
 # Sentinel id for padding lanes of the gate's expert tile: larger than any real expert, so never a winner.
@@ -126,6 +126,7 @@ def _moe_gate_kernel(
     tl.store(ids_ptr + tokens[:, None] * stride_it + slot, picked_id, mask=out_mask)
 
 
+@unit_stride_arguments()
 def moe_gate(
     router_logits: Tensor,
     bias: Tensor | None,
@@ -375,6 +376,7 @@ def dispatch_assignments(x: Tensor, topk_ids: Tensor, num_experts: int) -> Dispa
     return Dispatch(x_sorted, offsets, src_index, row_of)
 
 
+@unit_stride_arguments()
 def moe_dispatch(x: Tensor, topk_ids: Tensor, num_experts: int) -> tuple[Tensor, Tensor, Tensor]:
     """x [T, D], topk_ids [T, k] -> (x_sorted [T * k, D], expert_offsets int64 [E + 1], src_index int64 [T * k])."""
     d = dispatch_assignments(x, topk_ids, num_experts)
@@ -682,6 +684,7 @@ def grouped_matmul_tiles(x_sorted: Tensor, w: Tensor, tiles: ExpertTiles, expert
     return y
 
 
+@unit_stride_arguments()
 def grouped_matmul(x_sorted: Tensor, w: Tensor, expert_offsets: Tensor) -> Tensor:
     """x_sorted [M, K] grouped by expert, w [E, N, K], expert_offsets [E + 1] int64 -> y [M, N] (x's dtype),
     y[r] = x_sorted[r] @ w[e(r)]^T with fp32 accumulation."""
@@ -706,6 +709,7 @@ def _check_grouped_int8_inputs(
     )
 
 
+@unit_stride_arguments()
 def grouped_quant_matmul(
     x_q: Tensor,
     x_scale: Tensor,
@@ -764,6 +768,7 @@ def grouped_quant_matmul(
     return y
 
 
+@unit_stride_arguments()
 def grouped_w4a8_matmul(
     x_q: Tensor,
     x_scale: Tensor,
@@ -925,6 +930,7 @@ def combine_rows(y_sorted: Tensor, row_of: Tensor, topk_weights: Tensor) -> Tens
     return out
 
 
+@unit_stride_arguments()
 def moe_combine(y_sorted: Tensor, src_index: Tensor, topk_weights: Tensor) -> Tensor:
     """y_sorted [T * k, D], src_index [T * k] int64 (a permutation), topk_weights [T, k] fp32 -> out [T, D]
     = sum_j topk_weights[t, j] * y_sorted[row of assignment t * k + j]."""
@@ -985,6 +991,7 @@ def silu_and_mul(h: Tensor) -> Tensor:
     return out
 
 
+@unit_stride_arguments()
 def fused_moe(x: Tensor, topk_weights: Tensor, topk_ids: Tensor, w13: Tensor, w2: Tensor) -> Tensor:
     """x [T, D], topk_weights [T, k] fp32, topk_ids [T, k], w13 [E, 2I, D], w2 [E, D, I] -> out [T, D] (x's
     dtype): dispatch, grouped GEMM with w13, silu(gate) * up, grouped GEMM with w2, weighted combine. The

@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from backends.triton.runtime import interpreting
+from backends.triton.runtime import interpreting, unit_stride_arguments
 
 INT8_MAX = tl.constexpr(127.0)
 # fp32 round-half-to-even of |y| < 2^22 without a libdevice call: adding 1.5 * 2^23 pushes the fraction out of
@@ -88,6 +88,7 @@ def _dynamic_quant_kernel(
         tl.store(q_ptr + rows[:, None] * stride_q_row + cols[None, :] * stride_q_col, code.to(tl.int8), mask=mask)
 
 
+@unit_stride_arguments()
 def dynamic_quant(x: Tensor) -> tuple[Tensor, Tensor]:
     """Per-token symmetric int8 of x [..., K] (bf16/fp16/fp32) -> (q int8 [..., K], scale fp32 [...])."""
     row_len = x.shape[-1]
@@ -306,6 +307,7 @@ def int_gemm_blocks(m: int, n: int, k: int) -> dict[str, int]:
     return {"BLOCK_M": 16 if m <= 16 else 64 if m <= 64 else 128, "BLOCK_N": 128, "BLOCK_K": 64}
 
 
+@unit_stride_arguments()
 def quant_matmul(
     x_q: Tensor,
     x_scale: Tensor,
@@ -344,6 +346,7 @@ def quant_matmul(
     return y
 
 
+@unit_stride_arguments()
 def w4a8_matmul(
     x_q: Tensor,
     x_scale: Tensor,
