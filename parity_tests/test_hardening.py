@@ -255,3 +255,36 @@ def test_defect1_ascend_every_argument_in_any_layout(fake_torch_npu, op: str, la
     layouts = {arg: layout for arg, value in inputs.items() if isinstance(value, torch.Tensor)}
     result = run_inputs(op, inputs, "ascend", dtype, layouts=layouts)
     assert result.passed, f"{result.status}: {result.detail}"
+
+
+# --------------------------------------------------------------------- 2: torch sparse attention, unread rows
+def _attention_inputs(kv_cache: torch.Tensor, indices: list[list[int]], table: list[list[int]], k_len: int) -> dict:
+    return {
+        "q": torch.randn(len(indices), 2, kv_cache.shape[-1]),
+        "kv_cache": kv_cache,
+        "indices": torch.tensor(indices, dtype=torch.int32),
+        "block_table": torch.tensor(table, dtype=torch.int32),
+        "seq_lens_k": torch.tensor([k_len], dtype=torch.int32),
+        "cu_seqlens_q": torch.tensor([0, len(indices)], dtype=torch.int32),
+        "sm_scale": 0.1,
+        "d_v": 16,
+    }
+
+
+@pytest.mark.parametrize("backend", ["reference", "torch", "triton"])
+def test_defect2_invalid_index_into_a_padding_table_column_is_ignored(backend: str) -> None:
+    # Position 5 is past seq_lens_k = 4, so invalid; its table column holds padding (block 1000 does not exist).
+    inputs = _attention_inputs(torch.randn(2, 4, 32), [[0, 5], [3, 5]], [[0, 1000]], k_len=4)
+    result = run_inputs("sparse_flash_attention", inputs, backend, torch.float32)
+    assert result.passed, f"{result.status}: {result.detail}"
+
+
+@pytest.mark.parametrize("backend", ["reference", "torch", "triton"])
+def test_defect2_nan_past_the_sequence_end_never_reaches_the_output(backend: str) -> None:
+    cache = torch.randn(2, 4, 32)
+    cache[0, 3] = float("nan")  # position 3 of the sequence: past seq_lens_k = 3, selected but invalid
+    inputs = _attention_inputs(cache, [[0, 3], [2, 1]], [[0, 1]], k_len=3)
+    with glm5_hal.use_backend(backend, strict=True):
+        out, lse = glm5_hal.sparse_flash_attention(**inputs)
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+    assert run_inputs("sparse_flash_attention", inputs, backend, torch.float32).passed

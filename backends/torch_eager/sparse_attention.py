@@ -49,8 +49,10 @@ def sparse_flash_attention(
         tokens = slice(start, start + token_tile)
         idx = indices[tokens].to(torch.int64)  # [t, topk]
         valid = (idx >= 0) & (idx < key_limit[tokens, None])  # [t, topk]
-        slots = key_slots(block_table, seqs[tokens], idx, block_size)  # [t, topk]
-        kv = rows[slots].to(COMPUTE_DTYPE)  # [t, topk, D]: gathered once, shared by all heads
+        # An invalid key's table entry may be padding (any value): read slot 0 for it instead, and zero its row,
+        # so that neither its address nor its contents (NaN in an unused slot) can reach the output.
+        slots = torch.where(valid, key_slots(block_table, seqs[tokens], idx, block_size), 0)  # [t, topk]
+        kv = rows[slots].to(COMPUTE_DTYPE).masked_fill_(~valid[..., None], 0.0)  # [t, topk, D], shared by all heads
 
         scores = torch.bmm(q[tokens].to(COMPUTE_DTYPE), kv.transpose(1, 2)).mul_(sm_scale)  # [t, H, topk]
         scores.masked_fill_(~valid[:, None, :], float("-inf"))
