@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import numpy as np
 
+from ops_reference.ranking import descending_nan_first
+
 
 def _topk_desc(values: np.ndarray, k: int) -> np.ndarray:
-    """Indices of the k largest values of each row, largest first (ties: lower index first)."""
-    return np.argsort(-values, axis=-1, kind="stable")[..., :k]
+    """Indices of the k largest values of each row, largest first; NaN ranks above every number (docs/ops.md
+    "NaN"); ties, NaN with NaN included, go to the lower index."""
+    return descending_nan_first(values)[..., :k]
 
 
 def moe_gate(router_logits, bias, *, top_k, n_group, topk_group, routed_scaling_factor, norm_topk_prob, scoring):

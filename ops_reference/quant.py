@@ -7,12 +7,16 @@ import numpy as np
 
 def dynamic_quant(x):
     """-> (q int8 [...,K], scale [...]): symmetric per token, scale = max|x| / 127 (1 for a zero row),
-    q = clamp(round_half_even(x / scale), -127, 127)."""
+    q = clamp(round_half_even(x / scale), -127, 127). A row holding NaN or +-inf gets scale max|x| / 127 (NaN,
+    or inf) and codes 0: int8 has no NaN, and the non-finite scale carries it into everything computed from the
+    row (docs/ops.md "NaN")."""
     x = np.asarray(x, np.float64)
-    amax = np.abs(x).max(axis=-1)
-    scale = np.where(amax > 0, amax / 127.0, 1.0)
-    q = np.clip(np.rint(x / scale[..., None]), -127, 127).astype(np.int8)
-    return q, scale
+    amax = np.abs(x).max(axis=-1)  # NaN if the row holds one
+    scale = np.where(amax == 0, 1.0, amax / 127.0)
+    finite = np.isfinite(scale)
+    with np.errstate(invalid="ignore"):
+        codes = np.clip(np.rint(x / scale[..., None]), -127, 127)
+    return np.where(finite[..., None], codes, 0).astype(np.int8), scale
 
 
 def int_matmul(a_q: np.ndarray, b_q: np.ndarray) -> np.ndarray:

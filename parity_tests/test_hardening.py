@@ -17,7 +17,9 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 
+import numpy as np
 import pytest
 import torch
 
@@ -288,3 +290,88 @@ def test_defect2_nan_past_the_sequence_end_never_reaches_the_output(backend: str
         out, lse = glm5_hal.sparse_flash_attention(**inputs)
     assert torch.isfinite(out).all() and torch.isfinite(lse).all()
     assert run_inputs("sparse_flash_attention", inputs, backend, torch.float32).passed
+
+
+# --------------------------------------------------------------------------------------------------- 7: NaN
+def _nan_at(name: str, index: tuple) -> Callable[[dict], None]:
+    def put(inputs: dict) -> None:
+        inputs[name][index] = float("nan")
+
+    return put
+
+
+# (case, where the NaN goes): docs/ops.md "NaN": it propagates, and a NaN score ranks above every number.
+NAN_CASES = [
+    ("dynamic_quant/tokens", _nan_at("x", (3, 5))),
+    ("quant_matmul/mini", _nan_at("x_scale", (2,))),
+    ("indexer_logits/mini_ragged_shuffled", _nan_at("q_idx", (4, 1, 7))),
+    ("indexer_logits/mini_ragged_shuffled", _nan_at("weights", (6, 0))),
+    ("lightning_indexer/mini_ragged_shuffled", _nan_at("q_idx", (4, 1, 7))),  # every visible key of token 4
+    ("lightning_indexer/mini_decode", _nan_at("weights", (2, 3))),
+    ("sparse_flash_attention/ragged_with_invalid", _nan_at("q", (3, 1, 100))),
+    ("moe_gate/glm5_sigmoid", _nan_at("router_logits", (5, 200))),
+    ("moe_gate/deepseek_v32_groups", _nan_at("router_logits", (5, 77))),
+    ("moe_gate/mini_groups_softmax", _nan_at("router_logits", (2, 3))),
+    ("moe_combine/mini", _nan_at("y_sorted", (7, 3))),
+    ("fused_moe/mini", _nan_at("x", (4, 9))),
+    ("grouped_matmul/mini", _nan_at("x_sorted", (6, 2))),
+    ("hadamard_transform/pow2_128", _nan_at("x", (2, 31))),
+    ("mla_prolog/mini_ragged_shuffled", _nan_at("x", (5, 8))),
+]
+
+
+def _nan_inputs(case_id: str, put: Callable[[dict], None], dtype: torch.dtype) -> dict:
+    case = next(c for c in C.cases_for() if c.id == case_id)
+    inputs = case.build(torch.Generator().manual_seed(5), dtype)
+    put(inputs)
+    return inputs
+
+
+@pytest.mark.parametrize("backend", ["reference", "torch", "triton"])
+@pytest.mark.parametrize(("case_id", "put"), NAN_CASES, ids=[f"{c}-{i}" for i, (c, _) in enumerate(NAN_CASES)])
+def test_defect7_nan_propagates_as_the_reference_says(case_id: str, put, backend: str) -> None:
+    inputs = _nan_inputs(case_id, put, torch.float32)
+    result = run_inputs(case_id.split("/")[0], inputs, backend, torch.float32)
+    assert result.passed, f"{result.status}: {result.detail}"
+
+
+def test_defect7_reference_rules() -> None:
+    """The rules themselves, on the reference: a NaN row quantizes to codes 0 and a NaN scale; a NaN logit is
+    picked first; a NaN score is picked first with its own position."""
+    import ops_reference as ref
+
+    q, scale = ref.dynamic_quant(np.array([[1.0, np.nan, 3.0], [1.0, 2.0, 4.0], [np.inf, 1.0, 0.0]]))
+    assert np.isnan(scale[0]) and np.isinf(scale[2]) and (q[[0, 2]] == 0).all() and scale[1] == 4.0 / 127
+    logits = np.array([[0.5, np.nan, 3.0, -1.0]])
+    weights, ids = ref.moe_gate(
+        logits,
+        None,
+        top_k=2,
+        n_group=1,
+        topk_group=1,
+        routed_scaling_factor=1.0,
+        norm_topk_prob=False,
+        scoring="sigmoid",
+    )
+    assert ids.tolist() == [[1, 2]] and np.isnan(weights[0, 0])
+    index_keys = np.ones((1, 4, 2))
+    q_idx = np.array([[[1.0, 0.0]]])
+    index_keys[0, 2, 0] = np.nan
+    table, lens, cu = np.array([[0]]), np.array([4]), np.array([0, 1])
+    indices, scores = ref.lightning_indexer(q_idx, np.ones((1, 1)), index_keys, table, lens, cu, 2)
+    assert indices[0, 0] == 2 and np.isnan(scores[0, 0]) and indices[0, 1] in (0, 1, 3)
+
+
+def _nan_params_per_dtype():
+    for i, (case_id, put) in enumerate(NAN_CASES):
+        case = next(c for c in C.cases_for() if c.id == case_id)
+        for dtype in case.dtypes:
+            yield pytest.param(case_id, put, dtype, id=f"{case_id}-{i}-{str(dtype).removeprefix('torch.')}")
+
+
+@pytest.mark.parametrize(("case_id", "put", "dtype"), list(_nan_params_per_dtype()))
+def test_defect7_ascend_nan_propagates(fake_torch_npu, case_id: str, put, dtype: torch.dtype) -> None:
+    """The same on the ascend backend (strict fake; bf16 reaches the fused kernels, fp32 the portable path)."""
+    inputs = _nan_inputs(case_id, put, dtype)
+    result = run_inputs(case_id.split("/")[0], inputs, "ascend", dtype)
+    assert result.passed, f"{result.status}: {result.detail}"

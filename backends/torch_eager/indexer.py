@@ -153,8 +153,9 @@ def lightning_indexer(
     for start in batch.token_tiles():
         tile = row_logits[: min(batch.token_tile, num_tokens - start)]
         batch.row_logits(start, tile)
-        best, columns = torch.topk(tile, ranked, dim=1)  # sorted, so invisible (-inf) keys come last
+        # Sorted: NaN scores first (torch ranks NaN above every number, as the contract does), invisible (-inf) last.
+        best, columns = torch.topk(tile, ranked, dim=1)
         rows = slice(start, start + tile.shape[0])
         scores[rows, :ranked] = best
-        indices[rows, :ranked] = torch.where(torch.isfinite(best), columns, -1).to(torch.int32)
+        indices[rows, :ranked] = torch.where(best == float("-inf"), -1, columns).to(torch.int32)
     return indices, scores

@@ -101,7 +101,9 @@ def _indexer_logits_kernel(
             keys = keys.to(tl.float32)
         # "ieee": fp32 operands must not be rounded to tf32 (fp32 parity is 1e-5); bf16/fp16 dots are unaffected.
         dots = tl.dot(q, tl.trans(keys), input_precision="ieee")  # [BLOCK_HI, BLOCK_S]
-        scores = tl.sum(tl.maximum(dots, 0.0) * w[:, None], axis=0)  # head reduction -> [BLOCK_S]
+        # ReLU as a select, so NaN passes (tl.maximum may drop it: fmax on GPUs, nanmax in the interpreter).
+        relu = tl.where(dots < 0.0, 0.0, dots)
+        scores = tl.sum(relu * w[:, None], axis=0)  # head reduction -> [BLOCK_S]
         tl.store(out_ptrs, tl.where(visible, scores, float("-inf")), mask=key_pos < width)
     else:  # the whole tile is in the token's future
         tl.store(out_ptrs, tl.full((BLOCK_S,), float("-inf"), tl.float32), mask=key_pos < width)
@@ -209,8 +211,9 @@ def lightning_indexer(
     for start in range(0, num_tokens, token_tile):
         tile = logits[: min(token_tile, num_tokens - start)]
         _fill_logits(tile, start, q_idx, weights, index_k_cache, block_table, seq_lens_k, cu_seqlens_q)
-        best, columns = torch.topk(tile, ranked, dim=1)  # sorted: invisible (-inf) keys come last
+        # Sorted: NaN scores first (torch ranks NaN above every number, as the contract does), invisible (-inf) last.
+        best, columns = torch.topk(tile, ranked, dim=1)
         rows = slice(start, start + tile.shape[0])
         scores[rows, :ranked] = best
-        indices[rows, :ranked] = torch.where(torch.isfinite(best), columns, -1).to(torch.int32)
+        indices[rows, :ranked] = torch.where(best == float("-inf"), -1, columns).to(torch.int32)
     return indices, scores

@@ -1,7 +1,7 @@
 """MoE kernels of the Triton backend: [gate] -> [dispatch] -> [grouped GEMMs] -> [combine], and `fused_moe`.
 
 [moe_gate]        one program per block of tokens: scores, biased choice, group limit, top-k by repeated
-                  argmax in registers, unbiased weights, normalisation, scaling
+                  argmax in registers (NaN first, ties to the lowest id), unbiased weights, normalisation, scaling
 [moe_dispatch]    per block of assignments an expert histogram -> one program scans it into expert offsets
                   and per-block bases -> each assignment's row = base + its rank among the block's earlier
                   assignments to the same expert (stable) -> rows gathered into x_sorted
@@ -89,33 +89,47 @@ def _moe_gate_kernel(
         choice += tl.load(bias_ptr + column, mask=expert_ok, other=0.0)
     choice = tl.where(expert_ok, choice, float("-inf"))
 
+    # Every pick below ranks NaN above every number and breaks ties (NaN with NaN too) by the lowest id, as the
+    # reference's stable NaN-first sort does (docs/ops.md "NaN"). NaN is found by x != x, never by max reductions,
+    # which may skip it (fmax on GPUs, nanmax in the interpreter).
     if GROUPED:
-        # Group score = its best biased score + its second best (the first maximum removed once).
-        top1 = tl.max(choice, axis=2)
-        first = tl.min(tl.where(choice == top1[:, :, None], member, BLOCK_EG), axis=2)
-        top2 = tl.max(tl.where(member == first[:, :, None], float("-inf"), choice), axis=2)
-        group_score = top1 + top2  # [BT, BG]; padding groups are -inf
+        # Group score = its best biased score + its second best (the first maximum removed once); NaN if the group
+        # holds a NaN (a NaN is always among its top two).
+        is_nan = choice != choice
+        group_nan = tl.max(is_nan.to(tl.int32), axis=2) > 0
+        numbers = tl.where(is_nan, float("-inf"), choice)
+        top1 = tl.max(numbers, axis=2)
+        first = tl.min(tl.where(numbers == top1[:, :, None], member, BLOCK_EG), axis=2)
+        top2 = tl.max(tl.where(member == first[:, :, None], float("-inf"), numbers), axis=2)
+        group_score = tl.where(group_nan, float("nan"), top1 + top2)  # [BT, BG]; padding groups are -inf
         group_id = tl.arange(0, BLOCK_G)[None, :]
         keep = tl.zeros((BLOCK_T, BLOCK_G), tl.int32)
         for _ in range(topk_group):
-            best = tl.max(group_score, axis=1)
-            # ties: the lowest group id, as the reference's stable sort
-            winner = tl.min(tl.where(group_score == best[:, None], group_id, BLOCK_G), axis=1)
-            won = group_id == winner[:, None]
-            keep = tl.where(won, 1, keep)
-            group_score = tl.where(won, float("-inf"), group_score)
+            live = keep == 0
+            g_nan = (group_score != group_score) & live
+            g_numbers = tl.where(live & (group_score == group_score), group_score, float("-inf"))
+            g_best = tl.max(g_numbers, axis=1)
+            any_nan = tl.max(g_nan.to(tl.int32), axis=1) > 0
+            candidate = tl.where(any_nan[:, None], g_nan, live & (g_numbers == g_best[:, None]))
+            winner = tl.min(tl.where(candidate, group_id, BLOCK_G), axis=1)
+            keep = tl.where(group_id == winner[:, None], 1, keep)
         choice = tl.where(keep[:, :, None] != 0, choice, float("-inf"))
 
     slot = tl.arange(0, BLOCK_K)[None, :]
     picked_weight = tl.zeros((BLOCK_T, BLOCK_K), tl.float32)
     picked_id = tl.zeros((BLOCK_T, BLOCK_K), tl.int32)
+    taken = tl.zeros((BLOCK_T, BLOCK_G, BLOCK_EG), tl.int32)
     for k in range(top_k):
-        best = tl.max(tl.max(choice, axis=2), axis=1)
-        # ties: the lowest expert id, as the reference's stable sort
-        winner = tl.min(tl.min(tl.where(choice == best[:, None, None], expert, _NO_EXPERT), axis=2), axis=1)
+        live = (taken == 0) & expert_ok
+        is_nan = (choice != choice) & live
+        numbers = tl.where(live & (choice == choice), choice, float("-inf"))
+        best = tl.max(tl.max(numbers, axis=2), axis=1)
+        any_nan = tl.max(tl.max(is_nan.to(tl.int32), axis=2), axis=1) > 0
+        candidate = tl.where(any_nan[:, None, None], is_nan, live & (numbers == best[:, None, None]))
+        winner = tl.min(tl.min(tl.where(candidate, expert, _NO_EXPERT), axis=2), axis=1)
         hit = expert == winner[:, None, None]
         weight = tl.sum(tl.sum(tl.where(hit, scores, 0.0), axis=2), axis=1)
-        choice = tl.where(hit, float("-inf"), choice)
+        taken = tl.where(hit, 1, taken)
         picked_weight = tl.where(slot == k, weight[:, None], picked_weight)
         picked_id = tl.where(slot == k, winner[:, None], picked_id)
     if NORMALIZE:

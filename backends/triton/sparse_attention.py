@@ -10,7 +10,7 @@ in tiles of BLOCK_N:
      because D = 576 is not a power of two and Triton blocks must be,
   4. online softmax in fp32 with a running max / sum per head (base 2 inside, natural-log lse out),
   5. acc[BLOCK_H, d_v] += p . V with V = the first d_v dims of the same gathered rows.
-A head with no valid key ends with sum 0: out 0 and lse -inf, as the contract says.
+A head with no valid key ends with out 0 and lse -inf, as the contract says; NaN in a read score propagates.
 The paged-batch helpers (token -> sequence, key position -> cache row) are jit functions shared with the indexer.
 Reference: ops_reference/attention.py
 """
@@ -127,10 +127,12 @@ def _sparse_attention_kernel(
     running_max = tl.full((BLOCK_H,), float("-inf"), tl.float32)
     running_sum = tl.zeros((BLOCK_H,), tl.float32)
     acc = tl.zeros((BLOCK_H, BLOCK_DV), tl.float32)
+    num_valid = tl.zeros((BLOCK_H,), tl.int32)  # valid keys seen (the same for every head)
     for k0 in range(0, topk, BLOCK_N):
         ks = k0 + tl.arange(0, BLOCK_N)
         pos = tl.load(indices_ptr + token * stride_it + ks * stride_ik, mask=ks < topk, other=-1)
         key_ok = (pos >= 0) & (pos < key_limit)
+        num_valid += tl.sum(key_ok.to(tl.int32), axis=0)
         rows = key_rows(block_table_ptr, stride_bt_b, seq, pos, max_blocks, stride_kv_block, stride_kv_slot, BLOCK_SIZE)
         kv_rows = kv_ptr + rows[:, None]
         kv_v = tl.load(kv_rows + dv[None, :] * stride_kv_d, mask=key_ok[:, None] & dv_ok[None, :], other=0.0)
@@ -153,7 +155,8 @@ def _sparse_attention_kernel(
         acc = tl.dot(p.to(kv_v.dtype), kv_v, acc * rescale[:, None], input_precision="ieee")
         running_max = new_max
 
-    has_keys = running_sum > 0.0
+    # Decided by the count, not by running_sum > 0: a NaN score makes the sum NaN, and NaN must reach out and lse.
+    has_keys = num_valid > 0
     out = acc / tl.where(has_keys, running_sum, 1.0)[:, None]
     lse = tl.where(has_keys, (running_max + tl.math.log2(tl.where(has_keys, running_sum, 1.0))) * _LN2, float("-inf"))
     tl.store(
