@@ -31,7 +31,7 @@ def dynamic_quant(x: Tensor) -> tuple[Tensor, Tensor]:
     scale [...] fp32 = max|x| / 127, 1 for an all-zero row). A row holding NaN or inf gets scale NaN or inf and
     codes 0 (docs/ops.md "NaN").
     """
-    x32 = x.to(COMPUTE_DTYPE)
+    x32 = x.to(COMPUTE_DTYPE).contiguous()  # the codes follow x32's layout; outputs are contiguous
     amax = x32.abs().amax(dim=-1)  # NaN if the row holds one
     scale = torch.where(amax == 0, torch.ones_like(amax), amax / QMAX_INT8)
     # Divide (as the reference does) rather than multiply by 1 / scale: the reciprocal adds a second rounding that

@@ -267,7 +267,7 @@ def _fused_moe_op(x: Tensor, topk_weights: Tensor, topk_ids: Tensor, w13: Tensor
 
 @_fused_moe_op.register_fake
 def _(x, topk_weights, topk_ids, w13, w2):
-    return torch.empty_like(x)
+    return x.new_empty(x.shape)
 
 
 def fused_moe(x: Tensor, topk_weights: Tensor, topk_ids: Tensor, w13: Tensor, w2: Tensor) -> Tensor:

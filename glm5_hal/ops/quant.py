@@ -49,7 +49,8 @@ def _dynamic_quant_op(x: Tensor) -> tuple[Tensor, Tensor]:
 
 @_dynamic_quant_op.register_fake
 def _(x):
-    return torch.empty_like(x, dtype=torch.int8), x.new_empty(x.shape[:-1], dtype=torch.float32)
+    # Outputs are new contiguous tensors whatever x's strides (docs/ops.md), so not empty_like.
+    return x.new_empty(x.shape, dtype=torch.int8), x.new_empty(x.shape[:-1], dtype=torch.float32)
 
 
 def dynamic_quant(x: Tensor) -> tuple[Tensor, Tensor]:
@@ -186,7 +187,7 @@ def _hadamard_transform_op(x: Tensor, scale: float | None) -> Tensor:
 
 @_hadamard_transform_op.register_fake
 def _(x, scale):
-    return torch.empty_like(x)
+    return x.new_empty(x.shape)
 
 
 def hadamard_transform(x: Tensor, *, scale: float | None = None) -> Tensor:
