@@ -14,9 +14,13 @@ The property-based suite in parity_tests/fuzz/ keeps looking for more of the sam
 
 from __future__ import annotations
 
+import importlib.machinery
 import os
 import subprocess
 import sys
+import threading
+import time
+import types
 from collections.abc import Callable
 
 import numpy as np
@@ -25,10 +29,12 @@ import torch
 
 import glm5_hal
 from fakes.ascend.fixture import fake_torch_npu_fixture, torch_npu_schemas_fixture  # noqa: F401 (fixtures)
+from glm5_hal.cli.info import collect
 from glm5_hal.parity import cases as C
 from glm5_hal.parity.inputs import with_layout
 from glm5_hal.parity.runner import run_inputs
-from glm5_hal.registry import OP_NAMES
+from glm5_hal.registry import OP_NAMES, registry
+from glm5_hal.selection import resolve
 
 _COMPILE_TOKEN_COUNTS = (3, 5, 7)  # the second distinct count is where automatic dynamic shapes kick in
 
@@ -413,3 +419,93 @@ def test_defect8_ascend_outputs_are_contiguous_like_the_fakes(fake_torch_npu, op
     # Without opcheck: the strict torch_npu fake tags a repacked int4 weight with a Python attribute, which the
     # dispatch modes opcheck runs under do not carry. Every fake returns contiguous outputs, so this is the check.
     _check_outputs_like_fakes(op, "ascend", dtype, opcheck=False)
+
+
+# --------------------------------------------------------------------------------------------- 5: vendor probes
+VENDORS = ("cambricon", "kunlun", "mthreads", "hygon", "metax", "enflame")
+SMI = {"cambricon": "cnmon", "kunlun": "xpu-smi", "mthreads": "mthreads-gmi", "hygon": "hy-smi", "metax": "mx-smi"}
+
+
+@pytest.fixture
+def fresh_registry(monkeypatch: pytest.MonkeyPatch):
+    for var in ("GLM5_HAL_BACKEND", "GLM5_HAL_OP_BACKENDS", "GLM5_HAL_VENDOR", "GLM5_HAL_STAND_IN_DEVICE"):
+        monkeypatch.delenv(var, raising=False)
+    registry().refresh()
+    yield
+    registry().refresh()
+
+
+def _put_on_path(monkeypatch: pytest.MonkeyPatch, tmp_path, command: str, body: str) -> None:
+    script = tmp_path / command
+    script.write_text(f"#!/bin/sh\n{body}\n")
+    script.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ.get('PATH', '')}")
+
+
+def test_defect5_a_vendor_module_calling_sys_exit_is_a_reason(monkeypatch, tmp_path, fresh_registry) -> None:
+    (tmp_path / "torch_mlu.py").write_text("import sys\nsys.exit(3)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "torch_mlu", raising=False)
+    avail = registry().availability("cambricon")
+    assert not avail.available and "torch_mlu import failed: SystemExit: 3" in avail.reason, avail.reason
+    assert resolve("moe_gate", "cpu").backend == "torch"  # `auto` still works
+    info = collect()  # and so does `glm5-hal info`
+    assert any(b["name"] == "cambricon" and "SystemExit" in b["reason"] for b in info["backends"])
+
+
+def test_defect5_hanging_smi_commands_cost_one_short_bound_in_all(monkeypatch, tmp_path, fresh_registry) -> None:
+    for command in SMI.values():
+        _put_on_path(monkeypatch, tmp_path, command, "sleep 30")
+    started = time.monotonic()
+    reasons = {name: registry().availability(name).reason for name in VENDORS}
+    elapsed = time.monotonic() - started
+    assert elapsed < 6.0, f"probing took {elapsed:.1f}s"
+    for name, command in SMI.items():
+        assert f"{command} found on PATH but timed out after 2s" in reasons[name], reasons[name]
+
+
+def test_defect5_a_failing_smi_says_how(monkeypatch, tmp_path, fresh_registry) -> None:
+    _put_on_path(monkeypatch, tmp_path, "mx-smi", "exit 3")
+    avail = registry().availability("metax")
+    assert not avail.available and "mx-smi found on PATH but exited with code 3" in avail.reason, avail.reason
+    assert "xpu-smi not found on PATH" in registry().availability("kunlun").reason
+
+
+_HANGING_IMPORT = """
+import time, sys
+from glm5_hal.registry import registry
+started = time.monotonic()
+reason = registry().availability(sys.argv[1]).reason
+print(f"{time.monotonic() - started:.2f}|{reason}")
+"""
+
+
+@pytest.mark.parametrize(("backend", "module"), [("cambricon", "torch_mlu"), ("ascend", "torch_npu")])
+def test_defect5_a_hanging_vendor_import_is_bounded(tmp_path, backend: str, module: str) -> None:
+    # In a child process: the hung import thread must not outlive this test inside the test process.
+    (tmp_path / f"{module}.py").write_text("import time\ntime.sleep(120)\n")
+    env = {"PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "GLM5_HAL_PROBE_TIMEOUT_S": "1"}
+    done = subprocess.run(
+        [sys.executable, "-c", _HANGING_IMPORT, backend],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, **env},
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    elapsed, reason = done.stdout.strip().splitlines()[-1].split("|", 1)
+    assert float(elapsed) < 5.0 and f"import {module} timed out after 1s" in reason, done.stdout
+
+
+def test_defect5_a_hanging_driver_query_is_bounded(monkeypatch, fresh_registry) -> None:
+    release = threading.Event()
+    module = types.ModuleType("torch_mlu")
+    module.__spec__ = importlib.machinery.ModuleSpec("torch_mlu", loader=None)
+    monkeypatch.setitem(sys.modules, "torch_mlu", module)
+    monkeypatch.setattr(torch, "mlu", types.SimpleNamespace(is_available=lambda: release.wait(60)), raising=False)
+    monkeypatch.setenv("GLM5_HAL_PROBE_TIMEOUT_S", "0.5")
+    try:
+        avail = registry().availability("cambricon")
+    finally:
+        release.set()
+    assert not avail.available and "torch.mlu.is_available() timed out after 0.5s" in avail.reason, avail.reason
