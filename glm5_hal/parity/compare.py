@@ -126,6 +126,15 @@ def compare_topk(name: str, indices: torch.Tensor, ref_logits: np.ndarray, topk:
     return Verdict(name, True, worst)
 
 
+def compare_unchanged(name: str, after: torch.Tensor, before: torch.Tensor) -> Verdict:
+    """An input the op must only read: the same values (NaN where NaN) after the call as before."""
+    got, want = to_numpy(after), to_numpy(before)
+    same = (got == want) | (np.isnan(got) & np.isnan(want)) if got.dtype.kind == "f" else got == want
+    if got.shape != want.shape or not np.all(same):
+        return Verdict(name, False, float("inf"), "an input the op must only read was modified")
+    return Verdict(name, True, 0.0)
+
+
 def compare_int8_codes(name: str, q: torch.Tensor, ref_q: np.ndarray, x: np.ndarray, ref_scale: np.ndarray) -> Verdict:
     got = to_numpy(q).astype(np.int64)
     want = np.asarray(ref_q, dtype=np.int64)

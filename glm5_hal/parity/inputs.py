@@ -68,18 +68,26 @@ def paged_batch(
     shuffle_blocks: bool = True,
     spare_blocks: int = 1,
     pad_slots: Sequence[int] = (),
+    garbage_padding: bool = False,
+    extra_columns: int = 0,
 ) -> PagedBatch:
     """Lay `seqs` out in a paged cache.
 
     shuffle_blocks: assign cache blocks in a random order (what a real allocator produces) instead of 0, 1, 2...
     spare_blocks: extra unused blocks in the cache (so an off-by-one block id reads garbage, not nothing).
     pad_slots: flat token indices whose slot_mapping is -1 (padding tokens that must not be written).
+    garbage_padding: fill the block-table entries a sequence does not use with random int32 values (any value is
+        allowed there) instead of -1. extra_columns: block-table columns beyond the longest sequence's blocks.
     """
     blocks_per_seq = [math.ceil(s.k_len / block_size) for s in seqs]
-    max_blocks = max(max(blocks_per_seq, default=1), 1)
+    max_blocks = max(max(blocks_per_seq, default=1), 1) + extra_columns
     num_blocks = sum(blocks_per_seq) + spare_blocks
     order = torch.randperm(num_blocks, generator=gen) if shuffle_blocks else torch.arange(num_blocks)
-    block_table = torch.full((len(seqs), max_blocks), -1, dtype=torch.int32)  # unused entries: -1 padding
+    if garbage_padding:  # unused entries: anything
+        block_table = torch.randint(-(2**31), 2**31, (len(seqs), max_blocks), generator=gen, dtype=torch.int64)
+        block_table = block_table.to(torch.int32)
+    else:  # unused entries: -1 padding
+        block_table = torch.full((len(seqs), max_blocks), -1, dtype=torch.int32)
     next_block = 0
     for b, n in enumerate(blocks_per_seq):
         block_table[b, :n] = order[next_block : next_block + n].to(torch.int32)

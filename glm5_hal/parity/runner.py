@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from glm5_hal.parity.cases import Case
-from glm5_hal.parity.compare import Verdict
+from glm5_hal.parity.compare import Verdict, compare_unchanged
 from glm5_hal.parity.inputs import with_layout
 from glm5_hal.parity.specs import SPECS
 from glm5_hal.registry import ANY_DEVICE, OP_NAMES, registry
@@ -99,7 +99,8 @@ def run_inputs(
 
     layouts: {argument: a layout of glm5_hal.parity.inputs.LAYOUTS}; those arguments reach the op as views with
     the same values in that layout (a written cache is judged through its view). exact: every output must match
-    the reference exactly. `inputs` is left as it was.
+    the reference exactly. Every argument the op does not write must come back unchanged. `inputs` is left as
+    it was.
     """
     spec = SPECS[op]
     dtype_name = str(dtype).removeprefix("torch.")
@@ -116,6 +117,11 @@ def run_inputs(
         return Result(op, name, backend, dtype_name, "error", float("inf"), f"{type(exc).__name__}: {exc}")
     outputs = {k: v.cpu() for k, v in outputs.items()}
     verdicts = spec.judge(inputs, outputs, dtype)
+    verdicts += [
+        compare_unchanged(f"{arg} (input)", value.cpu(), inputs[arg])
+        for arg, value in device_inputs.items()
+        if isinstance(value, torch.Tensor) and arg not in spec.mutated
+    ]
     if exact:
         verdicts = [
             v if v.rel_err == 0.0 else Verdict(v.output, False, v.rel_err, "exact case: " + v.detail) for v in verdicts
