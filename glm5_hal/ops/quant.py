@@ -160,7 +160,12 @@ def w4a8_matmul(
         check_tensor("w_scale", w_scale, ["N"], (torch.float32,), sizes)
     else:
         check(
-            isinstance(group_size, int) and group_size > 0 and group_size % 2 == 0 and k % group_size == 0,
+            isinstance(group_size, int) and not isinstance(group_size, bool),
+            TypeError,
+            lambda: f"group_size: expected None or an even divisor of K = {k}, got {group_size!r}",
+        )
+        check(
+            group_size > 0 and group_size % 2 == 0 and k % group_size == 0,
             ValueError,
             lambda: f"group_size: expected None or an even divisor of K = {k}, got {group_size!r}",
         )

@@ -15,7 +15,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
-from fuzz.strategies import FUZZ_COUNTS, PROFILE
+from fuzz.strategies import FUZZ_CLASSES, FUZZ_COUNTS, PROFILE
 
 _SLOW_IS_FINE = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.function_scoped_fixture]
 
@@ -45,7 +45,8 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:  # no
         rows = sorted((op, backend, n) for (k, op, backend), n in FUZZ_COUNTS.items() if k == kind)
         terminalreporter.write_line(f"{kind}:")
         for op, backend, n in rows:
-            terminalreporter.write_line(f"  {op:<24} {backend:<10} {n}")
+            classes = f"  ({len(FUZZ_CLASSES[op])} classes)" if kind == "bad inputs" and op in FUZZ_CLASSES else ""
+            terminalreporter.write_line(f"  {op:<24} {backend:<10} {n}{classes}")
 
 
 @pytest.fixture(autouse=True, scope="package")
