@@ -197,12 +197,13 @@ def check_finite_float(name: str, value: object, *, positive: bool = False) -> f
         TypeError,
         lambda: f"{name}: expected {what}, got {value!r}",
     )
+    # Comparisons rather than math.isfinite: under torch.compile(dynamic=True) a float argument is symbolic.
     check(
-        math.isfinite(value) and (not positive or value > 0),  # type: ignore[arg-type]
+        -math.inf < value < math.inf and (not positive or value > 0),  # type: ignore[operator]
         ValueError,
         lambda: f"{name}: expected {what}, got {value!r}",
     )
-    return float(value)  # type: ignore[arg-type]
+    return value if isinstance(value, float) else float(value)  # type: ignore[arg-type]
 
 
 def check_block_size(cache_name: str, cache: torch.Tensor) -> None:

@@ -26,6 +26,10 @@ NOTES = (
     "npu_kv_rmsnorm_rope_cache path otherwise (GLM-5: q_lora 2048, qk_nope 192)",
     "shapes outside a kernel's documented range (block size not a multiple of 16, > 64 indexer heads, ...) run the "
     "portable torch path; see docs/ascend.md",
+    "fused_moe with fewer than 16 outputs per token runs the portable path: the fused kernels' bf16 intermediates "
+    "are not accurate enough there",
+    "a batch with a NaN router logit runs moe_gate's portable path while value checks are on (the kernel does not "
+    "document how it ranks NaN)",
     "validated here only against a strict fake of torch_npu 2.14.0's schemas and docs, not on an NPU",
 )
 
