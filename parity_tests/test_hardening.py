@@ -252,14 +252,15 @@ def test_defect1_gate_bias_every_other_element() -> None:
     assert result.passed, result.detail
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+# Every op in each dtype of its first quick case (moe_gate's inputs are fp32 by contract).
+_OP_DTYPES = [(c.op, d) for c in (C.cases_for(op, quick=True)[0] for op in OP_NAMES) for d in c.dtypes]
+
+
 @pytest.mark.parametrize("layout", ["strided", "padded", "column_major"])
-@pytest.mark.parametrize("op", OP_NAMES)
+@pytest.mark.parametrize(("op", "dtype"), _OP_DTYPES, ids=[f"{op}-{str(d)[6:]}" for op, d in _OP_DTYPES])
 def test_defect1_ascend_every_argument_in_any_layout(fake_torch_npu, op: str, layout: str, dtype) -> None:
     """The same on the ascend backend through the strict torch_npu fake (bf16 reaches the fused kernels)."""
-    case = next((c for c in C.cases_for(op, quick=True) if dtype in c.dtypes), None)
-    if case is None:
-        pytest.skip(f"{op} has no {dtype} parity case (its inputs are fp32 by contract)")
+    case = next(c for c in C.cases_for(op, quick=True) if dtype in c.dtypes)
     inputs = case.build(torch.Generator().manual_seed(11), dtype)
     layouts = {arg: layout for arg, value in inputs.items() if isinstance(value, torch.Tensor)}
     result = run_inputs(op, inputs, "ascend", dtype, layouts=layouts)
@@ -412,9 +413,7 @@ def test_defect8_fake_and_real_outputs_agree_for_column_major_inputs(op: str, ba
     _check_outputs_like_fakes(op, backend, torch.float32)
 
 
-@pytest.mark.parametrize(
-    ("op", "dtype"), [(c.op, d) for c in (C.cases_for(op, quick=True)[0] for op in OP_NAMES) for d in c.dtypes]
-)
+@pytest.mark.parametrize(("op", "dtype"), _OP_DTYPES, ids=[f"{op}-{str(d)[6:]}" for op, d in _OP_DTYPES])
 def test_defect8_ascend_outputs_are_contiguous_like_the_fakes(fake_torch_npu, op: str, dtype: torch.dtype) -> None:
     # Without opcheck: the strict torch_npu fake tags a repacked int4 weight with a Python attribute, which the
     # dispatch modes opcheck runs under do not carry. Every fake returns contiguous outputs, so this is the check.
