@@ -53,8 +53,9 @@ def key_rows(
     block_table[seq, p // BLOCK_SIZE] times the cache's block stride plus p % BLOCK_SIZE times its slot stride (so
     a cache whose blocks have spare slots, or any other strides, is read in place).
 
-    Positions the table cannot address (negative, past the table, unallocated -1 blocks) map to block 0: the
-    caller masks those keys, this only keeps the address in bounds.
+    Positions the table cannot address (negative, past the table) are clamped into it, and a -1 block becomes 0;
+    the block id of an entry a sequence does not use may be anything (padding), so the caller must mask every
+    invalid key's load (masked lanes are never read).
     """
     pos = tl.maximum(positions, 0)
     block_col = tl.minimum(pos // BLOCK_SIZE, max_blocks - 1)
