@@ -135,11 +135,13 @@ def _quantize_rows_kernel(
     # Pointers
     rows_ptr,  # [T, width] fp32 rows to store
     slot_ptr,  # [T] int64 flat cache slots, -1 = skip
-    cache_ptr,  # [num_blocks, block_size, row_bytes] uint8; slot s at cache_ptr + s * stride_slot
+    cache_ptr,  # [num_blocks, block_size, row_bytes] uint8, rows of contiguous bytes, any block / slot strides
     # Sizes
     num_rows,
+    block_size,  # slots per cache block
     # Strides
     stride_row,  # elements
+    stride_block,  # bytes
     stride_slot,  # bytes
     # Meta-parameters
     CODE: tl.constexpr,
@@ -156,7 +158,8 @@ def _quantize_rows_kernel(
     slots = tl.load(slot_ptr + rows, mask=rows < num_rows, other=-1)
     ok = slots >= 0  # padding tokens (and rows past the end) store nothing
     src = rows_ptr + rows[:, None] * stride_row
-    row_dst = cache_ptr + tl.where(ok, slots, 0) * stride_slot  # [BLOCK_R]
+    slots = tl.where(ok, slots, 0)
+    row_dst = cache_ptr + (slots // block_size) * stride_block + (slots % block_size) * stride_slot  # [BLOCK_R]
     dst = row_dst[:, None]
     cols = tl.arange(0, TILE_SIZE)
     for t in tl.static_range(NUM_SCALES):
@@ -180,13 +183,17 @@ def _quantize_rows_kernel(
 
 
 def quantize_into_cache(rows: Tensor, cache: Tensor, slot_mapping: Tensor, fmt: KVCacheFormat) -> None:
-    """Store rows [T, width] fp32 (unit element stride) as `fmt` rows of the uint8 cache [num_blocks, block_size,
-    row_bytes] at flat slots slot_mapping [T] int64 (-1 = skip)."""
+    """Store rows [T, width] fp32 as `fmt` rows of the uint8 cache [num_blocks, block_size, row_bytes] (any
+    view: written in place, through an aligned copy only where `needs_copy`) at flat slots slot_mapping [T] int64
+    (-1 = skip)."""
     num_rows = rows.shape[0]
     if num_rows == 0:
         return
-    if cache.stride(2) != 1 or cache.stride(0) != cache.shape[1] * cache.stride(1):
-        raise ValueError("cache: expected rows of contiguous bytes addressable as flat slots")
+    if needs_copy(cache, fmt.name):
+        dense = cache.contiguous()
+        quantize_into_cache(rows, dense, slot_mapping, fmt)
+        cache.copy_(dense)
+        return
     if rows.stride(1) != 1:
         rows = rows.contiguous()
     block_r = 16 if interpreting() else 4  # interpreted programs cost Python time each: fewer, larger ones
@@ -195,7 +202,9 @@ def quantize_into_cache(rows: Tensor, cache: Tensor, slot_mapping: Tensor, fmt: 
         slot_mapping.contiguous(),
         cache,
         num_rows=num_rows,
+        block_size=cache.shape[1],
         stride_row=rows.stride(0),
+        stride_block=cache.stride(0),
         stride_slot=cache.stride(1),
         CODE=_CODES[fmt.code],
         QMAX=fmt.qmax,
@@ -225,8 +234,10 @@ def finish_write(scratch: Tensor, cache: Tensor, slot_mapping: Tensor, kv_cache_
 
 
 def needs_copy(cache: Tensor, kv_cache_dtype: str) -> bool:
-    """Whether a quantized cache's rows cannot be read in place: the kernels read a row's bytes contiguously and
-    its fp32 scales / bf16 RoPE values through aligned pointers (a plain torch allocation always can be)."""
+    """Whether a quantized cache's rows cannot be read or written in place: the kernels address rows by block and
+    slot stride (so a cache whose blocks have spare slots is fine), but read a row's bytes contiguously and its
+    fp32 scales / bf16 RoPE values through aligned pointers (a plain torch allocation always can be)."""
     if kv_cache_dtype == AUTO:
         return False
-    return cache.stride(2) != 1 or cache.stride(1) % 4 != 0 or cache.data_ptr() % 4 != 0
+    strides_aligned = cache.stride(0) % 4 == 0 and cache.stride(1) % 4 == 0
+    return cache.stride(2) != 1 or not strides_aligned or cache.data_ptr() % 4 != 0
