@@ -36,7 +36,10 @@ def cast_for_store(x, dtype: tl.constexpr):
     """x (fp32) -> dtype, rounding to nearest even as GPU conversions do, also under the interpreter."""
     if _EMULATE_BF16_RNE and dtype == tl.bfloat16:
         # Round the 16 dropped mantissa bits to nearest even; the truncating conversion is then exact.
-        bits = x.to(tl.float32).to(tl.uint32, bitcast=True)
+        # A NaN becomes the quiet NaN first: its payload may sit in the dropped bits (rounding would carry it into
+        # the exponent, or truncation leave inf).
+        x = tl.where(x != x, float("nan"), x.to(tl.float32))
+        bits = x.to(tl.uint32, bitcast=True)
         bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
         x = bits.to(tl.float32, bitcast=True)
     return x.to(dtype)

@@ -7,7 +7,8 @@ never into a dequantized copy of the cache; rows are quantized in registers befo
            load_index_codes + index_key_scale: an index key's 128 codes (exact in bf16/fp16, so the indexer's dot
                stays a tensor-core dot) and the one scale its scores are multiplied by afterwards
 [writing]  quantize_into_cache: fp32 rows [T, width] -> per tile of 128: max|x|, scale, codes -> the paged
-               cache's uint8 rows at slot_mapping (-1 = skip); RoPE dims stored as bf16
+               cache's uint8 rows at slot_mapping (-1 = skip); RoPE dims stored as bf16; a tile holding NaN
+               or inf: scale NaN / inf and codes 0
 
 Formats reach the kernels as constexpr (CODE_FLOAT / CODE_E4M3 / CODE_INT8 and byte offsets), so a float cache
 compiles to exactly the kernels it had before. Reference: ops_reference/kv_cache.py
@@ -166,12 +167,18 @@ def _quantize_rows_kernel(
         x = tl.load(src + t * TILE_SIZE + cols[None, :], mask=ok[:, None], other=0.0)  # [BLOCK_R, TILE]
         amax = tl.max(tl.abs(x), axis=1)
         scale = tl.where(amax == 0.0, 1.0, amax / QMAX)
+        # NaN found by x != x: a max reduction may drop it (fmax on GPUs). A NaN tile's scale is NaN, an inf
+        # tile's +inf (from amax); either stores codes 0 (ops_reference.kv_cache).
+        has_nan = tl.max((x != x).to(tl.int32), axis=1) > 0
+        scale = tl.where(has_nan, float("nan"), scale)
+        finite = (scale == scale) & (scale != float("inf"))
         ratio = x / scale[:, None]  # a true division, as the reference's x / scale
         if CODE == CODE_E4M3:
             codes = encode_e4m3(ratio)
         else:
             codes = tl.minimum(tl.maximum(round_half_even(ratio), -QMAX), QMAX).to(tl.int8)
             codes = codes.to(tl.uint8, bitcast=True)
+        codes = tl.where(finite[:, None], codes, 0).to(tl.uint8)
         tl.store(dst + t * TILE_SIZE + cols[None, :], codes, mask=ok[:, None])
         tl.store((row_dst + SCALES_OFFSET).to(tl.pointer_type(tl.float32)) + t, scale, mask=ok)
     if ROPE_DIMS > 0:

@@ -79,8 +79,9 @@ def compare_exact(name: str, out: torch.Tensor, ref: np.ndarray) -> Verdict:
 def compare_topk(name: str, indices: torch.Tensor, ref_logits: np.ndarray, topk: int, dtype: torch.dtype) -> Verdict:
     """Indices [T, topk] against the reference logits [T, S] (-inf = not visible).
 
-    NaN ranks above every number (docs/ops.md "NaN"): the keys the reference scores NaN must all be picked (or
-    only NaN keys, when there are more of them than topk); the rest is judged as a top-k of the numbers.
+    NaN ranks above every number (docs/ops.md "NaN"): the keys the reference scores NaN must all be picked (or,
+    when there are more of them than topk, the lowest-positioned ones: NaN ties NaN); the rest is judged as a
+    top-k of the numbers, within the dtype's tolerance (exact ties are judged by test_topk_ties).
     """
     got = to_numpy(indices).astype(np.int64)
     if got.shape != (ref_logits.shape[0], topk):
@@ -100,12 +101,13 @@ def compare_topk(name: str, indices: torch.Tensor, ref_logits: np.ndarray, topk:
         if np.unique(head).size != head.size:
             return Verdict(name, False, float("inf"), f"row {t}: duplicate indices")
         n_nan = min(int(nan.sum()), n_valid)
-        if int(nan[head].sum()) != n_nan:
+        first_nan = np.flatnonzero(nan)[:n_nan]  # the NaN keys that rank first: the lowest positions
+        if not np.array_equal(np.sort(head[nan[head]]), first_nan):
             return Verdict(
                 name,
                 False,
                 float("inf"),
-                f"row {t}: picked {int(nan[head].sum())} of the {n_nan} NaN-scored keys that rank first",
+                f"row {t}: picked NaN-scored keys {np.sort(head[nan[head]]).tolist()}, expected {first_nan.tolist()}",
             )
         head, visible, n_valid = head[~nan[head]], visible[~nan[visible]], n_valid - n_nan
         if n_valid == 0:
