@@ -8,7 +8,10 @@
 6. edge shapes: T = 0, 1-D dynamic_quant, degenerate sizes, unbounded topk, non-finite scalars;
 7. NaN was lost or picked differently per backend (docs/ops.md "NaN" now defines it);
 8. fake (meta) and real outputs disagreed on strides for column-major inputs;
-9. the triton cache writers refused a padded-block cache view.
+9. the triton cache writers refused a padded-block cache view;
+10. the triton prologs rounded their fp32 intermediates (the GEMMs' results before a norm, q_norm and q before
+    the next GEMM) to bf16 / fp16 where the reference and the torch backend keep them: far off where a short
+    dot product or LayerNorm's centring cancels (mla_prolog's q_lat 27% off at hidden 1, q_lora 10).
 The property-based suite in parity_tests/fuzz/ keeps looking for more of the same.
 """
 
@@ -21,6 +24,7 @@ import sys
 import threading
 import time
 import types
+import zlib
 from collections.abc import Callable
 
 import numpy as np
@@ -28,11 +32,12 @@ import pytest
 import torch
 
 import glm5_hal
+import ops_reference as ref
 from fakes.ascend.fixture import fake_torch_npu_fixture, torch_npu_schemas_fixture  # noqa: F401 (fixtures)
 from glm5_hal.cli.info import collect
 from glm5_hal.parity import cases as C
 from glm5_hal.parity.inputs import with_layout
-from glm5_hal.parity.runner import custom_op_arguments, run_inputs
+from glm5_hal.parity.runner import custom_op_arguments, run_inputs, session_seed
 from glm5_hal.registry import OP_NAMES, registry
 from glm5_hal.selection import resolve
 
@@ -502,3 +507,77 @@ def test_defect5_a_hanging_driver_query_is_bounded(monkeypatch, fresh_registry) 
     finally:
         release.set()
     assert not avail.available and "torch.mlu.is_available() timed out after 0.5s" in avail.reason, avail.reason
+
+
+# ------------------------------------------------------------------------- 10: fp32 intermediates of the prologs
+def _cancelling_mla_prolog(hidden: int, q_lora: int, heads: int, nope: int, gen: torch.Generator, dtype) -> dict:
+    """mla_prolog inputs whose q_nope rows of w_uq_qr are nearly orthogonal to every token's q_norm: each q_nope
+    value is a dot product of q_lora terms that cancel to ~1% of their magnitudes, so an error of q_norm's
+    rounding (2^-9 relative in bf16) is ~50x larger in q_nope, and so in q_lat."""
+    cfg = C.MINI.with_overrides(
+        name="cancel", hidden_size=hidden, q_lora_rank=q_lora, num_attention_heads=heads, qk_nope_head_dim=nope,
+        kv_lora_rank=7, qk_rope_head_dim=2,
+    )  # fmt: skip
+    inputs = C.mla_prolog_inputs(cfg, [C.SeqSpec(3, 6)], 4)(gen, dtype)
+    q_norm = ref.rms_norm(_np(inputs["x"]) @ _np(inputs["w_dq"]).T, _np(inputs["gamma_cq"]), inputs["eps"])
+    basis, _ = np.linalg.qr(q_norm.T)  # [q_lora, T]: the span of the tokens' q_norm
+    along = basis.sum(axis=1) / np.linalg.norm(basis.sum(axis=1))
+    w = _np(inputs["w_uq_qr"]).reshape(heads, nope + 2, q_lora)  # per head [q_nope rows | q_pe rows]
+    nope_rows = w[:, :nope] - (w[:, :nope] @ basis) @ basis.T  # orthogonal to every q_norm ...
+    w[:, :nope] = nope_rows + 0.01 * np.linalg.norm(nope_rows, axis=-1, keepdims=True) * along  # ... but for 1%
+    inputs["w_uq_qr"] = torch.from_numpy(w.reshape(heads * (nope + 2), q_lora)).to(dtype)
+    rows = _np(inputs["w_uq_qr"]).reshape(heads, nope + 2, q_lora)[:, :nope]  # as rounded to dtype
+    magnitudes, sums = np.abs(q_norm) @ np.abs(rows).transpose(0, 2, 1), np.abs(q_norm @ rows.transpose(0, 2, 1))
+    assert (magnitudes > 20 * sums).all(), "the q_nope dot products do not cancel: the test would be void"
+    return inputs
+
+
+def _cancelling_indexer_prolog(hidden: int, head_dim: int, gen: torch.Generator, dtype) -> dict:
+    """indexer_prolog inputs whose keys before LayerNorm, x @ w_ik^T, spread across the head dims by ~1.4 units of
+    the dtype's rounding around their mean: x > 0 and row d of w_ik is 0.5 (1 + k_d eps) everywhere, k_d in -2..2
+    (exact in the dtype). LayerNorm's centring cancels the mean, so keys rounded to the dtype before the norm end
+    up several % off (3-10% measured in bf16)."""
+    cfg = C.MINI.with_overrides(
+        name="cancel", hidden_size=hidden, index_head_dim=head_dim, index_n_heads=2, qk_rope_head_dim=2
+    )
+    inputs = C.indexer_prolog_inputs(cfg, [C.SeqSpec(8, 10)], 4)(gen, dtype)
+    inputs["x"] = inputs["x"].abs()
+    eps = torch.finfo(dtype).eps
+    k = torch.tensor([-2, -1, 0, 1, 2], dtype=torch.float64).repeat(head_dim)[:head_dim]
+    k = k[torch.randperm(head_dim, generator=gen)]
+    inputs["w_ik"] = (0.5 * (1 + k * eps))[:, None].expand(head_dim, hidden).to(dtype).contiguous()
+    keys = _np(inputs["x"]) @ _np(inputs["w_ik"]).T
+    spread = keys.std(axis=-1)
+    assert ((spread > 0) & (spread < 3 * eps * np.abs(keys.mean(axis=-1)))).all(), (
+        "the keys' spread is not a few roundings of their mean: the test would be void"
+    )
+    return inputs
+
+
+def _np(t: torch.Tensor) -> np.ndarray:
+    return t.double().numpy()
+
+
+CANCELLING_PROLOGS = [
+    ("mla_prolog", {"hidden": 1, "q_lora": 10, "heads": 2, "nope": 3}),  # the fuzz suite's find: hidden 1, q_lora 10
+    ("mla_prolog", {"hidden": 1, "q_lora": 10, "heads": 1, "nope": 8}),
+    ("mla_prolog", {"hidden": 6, "q_lora": 16, "heads": 3, "nope": 4}),
+    ("indexer_prolog", {"hidden": 1, "head_dim": 8}),
+    ("indexer_prolog", {"hidden": 5, "head_dim": 20}),
+]
+
+
+@pytest.mark.parametrize("backend", ["reference", "torch", "triton"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize(
+    ("op", "dims"), CANCELLING_PROLOGS, ids=[f"{op}-{'-'.join(map(str, d.values()))}" for op, d in CANCELLING_PROLOGS]
+)
+def test_defect10_prolog_intermediates_stay_fp32(op: str, dims: dict, dtype: torch.dtype, backend: str) -> None:
+    """Fresh inputs each run (the parity session seed; GLM5_HAL_PARITY_SEED reproduces one) built so that a
+    backend rounding an intermediate to the activations' dtype fails by far whatever the seed: the cancellation
+    makes that rounding 2-20x larger than the tolerance, in at least 6 independent dot products / keys (before the
+    fix every triton case failed on each of 40 seeds)."""
+    gen = torch.Generator().manual_seed(session_seed() + zlib.crc32(f"{op}{dims}{dtype}".encode()))
+    build = _cancelling_mla_prolog if op == "mla_prolog" else _cancelling_indexer_prolog
+    result = run_inputs(op, build(**dims, gen=gen, dtype=dtype), backend, dtype)
+    assert result.passed, f"{result.status}: {result.detail} (GLM5_HAL_PARITY_SEED={session_seed()})"

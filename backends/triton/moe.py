@@ -9,7 +9,7 @@
                   program per (tile, N tile); float, W8A8 and W4A8 variants share the index
 [moe_combine]     out[t] = sum_j w[t, j] * y[row of (t, j)], rows found through the inverse permutation
 [fused_moe]       dispatch -> grouped GEMM (w13) -> silu(gate) * up -> grouped GEMM (w2) -> combine, with fp32
-                  intermediates (the second GEMM takes its activations as hi + lo halves in w2's dtype)
+                  intermediates (the second GEMM splits its activations into hi + lo halves of w2's dtype)
 
 No host synchronisation anywhere: every grid is sized from shapes alone (the tile index has a bound of
 cdiv(M, BLOCK_M) + E slots; slots past the real tile count are dead programs that own no rows).
@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from backends.triton.matmul import float_tile_matmul, gemm_blocks, split_activations
 from backends.triton.quant import cast_for_store, int8_tile_matmul, w4a8_tile_matmul
 from backends.triton.runtime import DOT_UPCAST, interpreting, unit_stride_arguments
 from glm5_hal.checks import check, check_same_device, check_tensor
@@ -481,57 +482,9 @@ def _expert_tile(tile_expert_ptr, tile_row_ptr, offsets_ptr, K, BLOCK_M: tl.cons
 
 # ------------------------------------------------------------------------------------------ grouped GEMMs
 @triton.jit
-def float_tile_matmul(
-    x_ptr,  # activations; element (m, k) at x_ptr + m * stride_xm + k * stride_xk
-    x_lo_ptr,  # with SPLIT: the low half of the activations, same layout (x + x_lo = the fp32 activations)
-    w_ptr,  # weights [N, K] of one matrix; element (n, k) at w_ptr + n * stride_wn + k * stride_wk
-    rows,
-    row_mask,
-    cols,
-    col_mask,
-    k_end,
-    stride_xm,
-    stride_xk,
-    stride_wn,
-    stride_wk,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    DOT_UPCAST: tl.constexpr,  # the interpreter's bf16 dot is wrong: widen operands to fp32 there
-    SPLIT: tl.constexpr,  # activations given as two halves (x, x_lo) in the weights' dtype
-):
-    """-> fp32 [BLOCK_M, BLOCK_N] = (x + x_lo)[rows, :k_end] @ w[cols, :k_end]^T with fp32 accumulation (x_lo only
-    with SPLIT). Each weight tile is loaded once and used by both halves' dots."""
-    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    for k0 in range(0, k_end, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        k_mask = ks < k_end
-        a_offsets = rows[:, None] * stride_xm + ks[None, :] * stride_xk
-        a_mask = row_mask[:, None] & k_mask[None, :]
-        a = tl.load(x_ptr + a_offsets, mask=a_mask, other=0.0)
-        b = tl.load(
-            w_ptr + ks[:, None] * stride_wk + cols[None, :] * stride_wn,
-            mask=k_mask[:, None] & col_mask[None, :],
-            other=0.0,
-        )
-        if DOT_UPCAST:
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        # "ieee": fp32 operands must not be rounded to tf32 (fp32 parity is 1e-5); bf16/fp16 dots are unaffected.
-        acc = tl.dot(a, b, acc, input_precision="ieee")
-        if SPLIT:
-            a_lo = tl.load(x_lo_ptr + a_offsets, mask=a_mask, other=0.0)
-            if DOT_UPCAST:
-                a_lo = a_lo.to(tl.float32)
-            acc = tl.dot(a_lo, b, acc, input_precision="ieee")
-    return acc
-
-
-@triton.jit
 def _grouped_matmul_kernel(
     # Pointers
-    x_ptr,  # [M, K] rows grouped by expert
-    x_lo_ptr,  # [M, K] their low halves (SPLIT only)
+    x_ptr,  # [M, K] rows grouped by expert (w's dtype, or fp32 with SPLIT)
     w_ptr,  # [E, N, K]
     y_ptr,  # [M, N], written (any float dtype)
     offsets_ptr,  # [E + 1] int64
@@ -559,7 +512,7 @@ def _grouped_matmul_kernel(
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < N
     acc = float_tile_matmul(
-        x_ptr, x_lo_ptr, w_ptr + expert * stride_we, rows, row_mask, cols, col_mask, k_end,
+        x_ptr, w_ptr + expert * stride_we, rows, row_mask, cols, col_mask, k_end,
         stride_xm, stride_xk, stride_wn, stride_wk, BLOCK_M, BLOCK_N, BLOCK_K, DOT_UPCAST, SPLIT,
     )  # fmt: skip
     tl.store(
@@ -661,13 +614,6 @@ def _grouped_w4a8_matmul_kernel(
     )
 
 
-def _float_gemm_blocks(n: int, k: int, dtype: torch.dtype) -> dict[str, int]:
-    if interpreting():  # each interpreted program costs milliseconds of Python: few, wide ones
-        return {"BLOCK_N": min(256, triton.next_power_of_2(n)), "BLOCK_K": min(256, triton.next_power_of_2(k))}
-    # fp32 operands take twice the shared memory per element: halve BLOCK_K.
-    return {"BLOCK_N": 128, "BLOCK_K": 32 if dtype == torch.float32 else 64}
-
-
 def _block_m(num_rows: int, num_experts: int) -> int:
     """Rows per tile: about the mean rows per expert, between 16 (tensor-core minimum) and 64 (128 interpreted)."""
     mean_rows = triton.next_power_of_2(max(1, triton.cdiv(num_rows, max(num_experts, 1))))
@@ -684,12 +630,11 @@ def grouped_matmul_tiles(
     tiles: ExpertTiles,
     expert_offsets: Tensor,
     *,
-    x_lo: Tensor | None = None,
     out_dtype: torch.dtype | None = None,
 ) -> Tensor:
     """grouped_matmul over a prebuilt tile index (fused_moe reuses one index for both of its GEMMs).
 
-    x_lo: the low halves of split activations (x_sorted + x_lo, both in w's dtype, see `silu_and_mul`), or None.
+    x_sorted: in w's dtype, or fp32 (an intermediate, split into hi + lo halves: backends/triton/matmul.py).
     out_dtype: y's dtype (default x_sorted's); fp32 keeps an intermediate unrounded.
     """
     num_rows, k = x_sorted.shape
@@ -697,10 +642,9 @@ def grouped_matmul_tiles(
     y = torch.empty((num_rows, n), dtype=out_dtype or x_sorted.dtype, device=x_sorted.device)
     if num_rows == 0 or n == 0:
         return y
-    blocks = _float_gemm_blocks(n, k, x_sorted.dtype)
+    blocks = gemm_blocks(n, k, x_sorted.dtype)
     _grouped_matmul_kernel[_gemm_grid(tiles, n, blocks["BLOCK_N"])](
         x_sorted,
-        x_sorted if x_lo is None else x_lo,  # a valid pointer the kernel never reads without SPLIT
         w,
         y,
         expert_offsets,
@@ -717,7 +661,7 @@ def grouped_matmul_tiles(
         stride_yn=y.stride(1),
         BLOCK_M=tiles.block_m,
         DOT_UPCAST=DOT_UPCAST,
-        SPLIT=x_lo is not None,
+        SPLIT=split_activations(x_sorted, w),
         **blocks,
     )
     return y
@@ -987,8 +931,7 @@ def moe_combine(y_sorted: Tensor, src_index: Tensor, topk_weights: Tensor) -> Te
 @triton.jit
 def _silu_and_mul_kernel(
     h_ptr,  # [M, 2 * I]: gate columns then up columns
-    out_ptr,  # [M, I], written: silu(gate) * up, rounded to out's dtype
-    lo_ptr,  # [M, I], written with SPLIT: what that rounding lost, in out's dtype (out + lo ~ the fp32 value)
+    out_ptr,  # [M, I], written: silu(gate) * up
     num_rows,
     inter,
     stride_hm,
@@ -997,7 +940,6 @@ def _silu_and_mul_kernel(
     stride_od,
     BLOCK_R: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    SPLIT: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -1006,30 +948,20 @@ def _silu_and_mul_kernel(
     gate = tl.load(gate_ptrs, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(gate_ptrs + inter * stride_hd, mask=mask, other=0.0).to(tl.float32)
     out = gate / (1.0 + tl.exp(-gate)) * up
-    hi = cast_for_store(out, out_ptr.dtype.element_ty)
     offsets = rows[:, None] * stride_om + cols[None, :] * stride_od
-    tl.store(out_ptr + offsets, hi, mask=mask)
-    if SPLIT:
-        tl.store(lo_ptr + offsets, cast_for_store(out - hi.to(tl.float32), lo_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + offsets, cast_for_store(out, out_ptr.dtype.element_ty), mask=mask)
 
 
-def silu_and_mul(h: Tensor, dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor | None]:
-    """h [M, 2 * I] ([gate | up]) -> silu(gate) * up [M, I], fp32 math, in `dtype` (default h's).
-
-    Returns (out, lo): with a `dtype` narrower than fp32, `lo` [M, I] in `dtype` holds what rounding `out` lost,
-    so that out + lo carries the fp32 value into a GEMM with `dtype` operands (see fused_moe); else lo is None.
-    """
+def silu_and_mul(h: Tensor) -> Tensor:
+    """h [M, 2 * I] ([gate | up]) -> silu(gate) * up [M, I] in h's dtype, fp32 math."""
     num_rows, inter = h.shape[0], h.shape[1] // 2
-    dtype = dtype or h.dtype
-    out = torch.empty((num_rows, inter), dtype=dtype, device=h.device)
-    lo = torch.empty_like(out) if dtype != torch.float32 else None
+    out = torch.empty((num_rows, inter), dtype=h.dtype, device=h.device)
     if num_rows == 0 or inter == 0:
-        return out, lo
+        return out
     block_r, block_d = _rows_blocks(inter)
     _silu_and_mul_kernel[(triton.cdiv(num_rows, block_r), triton.cdiv(inter, block_d))](
         h,
         out,
-        out if lo is None else lo,  # a valid pointer the kernel never writes without SPLIT
         num_rows=num_rows,
         inter=inter,
         stride_hm=h.stride(0),
@@ -1038,9 +970,8 @@ def silu_and_mul(h: Tensor, dtype: torch.dtype | None = None) -> tuple[Tensor, T
         stride_od=out.stride(1),
         BLOCK_R=block_r,
         BLOCK_D=block_d,
-        SPLIT=lo is not None,
     )
-    return out, lo
+    return out
 
 
 @unit_stride_arguments()
@@ -1054,11 +985,10 @@ def fused_moe(x: Tensor, topk_weights: Tensor, topk_ids: Tensor, w13: Tensor, w2
     if num_rows == 0:
         return torch.zeros_like(x)
     tiles = expert_tiles(routed.expert_offsets, num_rows, _block_m(num_rows, num_experts))
-    # The intermediates stay fp32 (h, the activations, y), as the contract accumulates: rounding them to a bf16
-    # activation dtype costs up to 10% of a narrow output where the expert sum cancels (measured at D = 1). The
-    # second GEMM still runs on w2's dtype: the activations go in as two halves of that dtype (hi + lo, exact
-    # to ~2^-16), which doubles its dots but not its weight reads.
+    # The intermediates stay fp32 (h, the activations, y; backends/triton/matmul.py says why). The second GEMM
+    # still runs on w2's dtype: it splits the fp32 activations into hi + lo halves of that dtype in registers,
+    # which doubles its dots but not its weight reads.
     h = grouped_matmul_tiles(routed.x_sorted, w13, tiles, routed.expert_offsets, out_dtype=torch.float32)
-    activated, activated_lo = silu_and_mul(h, dtype=w2.dtype)
-    y = grouped_matmul_tiles(activated, w2, tiles, routed.expert_offsets, x_lo=activated_lo, out_dtype=torch.float32)
+    activated = silu_and_mul(h)
+    y = grouped_matmul_tiles(activated, w2, tiles, routed.expert_offsets, out_dtype=torch.float32)
     return combine_rows(y, routed.row_of, topk_weights, out_dtype=x.dtype)

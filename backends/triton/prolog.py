@@ -1,6 +1,9 @@
 """MLA prolog and indexer prolog of the Triton backend.
 
-The GEMMs run as torch.matmul in the activations' dtype (cuBLAS / hipBLAS tensor cores on a GPU). Everything
+The GEMMs are backends/triton/matmul.py's: native dots on the activations' dtype, fp32 results, and the fp32
+intermediates (q_norm before q_b_proj, q_nope before the W_UK absorption) fed to the next GEMM as hi + lo halves
+of the weights' dtype, so no intermediate is rounded to a bf16 / fp16 activation dtype (as in the reference and
+the torch backend; rounding them cost up to 27% of q_lat where q_b_proj's dot products cancel). Everything
 between and after them is one fused Triton kernel over rows, `_norm_rope_kernel`:
 
   row [W] --(RMSNorm or LayerNorm over dims [0, NORM_DIM), fp32 statistics)--> (RoPE on the pair dims of
@@ -25,6 +28,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from backends.triton.matmul import batched_matmul_into, linear
 from backends.triton.quant import cast_for_store
 from backends.triton.quantized_cache import finish_write, scratch_rows
 from backends.triton.runtime import interpreting, unit_stride_arguments
@@ -207,11 +211,6 @@ def norm_rope(
     )
 
 
-def _linear(x: Tensor, weight: Tensor) -> Tensor:
-    """x [..., in] @ weight [out, in]^T in x's dtype (fp32 accumulation inside the GEMM)."""
-    return torch.matmul(x, weight.to(x.dtype).t())
-
-
 @unit_stride_arguments(written=("kv_cache",))
 def mla_prolog(
     x: Tensor,
@@ -242,19 +241,21 @@ def mla_prolog(
     num_heads, nope, kv_lora = w_uk.shape
     rope_dim = 2 * cos.shape[1]
 
-    q_norm = torch.empty((num_tokens, w_dq.shape[0]), dtype=x.dtype, device=x.device)
-    norm_rope(_linear(x, w_dq), q_norm, norm=1, weight=gamma_cq, norm_dim=q_norm.shape[1], eps=eps)
+    q_norm = torch.empty((num_tokens, w_dq.shape[0]), dtype=torch.float32, device=x.device)  # fp32 until returned
+    norm_rope(linear(x, w_dq), q_norm, norm=1, weight=gamma_cq, norm_dim=q_norm.shape[1], eps=eps)
 
-    q = _linear(q_norm, w_uq_qr).view(num_tokens * num_heads, nope + rope_dim)  # rows (token, head)
+    q = linear(q_norm, w_uq_qr).view(num_tokens * num_heads, nope + rope_dim)  # fp32, rows (token, head)
     q_pe = torch.empty((num_tokens, num_heads, rope_dim), dtype=x.dtype, device=x.device)
     norm_rope(q[:, nope:], q_pe.view(-1, rope_dim), cos=cos, sin=sin, rows_per_token=num_heads)
-    # Absorb W_UK head by head as one batched GEMM: [H, T, nope] @ [H, nope, kv_lora] -> [H, T, kv_lora].
+    # Absorb W_UK head by head as one batched GEMM: [H, T, nope] @ [H, nope, kv_lora] -> [H, T, kv_lora], written
+    # through a head-major view of q_lat [T, H, kv_lora].
     q_nope = q.view(num_tokens, num_heads, nope + rope_dim)[..., :nope].transpose(0, 1)
-    q_lat = torch.bmm(q_nope, w_uk.to(x.dtype)).transpose(0, 1).contiguous()
+    q_lat = torch.empty((num_tokens, num_heads, kv_lora), dtype=x.dtype, device=x.device)
+    batched_matmul_into(q_lat.transpose(0, 1), q_nope, w_uk.transpose(1, 2))
 
     rows, slots = scratch_rows(kv_cache, slot_mapping, kv_cache_dtype, num_tokens, kv_lora + rope_dim, x.device)
     norm_rope(
-        _linear(x, w_dkv_kr),
+        linear(x, w_dkv_kr),
         rows,
         norm=1,
         weight=gamma_ckv,
@@ -266,7 +267,7 @@ def mla_prolog(
         slot_mapping=slots,
     )
     finish_write(rows, kv_cache, slot_mapping, kv_cache_dtype)
-    return q_lat, q_pe, q_norm
+    return q_lat, q_pe, q_norm.to(x.dtype)
 
 
 @unit_stride_arguments(written=("index_k_cache",))
@@ -299,13 +300,13 @@ def indexer_prolog(
     num_tokens = x.shape[0]
     num_heads, head_dim = w_iw.shape[0], w_ik.shape[0]
 
-    q = _linear(q_norm.to(x.dtype), w_iq).view(num_tokens * num_heads, head_dim)
+    q = linear(q_norm, w_iq).view(num_tokens * num_heads, head_dim)  # fp32 until RoPE'd into q_idx
     q_idx = torch.empty((num_tokens, num_heads, head_dim), dtype=x.dtype, device=x.device)
     norm_rope(q, q_idx.view(-1, head_dim), cos=cos, sin=sin, interleaved=rope_interleaved, rows_per_token=num_heads)
 
     rows, slots = scratch_rows(index_k_cache, slot_mapping, kv_cache_dtype, num_tokens, head_dim, x.device)
     norm_rope(
-        _linear(x, w_ik),
+        linear(x, w_ik),  # fp32: LayerNorm's centring would magnify a rounding of the keys
         rows,
         norm=2,
         weight=k_norm_weight,
@@ -319,5 +320,5 @@ def indexer_prolog(
     )
     finish_write(rows, index_k_cache, slot_mapping, kv_cache_dtype)
     # The head weights stay fp32: they scale fp32 scores downstream.
-    weights = torch.matmul(x.float(), w_iw.float().t()) * (num_heads**-0.5 * head_dim**-0.5)
+    weights = linear(x, w_iw) * (num_heads**-0.5 * head_dim**-0.5)
     return q_idx, weights
