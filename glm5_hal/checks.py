@@ -12,6 +12,7 @@ Two kinds of checks:
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable, Sequence
 
@@ -57,6 +58,15 @@ def check(condition: bool, exc: type[Exception], message: Callable[[], str]) -> 
         raise exc(message())
 
 
+def _is_size(value: object) -> bool:
+    """A concrete or symbolic (torch.compile) integer size."""
+    return isinstance(value, (int, torch.SymInt)) and not isinstance(value, bool)
+
+
+def _shape_doc(dims: Dims) -> str:
+    return "[" + ", ".join("*" if d is None else str(d) for d in dims) + "]"
+
+
 def check_tensor(
     name: str,
     t: object,
@@ -66,12 +76,13 @@ def check_tensor(
 ) -> torch.Tensor:
     """Check that `t` is a tensor of rank len(dims) with one of `dtypes`.
 
-    `dims` names each dimension: an int is a required size, a str is a symbolic size that must agree with
-    `sizes[str]` if already there (and is recorded in `sizes` otherwise), None accepts any size. Returns `t`.
+    `dims` names each dimension: an int (or a symbolic size) is a required size, a str is a symbolic size that
+    must agree with `sizes[str]` if already there (and is recorded in `sizes` otherwise), None accepts any size.
+    Returns `t`. Sizes stay symbolic under torch.compile, and messages are built only on failure (formatting a
+    symbolic size is a graph break).
     """
     check(isinstance(t, torch.Tensor), TypeError, lambda: f"{name}: expected a torch.Tensor, got {type(t).__name__}")
     assert isinstance(t, torch.Tensor)
-    shape_doc = "[" + ", ".join("*" if d is None else str(d) for d in dims) + "]"
     check(
         t.dtype in dtypes,
         TypeError,
@@ -80,24 +91,27 @@ def check_tensor(
     check(
         t.dim() == len(dims),
         ValueError,
-        lambda: f"{name}: expected a {len(dims)}-D tensor {shape_doc}, got shape {tuple(t.shape)}",
+        lambda: f"{name}: expected a {len(dims)}-D tensor {_shape_doc(dims)}, got shape {tuple(t.shape)}",
     )
     for dim, actual in zip(dims, t.shape):
         if dim is None:
             continue
-        if isinstance(dim, int):
+        if _is_size(dim):
             expected = dim
         elif sizes is not None and dim in sizes:
             expected = sizes[dim]
         else:
             if sizes is not None:
-                sizes[dim] = int(actual)
+                sizes[dim] = actual
             continue
-        where = f" with {dim} = {expected}" if isinstance(dim, str) else ""
         check(
             actual == expected,
             ValueError,
-            lambda where=where: f"{name}: expected shape {shape_doc}{where}, got {tuple(t.shape)}",
+            lambda dim=dim, expected=expected: (
+                f"{name}: expected shape {_shape_doc(dims)}"
+                + (f" with {dim} = {expected}" if isinstance(dim, str) else "")
+                + f", got {tuple(t.shape)}"
+            ),
         )
     return t
 
@@ -159,13 +173,47 @@ def check_same_dtype(**tensors: torch.Tensor) -> torch.dtype:
     return next(iter(dtypes))
 
 
-def check_positive_int(name: str, value: object) -> int:
+def check_positive_int(name: str, value: object, maximum: int | None = None) -> int:
+    """A Python int (not a bool) in [1, maximum]; returns it."""
+    bound = "" if maximum is None else f" <= {maximum}"
     check(
-        isinstance(value, int) and not isinstance(value, bool) and value > 0,
-        ValueError if isinstance(value, int) else TypeError,
-        lambda: f"{name}: expected a positive int, got {value!r}",
+        isinstance(value, int) and not isinstance(value, bool),
+        TypeError,
+        lambda: f"{name}: expected a positive int{bound}, got {value!r}",
+    )
+    check(
+        value > 0 and (maximum is None or value <= maximum),  # type: ignore[operator]
+        ValueError,
+        lambda: f"{name}: expected a positive int{bound}, got {value!r}",
     )
     return int(value)  # type: ignore[arg-type]
+
+
+def check_finite_float(name: str, value: object, *, positive: bool = False) -> float:
+    """A Python int or float (not a bool), finite, and > 0 if `positive`; returns it as a float."""
+    what = "a positive float (finite, > 0)" if positive else "a finite float"
+    check(
+        isinstance(value, (int, float)) and not isinstance(value, bool),
+        TypeError,
+        lambda: f"{name}: expected {what}, got {value!r}",
+    )
+    # Comparisons rather than math.isfinite: under torch.compile(dynamic=True) a float argument is symbolic.
+    check(
+        -math.inf < value < math.inf and (not positive or value > 0),  # type: ignore[operator]
+        ValueError,
+        lambda: f"{name}: expected {what}, got {value!r}",
+    )
+    return value if isinstance(value, float) else float(value)  # type: ignore[arg-type]
+
+
+def check_block_size(cache_name: str, cache: torch.Tensor) -> None:
+    """A paged cache [num_blocks, block_size, D] has at least one slot per block (slot = block * block_size + offset
+    divides by it)."""
+    check(
+        cache.shape[1] >= 1,
+        ValueError,
+        lambda: f"{cache_name}: expected block_size >= 1 in [num_blocks, block_size, D], got {tuple(cache.shape)}",
+    )
 
 
 def check_even(name: str, value: int, what: str) -> None:
@@ -183,15 +231,31 @@ def value_checks_enabled(*tensors: torch.Tensor) -> bool:
     return not any(is_fake(t) or t.device.type == "meta" for t in tensors)
 
 
-def check_index_range(name: str, t: torch.Tensor, low: int, high: int, meaning: str) -> None:
-    """Every value of `t` in [low, high) (value check)."""
+def check_index_range(name: str, t: torch.Tensor, low: int, high: int, meaning: Callable[[], str]) -> None:
+    """Every value of `t` in [low, high) (value check). `meaning()` says what the values are, for the message."""
     if t.numel() == 0 or not value_checks_enabled(t):
         return
     lo, hi = int(t.min()), int(t.max())
     check(
         low <= lo and hi < high,
         ValueError,
-        lambda: f"{name}: expected values in [{low}, {high}) ({meaning}), got values in [{lo}, {hi}]",
+        lambda: f"{name}: expected values in [{low}, {high}) ({meaning()}), got values in [{lo}, {hi}]",
+    )
+
+
+def check_permutation(name: str, t: torch.Tensor, n: int) -> None:
+    """`t` [n] holds every value of 0 .. n-1 exactly once (value check; one host read, after the range check)."""
+    check_index_range(name, t, 0, n, lambda: f"a permutation of 0 .. {n - 1}")
+    if t.numel() == 0 or not value_checks_enabled(t):
+        return
+    seen = torch.zeros(n, dtype=torch.int32, device=t.device).index_put_(
+        (t.to(torch.int64),), torch.ones_like(t, dtype=torch.int32), accumulate=True
+    )
+    repeated = int((seen != 1).sum())
+    check(
+        repeated == 0,
+        ValueError,
+        lambda: f"{name}: expected a permutation of 0 .. {n - 1}, got {repeated} values missing or repeated",
     )
 
 

@@ -156,13 +156,14 @@ def encode_rows(rows: Tensor, fmt: KVCacheFormat) -> Tensor:
 
     Computed in fp32: per tile of 128, scale = max|x| / qmax (1 for an all-zero tile), codes = x / scale rounded
     to nearest even in the format (e4m3 saturating at +-448; int8 clamped to +-127), RoPE dims rounded to bf16.
+    A tile holding NaN gets scale NaN, one holding +-inf scale +inf, and either codes 0 (ops_reference.kv_cache).
     Bit-identical to ops_reference.kv_cache.encode_rows on fp32 rows except where x / scale lies within an fp32
-    rounding of a code boundary (the reference divides in float64).
+    rounding of a code boundary (the reference divides in float64), and in the bits of a NaN.
     """
     n = rows.shape[0]
     x = rows.to(torch.float32)
     tiles = x[:, : fmt.quantized_dims].reshape(n, fmt.num_scales, TILE)
-    amax = tiles.abs().amax(dim=-1)  # [N, tiles]; NaN propagates into the scale
+    amax = tiles.abs().amax(dim=-1)  # [N, tiles]; NaN propagates into the scale, inf gives scale inf
     scale = torch.where(amax == 0, torch.ones_like(amax), amax / fmt.qmax)
     ratio = tiles / scale[..., None]
     if fmt.code == "e4m3":
@@ -170,6 +171,7 @@ def encode_rows(rows: Tensor, fmt: KVCacheFormat) -> Tensor:
     else:
         codes = torch.round(torch.nan_to_num(ratio, nan=0.0)).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
         codes = codes.view(torch.uint8)
+    codes = codes.masked_fill(~torch.isfinite(scale)[..., None], 0)  # a NaN / inf tile: codes 0
     out = torch.empty(n, fmt.row_bytes, dtype=CACHE_DTYPE, device=rows.device)
     out[:, : fmt.scales_offset] = codes.reshape(n, fmt.quantized_dims)
     out[:, fmt.scales_offset : fmt.rope_offset] = scale.contiguous().view(CACHE_DTYPE)  # little-endian fp32

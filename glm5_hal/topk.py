@@ -12,8 +12,9 @@ score, then by lower key position; here the order of the returned row is fixed t
 
     composite key = order(score) * 2^32 + (2^32 - 1 - column)          (int64, unique within a row)
 
-order(score) is the fp32 bit pattern made monotone (-0.0 folded into +0.0 first, negatives' magnitude bits
-flipped), so integer order is float order with -inf lowest and NaN highest (torch.topk's NaN order).
+order(score) is the fp32 bit pattern made monotone (-0.0 folded into +0.0 first, every NaN made +NaN, negatives'
+magnitude bits flipped), so integer order is float order with -inf lowest and NaN highest (the contract's NaN
+order, and torch.topk's); NaN ties NaN, so the lower column wins there too.
 Deciding whether a row needs the second select reads one flag per row back to the host; where that is not
 allowed (CUDA graph capture, torch.compile tracing) every row takes the composite select instead.
 """
@@ -24,13 +25,17 @@ import torch
 from torch import Tensor
 
 _LOW_BITS = 1 << 32  # columns below 2^32: a row of up to 4G keys
+_NAN_KEY = 0x7FC00000  # the bits of +NaN: above +inf's 0x7F800000
 
 
 def ordered_key(scores: Tensor, columns: Tensor | None = None) -> Tensor:
     """[..., S] scores (fp32) at `columns` ([..., S] int, default 0 .. S-1) -> int64 keys, larger for a better
     (score, lower column); unique within a row when the columns are."""
     # + 0.0 turns -0.0 into +0.0 (IEEE round-to-nearest), so the two zeros tie and the column decides.
-    key = (scores.to(torch.float32) + 0.0).view(torch.int32).to(torch.int64)
+    values = scores.to(torch.float32) + 0.0
+    key = values.view(torch.int32).to(torch.int64)
+    # Every NaN, whatever its sign bit (x86's default NaN has it set) and payload, gets one key above +inf.
+    key = torch.where(torch.isnan(values), _NAN_KEY, key)
     key ^= (key >> 31) & 0x7FFFFFFF  # negative floats: a larger magnitude becomes a smaller integer
     if columns is None:
         columns = torch.arange(scores.shape[-1], device=scores.device)

@@ -10,6 +10,8 @@ pattern). Detection, in FlagGems' order:
    (`torch.__hcu_version__` for Hygon DTK; `torch.version.hip` alone is any ROCm build, AMD's too, so it is not
    a Hygon signal); a CUDA device whose name says NVIDIA is never taken for a vendor presenting as `cuda`;
 3. the vendor's SMI command (`cnmon`, `xpu-smi`, `mthreads-gmi`, `hy-smi`, `mx-smi`) found on PATH and exiting 0.
+Every import and command is bounded in time and never raises (glm5_hal.probing): the SMI commands of all
+vendors run concurrently the first time one is needed, so a machine where they hang pays one short bound.
 
 A detected vendor is available when torch can use its device. Testing without the hardware: a fake extension
 module carrying `GLM5_HAL_STAND_IN_DEVICE = "cpu"`, or the environment variable `GLM5_HAL_STAND_IN_DEVICE=cpu`
@@ -22,22 +24,18 @@ on that device (never Triton's CPU interpreter on a real device). `glm5-hal info
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import os
-import shutil
-import subprocess
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
 
+from glm5_hal.probing import call_bounded, import_bounded, is_installed, run_commands
 from glm5_hal.registry import ALL_OP_NAMES, Availability, Backend, registry
 
 ENV_VENDOR = "GLM5_HAL_VENDOR"
 ENV_STAND_IN = "GLM5_HAL_STAND_IN_DEVICE"
 STAND_IN_ATTR = "GLM5_HAL_STAND_IN_DEVICE"
-SMI_TIMEOUT_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -74,16 +72,20 @@ class Detection:
     stand_in: bool = False  # a fake on the CPU stand-in device
 
 
+# Every vendor's spec, registered by vendor_backend(): the device-query commands of all of them run at once.
+_SPECS: list[VendorSpec] = []
+
+
 def _import_extension(spec: VendorSpec) -> tuple[object | None, str | None]:
-    """(module, None) or (None, why not); an import that raises is a reason, never an exception."""
+    """(module, None) or (None, why not). A broken vendor install (an import that raises anything, sys.exit()
+    included, or hangs) is a reason, never an exception or a freeze."""
     if spec.torch_module is None:
         return None, None
-    if importlib.util.find_spec(spec.torch_module) is None:
-        return None, f"{spec.torch_module} is not installed"
-    try:
-        return importlib.import_module(spec.torch_module), None
-    except Exception as exc:  # a broken vendor install must not break glm5_hal
-        return None, f"{spec.torch_module} import failed: {type(exc).__name__}: {exc}"
+    installed, why_not = is_installed(spec.torch_module)
+    if not installed:
+        return None, why_not
+    imported = import_bounded(spec.torch_module)
+    return imported.value, (imported.reason or None)
 
 
 def _is_nvidia() -> bool:
@@ -101,14 +103,13 @@ def _torch_marker(spec: VendorSpec) -> bool:
     return hasattr(torch, spec.torch_attr)
 
 
-def _smi_succeeds(command: str | None) -> bool:
-    path = shutil.which(command) if command else None
-    if path is None:
-        return False
-    try:
-        return subprocess.run([path], capture_output=True, timeout=SMI_TIMEOUT_S).returncode == 0
-    except (OSError, subprocess.SubprocessError):
-        return False
+def _smi_outcome(spec: VendorSpec) -> tuple[bool, str]:
+    """(whether spec's SMI command ran and exited 0, what happened). The first call runs every vendor's command
+    concurrently (each bounded); later calls reuse those outcomes."""
+    if spec.smi is None:
+        return False, "no device-query command known"
+    outcomes = run_commands([s.smi for s in (*_SPECS, spec) if s.smi is not None])
+    return outcomes[spec.smi].ok, outcomes[spec.smi].reason
 
 
 def detect(spec: VendorSpec) -> Detection:
@@ -125,19 +126,23 @@ def detect(spec: VendorSpec) -> Detection:
     if module is not None or _torch_marker(spec):
         marker = spec.torch_module if module is not None else f"torch.{spec.torch_attr}"
         return Detection(True, f"{marker} found", stand_in)
-    if _smi_succeeds(spec.smi):
+    smi_ok, smi = _smi_outcome(spec)
+    if smi_ok:
         return Detection(True, f"{spec.smi} found on PATH", stand_in)
     why = import_error or (f"no torch.{spec.torch_attr}" if spec.torch_attr else "nothing in torch tells it apart")
-    smi = f"{spec.smi} not on PATH" if spec.smi else "no device-query command known"
     return Detection(False, f"no {spec.vendor} device found ({why}; {smi})")
 
 
-def _device_usable(device_type: str) -> bool:
+def _device_usable(device_type: str) -> tuple[bool, str]:
+    """(whether torch.<device_type>.is_available(), the reason if not); a raising or hanging driver is a reason."""
     module = getattr(torch, device_type, None)
-    try:
-        return bool(module is not None and module.is_available())
-    except Exception:
-        return False
+    if module is None or not hasattr(module, "is_available"):
+        return False, f"no torch.{device_type} module, so torch.{device_type}.is_available() is False"
+    what = f"torch.{device_type}.is_available()"
+    outcome = call_bounded(module.is_available, what)
+    if outcome.reason:
+        return False, outcome.reason
+    return bool(outcome.value), f"{what} is False"
 
 
 def probe(spec: VendorSpec, found: Detection | None = None) -> Availability:
@@ -154,8 +159,9 @@ def probe(spec: VendorSpec, found: Detection | None = None) -> Availability:
         )
     if spec.presents_as_cuda and _is_nvidia():
         return Availability(False, f"{found.how}, but the CUDA device is NVIDIA's: use the triton or torch backend")
-    if not _device_usable(spec.device_type):
-        return Availability(False, f"{found.how}, but torch.{spec.device_type}.is_available() is False")
+    usable, why_not = _device_usable(spec.device_type)
+    if not usable:
+        return Availability(False, f"{found.how}, but {why_not}")
     return Availability(True, f"{found.how}; {spec.device_type} device available", (spec.device_type,))
 
 
@@ -167,7 +173,7 @@ def vendor_triton_usable(spec: VendorSpec, stand_in: bool) -> bool:
     the whole process and fed device tensors. On the CPU stand-in the device is the CPU, so the interpreter is
     the stand-in's Triton, and the parity tests exercise the triton path of the vendor backends through it.
     """
-    if spec.triton_module is None or importlib.util.find_spec(spec.triton_module) is None:
+    if spec.triton_module is None or not is_installed(spec.triton_module)[0]:
         return False
     triton = registry().availability("triton")
     if stand_in:
@@ -181,6 +187,7 @@ def vendor_backend(spec: VendorSpec) -> Backend:
     The delegate of each op is decided when the ops load (it depends on what imports on this machine), so the
     `delegates` mapping is filled then; `glm5-hal info` shows it per op.
     """
+    _SPECS.append(spec)
     delegates: dict[str, str] = {}
     detected: list[Detection] = []  # the last probe's detection: load_ops runs right after a successful probe
 

@@ -7,6 +7,7 @@ import numpy as np
 from ops_reference.kv_cache import AUTO, dequantize_cache
 from ops_reference.norms import layer_norm
 from ops_reference.paged_cache import gather_keys, token_positions, token_sequences, write_cache
+from ops_reference.ranking import descending_nan_first
 from ops_reference.rope import rope
 
 
@@ -61,14 +62,15 @@ def indexer_logits(q_idx, weights, index_k_cache, block_table, seq_lens_k, cu_se
 def lightning_indexer(q_idx, weights, index_k_cache, block_table, seq_lens_k, cu_seqlens_q, topk, kv_cache_dtype=AUTO):
     """-> (indices int32 [T,topk], scores [T,topk]): the top-topk visible key positions per token, best first;
     equal scores rank by the lower key position (so the set is unique); when fewer keys are visible, all of them
-    and then -1 (score -inf)."""
+    and then -1 (score -inf). A NaN score ranks above every number, so a key scored NaN is picked first, with its
+    position and its NaN score (docs/ops.md "NaN")."""
     logits = indexer_logits(q_idx, weights, index_k_cache, block_table, seq_lens_k, cu_seqlens_q, kv_cache_dtype)
-    # A stable sort of the negated scores: ties keep position order (-0.0 and +0.0 compare equal).
-    order = np.argsort(-logits, axis=1, kind="stable")[:, :topk]
+    # Stable: equal scores (-0.0 and +0.0 included) and NaN with NaN keep position order.
+    order = descending_nan_first(logits)[:, :topk]
     scores = np.take_along_axis(logits, order, axis=1)
     if order.shape[1] < topk:  # a cache narrower than topk: pad the columns
         pad = topk - order.shape[1]
         order = np.pad(order, ((0, 0), (0, pad)))
         scores = np.pad(scores, ((0, 0), (0, pad)), constant_values=-np.inf)
-    indices = np.where(np.isfinite(scores), order, -1).astype(np.int32)
+    indices = np.where(scores == -np.inf, -1, order).astype(np.int32)  # -inf: not visible
     return indices, scores

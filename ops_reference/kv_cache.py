@@ -13,6 +13,11 @@ tile gets scale 1), stored as fp32; its codes are round_half_even(x / scale) in 
 the nearest float8_e4m3fn value, saturating at +-448; int8: clamped to [-127, 127]). The value a reader sees is
 code * scale (the fp32 scale). RoPE dims are stored as bf16 (round to nearest even) and read as they are.
 
+NaN and inf (docs/ops.md "NaN"): a tile holding NaN gets scale NaN, one holding +-inf (and no NaN) scale +inf;
+either stores codes 0, so every value of that tile reads NaN (0 * NaN, 0 * inf), as dynamic_quant's rows do.
+A RoPE value keeps its bf16 rounding: NaN reads NaN, +-inf and values past bf16's range read +-inf. The bytes of
+a NaN (scale or RoPE) are not fixed, only that it is a NaN.
+
 Everything here is NumPy: the e4m3 and bf16 roundings are written out from their bit layouts, so the reference
 does not depend on torch's casts (the tests check the two agree).
 """
@@ -148,9 +153,12 @@ def decode_int8(codes: np.ndarray) -> np.ndarray:
 
 
 def encode_bf16(x: np.ndarray) -> np.ndarray:
-    """bf16 bit patterns (uint16) of x rounded to nearest even (8 significant bits, fp32's exponent range)."""
-    value = _round_to_float(x, 7, -126, float(np.finfo(np.float32).max))
-    return (np.asarray(value, np.float32).view(np.uint32) >> 16).astype(np.uint16)
+    """bf16 bit patterns (uint16) of x rounded to nearest even (8 significant bits, fp32's exponent range); past
+    the largest bf16 value it rounds to +-inf, as IEEE rounding (and torch's cast) does; NaN stays NaN."""
+    value = _round_to_float(x, 7, -126, np.inf)
+    with np.errstate(over="ignore"):  # 2^128 (rounded up from past bf16's range) becomes inf in fp32
+        bits = np.asarray(value, np.float32).view(np.uint32)
+    return (bits >> 16).astype(np.uint16)
 
 
 def decode_bf16(bits: np.ndarray) -> np.ndarray:
@@ -163,10 +171,12 @@ def encode_rows(rows: np.ndarray, fmt: KVCacheFormat) -> np.ndarray:
     rows = np.asarray(rows, np.float64)
     n = rows.shape[0]
     tiles = rows[:, : fmt.quantized_dims].reshape(n, fmt.num_scales, TILE)  # [N, tiles, TILE]
-    amax = np.abs(tiles).max(axis=-1, initial=0.0)  # [N, tiles]; NaN propagates
+    amax = np.abs(tiles).max(axis=-1, initial=0.0)  # [N, tiles]; NaN propagates, inf gives inf
     scale = np.where(amax == 0, 1.0, amax / fmt.qmax).astype(np.float32)  # the stored scale ...
-    ratio = tiles / scale[..., None].astype(np.float64)  # ... is the one the codes are relative to
-    codes = encode_e4m3(ratio) if fmt.code == "e4m3" else encode_int8(ratio)
+    with np.errstate(invalid="ignore"):  # inf / inf in a non-finite tile, whose codes are 0 below anyway
+        ratio = tiles / scale[..., None].astype(np.float64)  # ... is the one the codes are relative to
+        codes = encode_e4m3(ratio) if fmt.code == "e4m3" else encode_int8(ratio)
+    codes = np.where(np.isfinite(scale)[..., None], codes, 0).astype(np.uint8)  # a NaN / inf tile: codes 0
     out = np.empty((n, fmt.row_bytes), np.uint8)
     out[:, : fmt.scales_offset] = codes.reshape(n, fmt.quantized_dims)
     out[:, fmt.scales_offset : fmt.rope_offset] = scale.astype("<f4").view(np.uint8).reshape(n, -1)

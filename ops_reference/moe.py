@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import numpy as np
 
+from ops_reference.ranking import descending_nan_first
+
 
 def _topk_desc(values: np.ndarray, k: int) -> np.ndarray:
-    """Indices of the k largest values of each row, largest first (ties: lower index first)."""
-    return np.argsort(-values, axis=-1, kind="stable")[..., :k]
+    """Indices of the k largest values of each row, largest first; NaN ranks above every number (docs/ops.md
+    "NaN"); ties, NaN with NaN included, go to the lower index."""
+    return descending_nan_first(values)[..., :k]
 
 
 def moe_gate(router_logits, bias, *, top_k, n_group, topk_group, routed_scaling_factor, norm_topk_prob, scoring):
@@ -66,9 +69,11 @@ def grouped_matmul(x_sorted, w, expert_offsets):
 def moe_combine(y_sorted, src_index, topk_weights):
     """-> out [T,D] = sum_j topk_weights[t,j] * (the row of y_sorted that came from assignment t*k + j)."""
     num_tokens, top_k = np.asarray(topk_weights).shape
-    by_assignment = np.zeros((num_tokens * top_k, np.asarray(y_sorted).shape[1]))
+    width = np.asarray(y_sorted).shape[1]
+    by_assignment = np.zeros((num_tokens * top_k, width))
     by_assignment[np.asarray(src_index, np.int64)] = y_sorted
-    return np.einsum("tkd,tk->td", by_assignment.reshape(num_tokens, top_k, -1), np.asarray(topk_weights, np.float64))
+    weights = np.asarray(topk_weights, np.float64)
+    return np.einsum("tkd,tk->td", by_assignment.reshape(num_tokens, top_k, width), weights)
 
 
 def silu(x: np.ndarray) -> np.ndarray:

@@ -41,7 +41,8 @@ def write_cache(
     """A copy of `cache` with rows[t] written to flat slot slot_mapping[t]; slot -1 is not written. A quantized
     cache (kv_cache_dtype one of ops_reference.kv_cache.FORMATS, uint8 rows) gets the rows encoded."""
     fmt = cache_format(kv_cache_dtype)
-    new = np.array(cache, np.float64 if fmt is None else np.uint8, copy=True)
+    # C order: `flat` below must be a view of it (a column-major cache's writes are kept).
+    new = np.array(cache, np.float64 if fmt is None else np.uint8, copy=True, order="C")
     flat = new.reshape(-1, new.shape[-1])
     slots = np.asarray(slot_mapping, np.int64)
     keep = slots >= 0

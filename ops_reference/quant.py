@@ -7,12 +7,16 @@ import numpy as np
 
 def dynamic_quant(x):
     """-> (q int8 [...,K], scale [...]): symmetric per token, scale = max|x| / 127 (1 for a zero row),
-    q = clamp(round_half_even(x / scale), -127, 127)."""
+    q = clamp(round_half_even(x / scale), -127, 127). A row holding NaN or +-inf gets scale max|x| / 127 (NaN,
+    or inf) and codes 0: int8 has no NaN, and the non-finite scale carries it into everything computed from the
+    row (docs/ops.md "NaN")."""
     x = np.asarray(x, np.float64)
-    amax = np.abs(x).max(axis=-1)
-    scale = np.where(amax > 0, amax / 127.0, 1.0)
-    q = np.clip(np.rint(x / scale[..., None]), -127, 127).astype(np.int8)
-    return q, scale
+    amax = np.abs(x).max(axis=-1)  # NaN if the row holds one
+    scale = np.where(amax == 0, 1.0, amax / 127.0)
+    finite = np.isfinite(scale)
+    with np.errstate(invalid="ignore"):
+        codes = np.clip(np.rint(x / scale[..., None]), -127, 127)
+    return np.where(finite[..., None], codes, 0).astype(np.int8), scale
 
 
 def int_matmul(a_q: np.ndarray, b_q: np.ndarray) -> np.ndarray:
@@ -38,7 +42,7 @@ def pack_int4(w_q: np.ndarray) -> np.ndarray:
 def unpack_int4(w_packed: np.ndarray) -> np.ndarray:
     """uint8 [N,K/2] -> int8 [N,K] in [-8,7] (inverse of pack_int4)."""
     b = np.asarray(w_packed, np.int64)
-    nibbles = np.stack([b & 0xF, b >> 4], axis=-1).reshape(*b.shape[:-1], -1)
+    nibbles = np.stack([b & 0xF, b >> 4], axis=-1).reshape(*b.shape[:-1], 2 * b.shape[-1])
     return np.where(nibbles >= 8, nibbles - 16, nibbles).astype(np.int8)
 
 
@@ -48,7 +52,7 @@ def w4a8_matmul(x_q, x_scale, w_packed, w_scale, group_size=None):
     w_q = unpack_int4(w_packed)
     k = w_q.shape[1]
     group = k if group_size is None else group_size
-    w_scale = np.asarray(w_scale, np.float64).reshape(w_q.shape[0], -1)  # [N, K/g]
+    w_scale = np.asarray(w_scale, np.float64).reshape(w_q.shape[0], k // group)  # [N, K/g]
     y = np.zeros((np.asarray(x_q).shape[0], w_q.shape[0]))
     for g in range(k // group):
         cols = slice(g * group, (g + 1) * group)
@@ -66,7 +70,8 @@ def quantize_weight_int4(w: np.ndarray, group_size: int | None = None) -> tuple[
     w_scale [N] or [N, K/g]), scale = max|w| / 7 over the group (1 for zeros), codes clamped to [-8, 7]."""
     w = np.asarray(w, np.float64)
     n, k = w.shape
-    grouped = w.reshape(n, -1, k if group_size is None else group_size)
+    group = k if group_size is None else group_size
+    grouped = w.reshape(n, k // group, group)
     amax = np.abs(grouped).max(axis=-1)
     scale = np.where(amax > 0, amax / 7.0, 1.0)
     codes = np.clip(np.rint(grouped / scale[..., None]), -8, 7).reshape(n, k)

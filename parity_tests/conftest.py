@@ -10,6 +10,12 @@ from __future__ import annotations
 
 import os
 
+# numpy's BLAS runs the Triton interpreter's dots (tl.dot is np.matmul on one tile of at most 512 x 512): too small
+# for BLAS threads to pay off, and on a CPU shared with other jobs their spin-waits made the interpreted GEMMs at
+# real model dims 3-5x slower (measured on a busy 2-core machine). OpenBLAS reads this when numpy loads: set it
+# before anything imports numpy; an explicit setting wins.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
 import pytest
 
 from backends.triton.runtime import use_interpreter_if_no_gpu

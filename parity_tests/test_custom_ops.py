@@ -8,19 +8,15 @@ import torch
 import glm5_hal
 from glm5_hal.kv_formats import OP_CACHE
 from glm5_hal.parity.cases import cases_for
-from glm5_hal.parity.runner import case_generator
+from glm5_hal.parity.runner import case_generator, custom_op_arguments
 from glm5_hal.registry import OP_NAMES
-
-# Defaults the public wrappers fill in before calling the custom op.
-_DEFAULTS = {"eps": 1e-6, "kv_cache_dtype": "auto"}
 
 
 def _op_args(op: str, *, quantized: bool = False) -> tuple:
     """The arguments of the op's first quick case with a float cache (or, `quantized`, with a quantized one)."""
     built = (c.build(case_generator(c, torch.float32, seed=7), torch.float32) for c in cases_for(op, quick=True))
     inputs = next(i for i in built if ("kv_cache_dtype" in i) == quantized)
-    schema = getattr(torch.ops.glm5_hal, op).default._schema
-    return tuple(inputs.get(a.name, _DEFAULTS.get(a.name)) for a in schema.arguments)
+    return custom_op_arguments(op, inputs)
 
 
 @pytest.mark.parametrize("op", OP_NAMES)

@@ -19,7 +19,7 @@ import torch
 import glm5_hal
 from glm5_hal.checks import accumulation_dtype
 from glm5_hal.parity.cases import Case, cases_for
-from glm5_hal.parity.runner import case_generator
+from glm5_hal.parity.runner import case_generator, custom_op_arguments
 from glm5_hal.parity.specs import SPECS
 from glm5_hal.registry import ANY_DEVICE, OP_NAMES, Availability, Backend, registry
 from glm5_hal.selection import ENV_BACKEND, ENV_OP_BACKENDS, Float64UnsupportedError, use_backend
@@ -86,13 +86,6 @@ def test_fp32_by_contract_outputs_follow_accumulation_dtype(op: str, dtype: torc
         assert outputs[name].dtype == accumulation_dtype(dtype), f"{op}: {name} is {outputs[name].dtype}"
 
 
-def _schema_args(op: str, inputs: dict) -> tuple:
-    """`inputs` in the custom op's schema order (what the public wrapper passes to torch.ops.glm5_hal.<op>)."""
-    schema = getattr(torch.ops.glm5_hal, op).default._schema
-    defaults = {"eps": 1e-6, "kv_cache_dtype": "auto"}  # filled in by the public wrappers
-    return tuple(inputs.get(a.name, defaults.get(a.name)) for a in schema.arguments)
-
-
 @pytest.mark.parametrize("op", FLOAT_OPS)
 def test_fake_implementations_agree_in_fp64(op: str) -> None:
     # test_faketensor compares the fake's output dtypes and shapes with the real (reference) outputs.
@@ -100,7 +93,7 @@ def test_fake_implementations_agree_in_fp64(op: str) -> None:
     with use_backend("reference", ops=[op], strict=True):
         torch.library.opcheck(
             getattr(torch.ops.glm5_hal, op).default,
-            _schema_args(op, build(case, torch.float64)),
+            custom_op_arguments(op, build(case, torch.float64)),
             test_utils=("test_schema", "test_faketensor"),
         )
 

@@ -21,9 +21,10 @@ import torch
 
 import glm5_hal
 import ops_reference as ref
+from fakes.ascend.fixture import fake_torch_npu_fixture, torch_npu_schemas_fixture  # noqa: F401 (pytest fixtures)
 from glm5_hal.cli import main
 from glm5_hal.config import DEEPSEEK_V32, GLM5, GLM5_MINI
-from glm5_hal.kv_formats import FORMATS, KVCacheFormatUnsupportedError, decode_rows, encode_rows
+from glm5_hal.kv_formats import FORMATS, TILE, KVCacheFormatUnsupportedError, decode_rows, encode_rows
 from glm5_hal.parity.cases import cases_for
 from glm5_hal.parity.runner import case_generator
 from glm5_hal.registry import Availability, Backend, registry
@@ -67,6 +68,9 @@ def test_numpy_e4m3_rounding_is_torchs_bit_for_bit():
 def test_numpy_bf16_rounding_is_torchs_bit_for_bit():
     rng = np.random.default_rng(4)
     x = (rng.standard_normal(200_000) * np.exp2(rng.integers(-60, 60, 200_000))).astype(np.float32)
+    # ... and past bf16's largest value (3.3895e38): rounding to nearest even overflows to +-inf from the midpoint.
+    edge = np.array([3.3895e38, 3.39e38, 3.3961e38, 3.3962e38, 3.4e38, np.finfo(np.float32).max, np.inf], np.float32)
+    x = np.concatenate([x, edge, -edge])
     want = torch.from_numpy(x).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
     assert np.array_equal(encode_bf16(x.astype(np.float64)), want)
 
@@ -369,3 +373,182 @@ def test_the_write_judge_catches_wrong_bytes():
     rope_off = after.copy()
     rope_off[7, 528:] = np.roll(after[7, 528:].reshape(-1, 2), 1, axis=0).reshape(-1)  # RoPE values shifted
     assert not judge(rope_off)
+
+
+# ----------------------------------------------------------------------------------------------- NaN and inf
+def _rows_with_nan_and_inf(fmt, gen: torch.Generator) -> torch.Tensor:
+    """fp32 rows [4, width]: row 0's first tile holds a NaN, row 1's an inf, row 2's a -inf and a NaN, row 3 is
+    finite; a latent row 0 also holds +inf / -inf in its second / third tile and NaN, +-inf and a value past
+    bf16's range (rounds to inf) in its RoPE dims."""
+    rows = torch.randn(4, fmt.width, generator=gen)
+    rows[0, 5] = float("nan")
+    rows[1, 100] = float("inf")
+    rows[2, 7], rows[2, 8] = float("-inf"), float("nan")
+    if fmt.num_scales > 1:
+        rows[0, 130], rows[0, 300] = float("inf"), float("-inf")
+        rows[0, fmt.quantized_dims : fmt.quantized_dims + 4] = torch.tensor([float("nan"), float("inf"), -1e39, 3.4e38])
+    return rows
+
+
+def _encoders() -> dict:
+    encoders = {
+        "reference": lambda rows, fmt: torch.from_numpy(ref.encode_rows(rows.double().numpy(), fmt)),
+        "torch": encode_rows,
+    }
+    if registry().availability("triton").available:
+        from backends.triton.quantized_cache import quantize_into_cache
+
+        def triton_encode(rows, fmt):
+            cache = torch.zeros(rows.shape[0], 1, fmt.row_bytes, dtype=torch.uint8)
+            quantize_into_cache(rows, cache, torch.arange(rows.shape[0]), fmt)
+            return cache[:, 0]
+
+        encoders["triton"] = triton_encode
+    return encoders
+
+
+@pytest.mark.parametrize("encoder", ["reference", "torch", "triton"])
+@pytest.mark.parametrize("fmt", FORMATS.values(), ids=lambda f: f.name)
+def test_a_nan_or_inf_tile_stores_codes_0_and_a_nan_or_inf_scale(encoder, fmt):
+    """ops_reference.kv_cache "NaN and inf": scale NaN (a tile with NaN) or +inf (with +-inf), codes 0, so the
+    whole tile reads NaN; RoPE values keep their bf16 rounding (NaN, +-inf, and +-inf past bf16's range)."""
+    if encoder not in _encoders():
+        pytest.skip("triton unavailable")
+    rows = _rows_with_nan_and_inf(fmt, torch.Generator().manual_seed(11))
+    stored = _encoders()[encoder](rows, fmt).numpy()
+    codes = stored[:, : fmt.scales_offset].reshape(4, fmt.num_scales, 128)
+    scales = np.ascontiguousarray(stored[:, fmt.scales_offset : fmt.rope_offset]).view("<f4")
+    nan_tiles = [(0, 0), (2, 0)]
+    inf_tiles = [(1, 0)] + ([(0, 1), (0, 2)] if fmt.num_scales > 1 else [])
+    for row, tile in nan_tiles + inf_tiles:
+        assert (codes[row, tile] == 0).all(), f"row {row} tile {tile}: codes {np.unique(codes[row, tile])}"
+    assert all(np.isnan(scales[r, t]) for r, t in nan_tiles)
+    assert all(scales[r, t] == np.inf for r, t in inf_tiles)
+    values = ref.decode_rows(stored, fmt)
+    for row, tile in nan_tiles + inf_tiles:
+        assert np.isnan(values[row, tile * 128 : (tile + 1) * 128]).all()
+    assert np.isfinite(values[3]).all()
+    if fmt.rope_dims:
+        rope = values[0, fmt.quantized_dims : fmt.quantized_dims + 4]
+        assert np.isnan(rope[0]) and rope[1:].tolist() == [np.inf, -np.inf, np.inf]
+    # The finite parts are the reference's bytes (up to a code at an fp32 boundary tie).
+    want = ref.encode_rows(rows.double().numpy(), fmt)
+    finite_tiles = np.isfinite(scales)
+    assert (codes[finite_tiles] != want[:, : fmt.scales_offset].reshape(4, -1, 128)[finite_tiles]).sum() <= 2
+
+
+def test_the_write_judge_holds_nan_and_inf_tiles_to_the_rule():
+    from glm5_hal.parity.quantized_cache import compare_quantized_cache
+
+    fmt = FORMATS["fp8_ds_mla"]
+    rows = _rows_with_nan_and_inf(fmt, torch.Generator().manual_seed(12)).double().numpy()
+    slots = np.arange(4)
+    before = np.zeros((4, 1, fmt.row_bytes), np.uint8)
+    stored = ref.encode_rows(rows, fmt)
+
+    def judge(data: np.ndarray) -> bool:
+        out = torch.from_numpy(data.reshape(before.shape))
+        return compare_quantized_cache("kv_cache", out, before, rows, stored, slots, fmt, torch.float32).passed
+
+    assert judge(stored)
+    nan_code = stored.copy()
+    nan_code[0, 3] = 0x7F  # a NaN code in the NaN tile instead of 0
+    assert not judge(nan_code)
+    finite_scale = stored.copy()
+    finite_scale[1, 512:516] = np.frombuffer(np.float32(1.0).tobytes(), np.uint8)  # the inf tile's scale
+    assert not judge(finite_scale)
+    rope = stored.copy()
+    rope[0, 528:530] = 0  # the NaN RoPE value stored as 0.0
+    assert not judge(rope)
+
+
+def _nan_and_inf_writes(op: str, inputs: dict) -> None:
+    """NaN into one tile of every written row and inf into another: through the norm weight, which scales one dim
+    of every token's normalised row (a latent row: dim 5 NaN, dim 200 inf; an index key: dim 100 inf)."""
+    if op == "mla_prolog":
+        inputs["gamma_ckv"][5], inputs["gamma_ckv"][200] = float("nan"), float("inf")
+    else:
+        inputs["k_norm_weight"][100] = float("inf")
+
+
+@pytest.mark.parametrize("backend", [*READER_BACKENDS, "ascend"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("kv_cache_dtype", list(FORMATS))
+def test_prologs_write_nan_and_inf_tiles_by_the_rule(backend, dtype, kv_cache_dtype, request):
+    """Every backend's writer (ascend on the strict torch_npu fake: its kernels' rows, then the shared encoder)."""
+    from glm5_hal.parity.quantized_cache import with_quantized_cache
+    from glm5_hal.parity.runner import run_inputs
+
+    if backend == "ascend":
+        request.getfixturevalue("fake_torch_npu")
+    _backend(backend)
+    op = "mla_prolog" if FORMATS[kv_cache_dtype].cache == "latent" else "indexer_prolog"
+    case = with_quantized_cache(next(c for c in cases_for(quick=True) if c.op == op), kv_cache_dtype)
+    inputs = case.build(case_generator(case, dtype, seed=13), dtype)
+    _nan_and_inf_writes(op, inputs)
+    result = run_inputs(op, inputs, backend, dtype, name=case.name)
+    assert result.passed, result.detail
+
+
+@pytest.mark.parametrize("kv_cache_dtype", list(FORMATS))
+def test_onnx_graphs_write_nan_and_inf_tiles_by_the_rule(kv_cache_dtype):
+    """The exported writer, run by onnxruntime, stores the rule's bytes."""
+    pytest.importorskip("onnxruntime", reason="the onnx extra is not installed: pip install glm5-hal[onnx]")
+    from glm5_hal.onnx_export import contract_outputs, export_like
+    from glm5_hal.onnx_export.runtime import run, session
+    from glm5_hal.parity.quantized_cache import with_quantized_cache
+    from glm5_hal.parity.specs import SPECS
+
+    fmt = FORMATS[kv_cache_dtype]
+    op = "mla_prolog" if fmt.cache == "latent" else "indexer_prolog"
+    case = with_quantized_cache(next(c for c in cases_for(quick=True) if c.op == op), kv_cache_dtype)
+    inputs = case.build(case_generator(case, torch.float32, seed=14), torch.float32)
+    _nan_and_inf_writes(op, inputs)
+    produced = contract_outputs(run(session(export_like(op, inputs)), inputs))
+    spec = SPECS[op]
+    verdicts = spec.judge(
+        inputs, {n: torch.from_numpy(produced[n]) for n in spec.output_names + spec.mutated}, torch.float32
+    )
+    assert all(v.passed for v in verdicts), [v for v in verdicts if not v.passed]
+
+
+def _nan_scales(inputs: dict, name: str, fmt) -> None:
+    """The bytes a writer stores for a tile holding NaN / inf: every third slot's first tile gets scale NaN, every
+    fifth slot's last tile scale +inf, both with codes 0."""
+    rows = inputs[name].view(-1, fmt.row_bytes)
+    rows[::3, :TILE] = 0
+    rows[::3, fmt.scales_offset : fmt.scales_offset + 4] = torch.tensor([float("nan")]).view(torch.uint8)
+    rows[::5, fmt.scales_offset - TILE : fmt.scales_offset] = 0
+    rows[::5, fmt.rope_offset - 4 : fmt.rope_offset] = torch.tensor([float("inf")]).view(torch.uint8)
+
+
+@pytest.mark.parametrize("backend", [*READER_BACKENDS, "onnxruntime"])
+@pytest.mark.parametrize("op", ["indexer_logits", "lightning_indexer", "sparse_flash_attention"])
+def test_readers_propagate_nan_and_inf_scales_as_the_reference(backend, op):
+    """A NaN / inf scale (a tile written with NaN / inf) reads NaN where its codes are 0 and +-inf elsewhere: every
+    backend's outputs are the reference's, NaN positions included (docs/ops.md "NaN")."""
+    from glm5_hal.parity.quantized_cache import with_quantized_cache
+    from glm5_hal.parity.runner import run_inputs
+    from glm5_hal.parity.specs import SPECS
+
+    kv_cache_dtype = "int8_mla" if op == "sparse_flash_attention" else "fp8_index"
+    fmt = FORMATS[kv_cache_dtype]
+    case = with_quantized_cache(next(c for c in cases_for(quick=True) if c.op == op), kv_cache_dtype)
+    inputs = case.build(case_generator(case, torch.float32, seed=15), torch.float32)
+    name = "kv_cache" if fmt.cache == "latent" else "index_k_cache"
+    _nan_scales(inputs, name, fmt)
+    outputs = SPECS[op].reference({k: v for k, v in inputs.items()})
+    assert any(np.isnan(v).any() for v in outputs.values()), "no output reads a NaN scale: the test is void"
+    if backend != "onnxruntime":
+        result = run_inputs(op, inputs, _backend(backend), torch.float32, name=case.name)
+        assert result.passed, result.detail
+        return
+    pytest.importorskip("onnxruntime", reason="the onnx extra is not installed: pip install glm5-hal[onnx]")
+    from glm5_hal.onnx_export import contract_outputs, export_like
+    from glm5_hal.onnx_export.runtime import run, session
+
+    produced = contract_outputs(run(session(export_like(op, inputs)), inputs))
+    spec = SPECS[op]
+    got = {n: torch.from_numpy(produced[n]) for n in spec.output_names + spec.mutated if n in produced}
+    verdicts = spec.judge(inputs, got, torch.float32)
+    assert all(v.passed for v in verdicts), [v for v in verdicts if not v.passed]

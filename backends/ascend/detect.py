@@ -11,13 +11,12 @@ behind my back"; the probe respects that and then only uses a torch_npu the user
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import os
 import re
 import sys
 from types import ModuleType
 
+from glm5_hal.probing import call_bounded, describe_exception, import_bounded, is_installed
 from glm5_hal.registry import Availability
 
 MODULE = "torch_npu"
@@ -33,12 +32,10 @@ _MISSING_LIBRARY = re.compile(r"(lib[\w+.-]*?\.so(?:\.\d+)*)\s*:\s*cannot open s
 
 def describe_import_failure(exc: BaseException) -> str:
     """The reason shown by `glm5-hal info` when `import torch_npu` raised `exc`."""
-    message = str(exc)
-    missing = _MISSING_LIBRARY.search(message)
+    missing = _MISSING_LIBRARY.search(str(exc))
     if missing:
         return f"torch_npu import failed: {missing.group(1)} not found; {CANN_HINT}"
-    first_line = message.strip().splitlines()[0] if message.strip() else ""
-    return f"torch_npu import failed: {type(exc).__name__}: {first_line}"
+    return f"torch_npu import failed: {describe_exception(exc)}"
 
 
 def autoload_disabled() -> bool:
@@ -46,27 +43,27 @@ def autoload_disabled() -> bool:
 
 
 def import_torch_npu() -> tuple[ModuleType | None, str]:
-    """(the torch_npu module, "") or (None, why not). Never raises."""
+    """(the torch_npu module, "") or (None, why not). Never raises, and never waits longer than the probe bound
+    (glm5_hal.probing): a torch_npu whose import hangs on the driver is a "timed out" reason."""
     if MODULE in sys.modules:
         module = sys.modules[MODULE]
         if module is None:
             return None, "torch_npu import is blocked (sys.modules['torch_npu'] is None)"
         return module, ""
-    try:
-        spec = importlib.util.find_spec(MODULE)
-    except Exception as exc:  # a broken finder or a half-installed package
-        return None, describe_import_failure(exc)
-    if spec is None:
-        return None, "torch_npu is not installed (pip install torch-npu, the build matching your torch and CANN)"
+    installed, why_not = is_installed(MODULE)
+    if not installed:
+        if why_not.endswith("is not installed"):
+            return None, "torch_npu is not installed (pip install torch-npu, the build matching your torch and CANN)"
+        return None, why_not
     if autoload_disabled():
         return None, (
             f"torch_npu is installed but not imported, and {ENV_AUTOLOAD}=0 forbids loading it implicitly; "
             f"`import torch_npu` before using glm5_hal, or unset {ENV_AUTOLOAD}"
         )
-    try:
-        return importlib.import_module(MODULE), ""
-    except Exception as exc:  # CANN missing: ImportError/OSError from loading torch_npu._C
-        return None, describe_import_failure(exc)
+    imported = import_bounded(MODULE)  # CANN missing: ImportError/OSError from loading torch_npu._C
+    if imported.error is not None:
+        return None, describe_import_failure(imported.error)
+    return imported.value, imported.reason
 
 
 def _visible_npus(module: ModuleType) -> tuple[int, str]:
@@ -74,12 +71,9 @@ def _visible_npus(module: ModuleType) -> tuple[int, str]:
     npu = getattr(module, "npu", None)
     if npu is None or not hasattr(npu, "is_available"):
         return 0, "torch_npu has no torch_npu.npu.is_available(); is this a real torch_npu?"
-    try:
-        if not npu.is_available():
-            return 0, ""
-        return int(npu.device_count()), ""
-    except Exception as exc:  # the driver is present but unusable
-        return 0, f"torch_npu.npu.is_available() raised {type(exc).__name__}: {exc}"
+    # Bounded and never raising: a present but unusable driver may raise, or hang.
+    outcome = call_bounded(lambda: int(npu.device_count()) if npu.is_available() else 0, "torch_npu.npu.is_available()")
+    return (0, outcome.reason) if outcome.reason else (int(outcome.value), "")
 
 
 def probe() -> Availability:

@@ -14,7 +14,7 @@ ops_reference in parity_tests/test_ascend_adapters.py.
     src_index (row r came from assignment a)   <->  sorted_indices (assignment a sits in row r): the inverse
     softmax_max, softmax_sum [N2, T, H/N2]      ->  natural-log lse [T, H], -inf for a row with no valid key
     w_packed uint8 [N, K/2] (even k low nibble) ->  int4 values as int32 [N, K] (npu_convert_weight_to_int4pack)
-    dynamic-quant scale 0 (all-zero row)        ->  scale 1, codes 0
+    dynamic-quant scale 0 (all-zero row)        ->  scale 1, codes 0 (codes 0 as well for a NaN / inf scale)
 """
 
 from __future__ import annotations
@@ -108,10 +108,11 @@ def gathered_rows(
 def natural_lse(softmax_max: Tensor, softmax_sum: Tensor) -> Tensor:
     """[N2, T, G] row max and sum of exp(score - max) -> [T, N2 * G] fp32 natural-log logsumexp.
 
-    A row whose sum is 0 (no valid key) gets -inf, the log of an empty sum, whatever the kernel left in its max.
+    A row whose sum is 0 (no valid key) gets -inf, the log of an empty sum, whatever the kernel left in its max; a
+    NaN sum (a NaN score) stays NaN (docs/ops.md "NaN").
     """
     lse = softmax_max.to(torch.float32) + torch.log(softmax_sum.to(torch.float32))
-    lse = torch.where(softmax_sum > 0, lse, torch.full_like(lse, float("-inf")))
+    lse = torch.where(softmax_sum == 0, torch.full_like(lse, float("-inf")), lse)
     return lse.permute(1, 0, 2).reshape(lse.shape[1], -1)
 
 
@@ -145,10 +146,12 @@ def int4_values(w_packed: Tensor) -> Tensor:
 
 
 def contract_quant_scale(q: Tensor, scale: Tensor) -> tuple[Tensor, Tensor]:
-    """Per-token int8 codes and scales from npu_dynamic_quant -> the contract's zero-row rule.
+    """Per-token int8 codes and scales from npu_dynamic_quant -> the contract's zero-row and NaN rules.
 
     The kernel computes scale = max|x| / 127, which is 0 for an all-zero row (its codes are then undefined); the
-    contract gives such a row scale 1 and codes 0. q: [..., K] int8; scale: [...] fp32.
+    contract gives such a row scale 1 and codes 0. A row holding NaN or inf has a non-finite scale, and the
+    contract gives it codes 0 whatever the kernel wrote (docs/ops.md "NaN"). q: [..., K] int8; scale: [...] fp32.
     """
     zero = scale == 0
-    return q.masked_fill(zero[..., None], 0), torch.where(zero, torch.ones_like(scale), scale)
+    undefined = zero | ~torch.isfinite(scale)
+    return q.masked_fill(undefined[..., None], 0), torch.where(zero, torch.ones_like(scale), scale)

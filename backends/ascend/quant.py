@@ -69,8 +69,12 @@ def w4a8_unsupported(x_q: Tensor, w_packed: Tensor, group_size: int | None, out_
     n = w_packed.shape[0]
     if out_dtype not in QUANT_MATMUL_OUT:
         return "npu_weight_quant_batchmatmul outputs the activation dtype (bf16/fp16), not fp32"
-    if k % 8 or k > MAX_INNER or n > MAX_INNER or m == 0:
-        return "npu_convert_weight_to_int4pack needs K a multiple of 8; K, N <= 65535"
+    if k % 8 or k > MAX_INNER or n > MAX_INNER or m == 0 or n == 0:
+        return "npu_convert_weight_to_int4pack needs K a multiple of 8; K, N <= 65535 (and rows to multiply)"
+    if k == 8 or n == 1:
+        # The kernel tells its (K/8, N) transposed weight from a (K, N/8) one by the strides, and a view with a
+        # dim of 1 is both.
+        return "a packed int4 weight with K = 8 or N = 1 is ambiguous to npu_weight_quant_batchmatmul"
     if group_size is not None and (group_size % 32 or not 32 <= group_size < k):
         return (
             f"npu_weight_quant_batchmatmul takes per-group sizes that are multiples of 32 in [32, K), got {group_size}"

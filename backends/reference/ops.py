@@ -27,8 +27,9 @@ def _host(t: Tensor | None) -> np.ndarray | None:
 
 
 def _back(a: np.ndarray, like: Tensor, dtype: torch.dtype | None = None) -> Tensor:
-    """`a` as a tensor on `like`'s device, in `dtype` (default: like's dtype)."""
-    return torch.from_numpy(np.ascontiguousarray(a)).to(device=like.device, dtype=dtype or like.dtype)
+    """`a` as a tensor on `like`'s device, in `dtype` (default: like's dtype); 0-d arrays stay 0-d (a per-token
+    scale of a 1-D input is a scalar), unlike np.ascontiguousarray's."""
+    return torch.from_numpy(np.require(a, requirements="C")).to(device=like.device, dtype=dtype or like.dtype)
 
 
 def _write_back(cache: Tensor, new_cache: np.ndarray) -> None:

@@ -166,8 +166,10 @@ def lightning_indexer(
     for start in batch.token_tiles():
         tile = row_logits[: min(batch.token_tile, num_tokens - start)]
         batch.row_logits(start, tile)
-        best, columns = topk_lower_position_ties(tile, ranked)  # sorted, so invisible (-inf) keys come last
+        # Sorted: NaN scores first (ranked above every number, as the contract says), equal scores by the lower
+        # position, invisible (-inf) keys last.
+        best, columns = topk_lower_position_ties(tile, ranked)
         rows = slice(start, start + tile.shape[0])
         scores[rows, :ranked] = best
-        indices[rows, :ranked] = torch.where(torch.isfinite(best), columns, -1).to(torch.int32)
+        indices[rows, :ranked] = torch.where(best == float("-inf"), -1, columns).to(torch.int32)
     return indices, scores

@@ -16,9 +16,10 @@ from backends.torch_eager.primitives import COMPUTE_DTYPE
 
 
 def _descending_order(values: Tensor, k: int) -> Tensor:
-    """[..., k] int64 indices of the k largest values per row, largest first, ties to the lower index (the
-    reference's rule; torch.topk leaves tie order unspecified)."""
-    return torch.sort(values, dim=-1, descending=True, stable=True).indices[..., :k]
+    """[..., k] int64 indices (contiguous) of the k largest values per row, largest first, NaN first, ties to the
+    lower index (the reference's rule: torch's sort ranks NaN above every number; torch.topk leaves tie order
+    unspecified)."""
+    return torch.sort(values, dim=-1, descending=True, stable=True).indices[..., :k].contiguous()
 
 
 def moe_gate(

@@ -32,14 +32,16 @@ def dynamic_quant(x: Tensor) -> tuple[Tensor, Tensor]:
     """Symmetric per-token int8 (validated by glm5_hal.dynamic_quant).
 
     x: [..., K] bf16/fp16/fp32. Returns (q [..., K] int8 = clamp(round_half_even(x / scale), -127, 127),
-    scale [...] fp32 = max|x| / 127, 1 for an all-zero row).
+    scale [...] fp32 = max|x| / 127, 1 for an all-zero row). A row holding NaN or inf gets scale NaN or inf and
+    codes 0 (docs/ops.md "NaN").
     """
-    x32 = x.to(COMPUTE_DTYPE)
-    amax = x32.abs().amax(dim=-1)
-    scale = torch.where(amax > 0, amax / QMAX_INT8, torch.ones_like(amax))
+    x32 = x.to(COMPUTE_DTYPE).contiguous()  # the codes follow x32's layout; outputs are contiguous
+    amax = x32.abs().amax(dim=-1)  # NaN if the row holds one
+    scale = torch.where(amax == 0, torch.ones_like(amax), amax / QMAX_INT8)
     # Divide (as the reference does) rather than multiply by 1 / scale: the reciprocal adds a second rounding that
     # moves x / scale across a .5 boundary more often. torch.round rounds half to even.
-    q = torch.round(x32 / scale[..., None]).clamp_(-QMAX_INT8, QMAX_INT8).to(torch.int8)
+    codes = torch.round(x32 / scale[..., None]).clamp_(-QMAX_INT8, QMAX_INT8)
+    q = codes.masked_fill_(~torch.isfinite(scale)[..., None], 0).to(torch.int8)
     return q, scale
 
 

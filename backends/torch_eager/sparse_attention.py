@@ -56,8 +56,11 @@ def sparse_flash_attention(
         tokens = slice(start, start + token_tile)
         idx = indices[tokens].to(torch.int64)  # [t, topk]
         valid = (idx >= 0) & (idx < key_limit[tokens, None])  # [t, topk]
-        slots = key_slots(block_table, seqs[tokens], idx, block_size)  # [t, topk]
-        kv = read_rows(gather_rows(rows, slots))  # [t, topk, D]: gathered and decoded once, shared by all heads
+        # An invalid key's table entry may be padding (any value): read slot 0 for it instead, and zero its row
+        # after decoding, so that neither its address nor its contents (NaN in an unused slot, any bytes of a
+        # quantized row) can reach the output.
+        slots = torch.where(valid, key_slots(block_table, seqs[tokens], idx, block_size), 0)  # [t, topk]
+        kv = read_rows(gather_rows(rows, slots)).masked_fill_(~valid[..., None], 0.0)  # [t, topk, D], all heads
 
         scores = gemm.logits.bmm(q[tokens], kv.transpose(1, 2)).mul_(sm_scale)  # [t, H, topk] fp32
         scores.masked_fill_(~valid[:, None, :], float("-inf"))

@@ -24,7 +24,7 @@ import triton.language as tl
 from torch import Tensor
 
 from backends.triton.quant import cast_for_store
-from backends.triton.runtime import interpreting
+from backends.triton.runtime import interpreting, unit_stride_arguments
 from glm5_hal.ops.quant import hadamard_base_size
 
 
@@ -90,6 +90,7 @@ def _base_matrix(base: int, device: torch.device) -> Tensor:
     return torch.as_tensor(hadamard_matrix(base), dtype=torch.float32).to(device).contiguous()
 
 
+@unit_stride_arguments()
 def hadamard_transform(x: Tensor, *, scale: float | None = None) -> Tensor:
     """x [..., n] (bf16/fp16/fp32, n = K * 2^m) -> scale * x @ kron(H_K, H_{2^m})^T, x's dtype, fp32 math;
     scale None = 1 / sqrt(n) (orthonormal)."""

@@ -27,8 +27,8 @@ import triton.language as tl
 from torch import Tensor
 
 from backends.triton.quantized_cache import code_of, index_key_scale, layout_of, load_index_codes, needs_copy
-from backends.triton.runtime import DOT_UPCAST, interpreting
-from backends.triton.sparse_attention import key_slots, token_sequence
+from backends.triton.runtime import DOT_UPCAST, interpreting, unit_stride_arguments
+from backends.triton.sparse_attention import key_rows, token_sequence
 from glm5_hal.kv_formats import AUTO
 from glm5_hal.topk import topk_lower_position_ties
 
@@ -44,7 +44,7 @@ def _indexer_logits_kernel(
     # Pointers
     q_ptr,  # [T, HI, DI]
     weights_ptr,  # [T, HI] fp32
-    k_ptr,  # [num_blocks, BLOCK_SIZE, DI] (or uint8 rows of a format) as flat slots: row s at k_ptr + s * stride_k_slot
+    k_ptr,  # [num_blocks, BLOCK_SIZE, DI] (or a format's uint8 rows [.., .., row_bytes]), any block / slot strides
     block_table_ptr,  # [B, max_blocks] int32
     seq_lens_k_ptr,  # [B] int32
     cu_seqlens_q_ptr,  # [B+1] int32
@@ -62,6 +62,7 @@ def _indexer_logits_kernel(
     stride_qd,
     stride_wt,
     stride_wh,
+    stride_k_block,
     stride_k_slot,
     stride_kd,
     stride_bt_b,
@@ -96,17 +97,21 @@ def _indexer_logits_kernel(
             other=0.0,
         )
         w = tl.load(weights_ptr + token * stride_wt + heads * stride_wh, mask=head_ok, other=0.0)
-        slots = key_slots(block_table_ptr, stride_bt_b, seq, key_pos, max_blocks, BLOCK_SIZE)
-        key_rows = k_ptr + slots * stride_k_slot  # [BLOCK_S]
+        rows = key_rows(
+            block_table_ptr, stride_bt_b, seq, key_pos, max_blocks, stride_k_block, stride_k_slot, BLOCK_SIZE
+        )
+        row_ptrs = k_ptr + rows  # [BLOCK_S]
         key_mask = visible[:, None] & dim_ok[None, :]
-        keys = load_index_codes(key_rows[:, None], dims[None, :], key_mask, stride_kd, q.dtype, KEY_CODE)
+        keys = load_index_codes(row_ptrs[:, None], dims[None, :], key_mask, stride_kd, q.dtype, KEY_CODE)
         if DOT_UPCAST:
             q = q.to(tl.float32)
             keys = keys.to(tl.float32)
         # "ieee": fp32 operands must not be rounded to tf32 (fp32 parity is 1e-5); bf16/fp16 dots are unaffected.
         dots = tl.dot(q, tl.trans(keys), input_precision="ieee")  # [BLOCK_HI, BLOCK_S]
-        scores = tl.sum(tl.maximum(dots, 0.0) * w[:, None], axis=0)  # head reduction -> [BLOCK_S]
-        scores = index_key_scale(scores, key_rows, visible, KEY_CODE, KEY_SCALES_OFFSET)  # quantized keys' scales
+        # ReLU as a select, so NaN passes (tl.maximum may drop it: fmax on GPUs, nanmax in the interpreter).
+        relu = tl.where(dots < 0.0, 0.0, dots)
+        scores = tl.sum(relu * w[:, None], axis=0)  # head reduction -> [BLOCK_S]
+        scores = index_key_scale(scores, row_ptrs, visible, KEY_CODE, KEY_SCALES_OFFSET)  # quantized keys' scales
         tl.store(out_ptrs, tl.where(visible, scores, float("-inf")), mask=key_pos < width)
     else:  # the whole tile is in the token's future
         tl.store(out_ptrs, tl.full((BLOCK_S,), float("-inf"), tl.float32), mask=key_pos < width)
@@ -128,8 +133,6 @@ def _fill_logits(
     if num_rows == 0 or width == 0:
         return
     num_heads, head_dim = q_idx.shape[1], q_idx.shape[2]  # a quantized cache's rows are wider (row_bytes)
-    # The kernel reads these with unit element stride (they are tiny: a copy only for odd layouts).
-    block_table, seq_lens_k, cu_seqlens_q = (t.contiguous() for t in (block_table, seq_lens_k, cu_seqlens_q))
     block_s = _BLOCK_S
     _indexer_logits_kernel[(num_rows, triton.cdiv(width, block_s))](
         q_idx,
@@ -150,6 +153,7 @@ def _fill_logits(
         stride_qd=q_idx.stride(2),
         stride_wt=weights.stride(0),
         stride_wh=weights.stride(1),
+        stride_k_block=index_k_cache.stride(0),
         stride_k_slot=index_k_cache.stride(1),
         stride_kd=index_k_cache.stride(2),
         stride_bt_b=block_table.stride(0),
@@ -167,14 +171,12 @@ def _fill_logits(
     )
 
 
-def _flat_slot_cache(index_k_cache: Tensor, kv_cache_dtype: str) -> Tensor:
-    """The cache with rows addressable as flat slots (slot s at s * stride(1)); a copy only for odd layouts."""
-    flat = index_k_cache.stride(0) == index_k_cache.shape[1] * index_k_cache.stride(1)
-    if not flat or needs_copy(index_k_cache, kv_cache_dtype):
-        return index_k_cache.contiguous()
-    return index_k_cache
+def _readable_cache(index_k_cache: Tensor, kv_cache_dtype: str) -> Tensor:
+    """The cache as the kernel reads it: in place, or a copy where a quantized row's scale is misaligned."""
+    return index_k_cache.contiguous() if needs_copy(index_k_cache, kv_cache_dtype) else index_k_cache
 
 
+@unit_stride_arguments()
 def indexer_logits(
     q_idx: Tensor,
     weights: Tensor,
@@ -194,11 +196,12 @@ def indexer_logits(
     """
     width = block_table.shape[1] * index_k_cache.shape[1]
     logits = torch.empty((q_idx.shape[0], width), dtype=torch.float32, device=q_idx.device)
-    cache = _flat_slot_cache(index_k_cache, kv_cache_dtype)
+    cache = _readable_cache(index_k_cache, kv_cache_dtype)
     _fill_logits(logits, 0, q_idx, weights, cache, block_table, seq_lens_k, cu_seqlens_q, kv_cache_dtype)
     return logits
 
 
+@unit_stride_arguments()
 def lightning_indexer(
     q_idx: Tensor,
     weights: Tensor,
@@ -219,7 +222,7 @@ def lightning_indexer(
     num_tokens = q_idx.shape[0]
     width = block_table.shape[1] * index_k_cache.shape[1]
     device = q_idx.device
-    index_k_cache = _flat_slot_cache(index_k_cache, kv_cache_dtype)
+    index_k_cache = _readable_cache(index_k_cache, kv_cache_dtype)
     indices = torch.full((num_tokens, topk), -1, dtype=torch.int32, device=device)
     scores = torch.full((num_tokens, topk), float("-inf"), dtype=torch.float32, device=device)
     ranked = min(topk, width)  # columns past the cache width stay -1 / -inf from the fill above
@@ -230,8 +233,10 @@ def lightning_indexer(
     for start in range(0, num_tokens, token_tile):
         tile = logits[: min(token_tile, num_tokens - start)]
         _fill_logits(tile, start, q_idx, weights, index_k_cache, block_table, seq_lens_k, cu_seqlens_q, kv_cache_dtype)
-        best, columns = topk_lower_position_ties(tile, ranked)  # sorted: invisible (-inf) keys come last
+        # Sorted: NaN scores first (ranked above every number, as the contract says), equal scores by the lower
+        # position, invisible (-inf) keys last.
+        best, columns = topk_lower_position_ties(tile, ranked)
         rows = slice(start, start + tile.shape[0])
         scores[rows, :ranked] = best
-        indices[rows, :ranked] = torch.where(torch.isfinite(best), columns, -1).to(torch.int32)
+        indices[rows, :ranked] = torch.where(best == float("-inf"), -1, columns).to(torch.int32)
     return indices, scores

@@ -1,14 +1,15 @@
 """MoE kernels of the Triton backend: [gate] -> [dispatch] -> [grouped GEMMs] -> [combine], and `fused_moe`.
 
 [moe_gate]        one program per block of tokens: scores, biased choice, group limit, top-k by repeated
-                  argmax in registers, unbiased weights, normalisation, scaling
+                  argmax in registers (NaN first, ties to the lowest id), unbiased weights, normalisation, scaling
 [moe_dispatch]    per block of assignments an expert histogram -> one program scans it into expert offsets
                   and per-block bases -> each assignment's row = base + its rank among the block's earlier
                   assignments to the same expert (stable) -> rows gathered into x_sorted
 [grouped_matmul]  an index of (expert, first row) per BLOCK_M tile built on device from the offsets, then one
                   program per (tile, N tile); float, W8A8 and W4A8 variants share the index
 [moe_combine]     out[t] = sum_j w[t, j] * y[row of (t, j)], rows found through the inverse permutation
-[fused_moe]       dispatch -> grouped GEMM (w13) -> silu(gate) * up -> grouped GEMM (w2) -> combine
+[fused_moe]       dispatch -> grouped GEMM (w13) -> silu(gate) * up -> grouped GEMM (w2) -> combine, with fp32
+                  intermediates (the second GEMM splits its activations into hi + lo halves of w2's dtype)
 
 No host synchronisation anywhere: every grid is sized from shapes alone (the tile index has a bound of
 cdiv(M, BLOCK_M) + E slots; slots past the real tile count are dead programs that own no rows).
@@ -24,8 +25,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from backends.triton.matmul import float_tile_matmul, gemm_blocks, split_activations
 from backends.triton.quant import cast_for_store, int8_tile_matmul, w4a8_tile_matmul
-from backends.triton.runtime import DOT_UPCAST, interpreting
+from backends.triton.runtime import DOT_UPCAST, interpreting, unit_stride_arguments
 from glm5_hal.checks import check, check_same_device, check_tensor
 
 # Sentinel id for padding lanes of the gate's expert tile: larger than any real expert, so never a winner.
@@ -89,33 +91,47 @@ def _moe_gate_kernel(
         choice += tl.load(bias_ptr + column, mask=expert_ok, other=0.0)
     choice = tl.where(expert_ok, choice, float("-inf"))
 
+    # Every pick below ranks NaN above every number and breaks ties (NaN with NaN too) by the lowest id, as the
+    # reference's stable NaN-first sort does (docs/ops.md "NaN"). NaN is found by x != x, never by max reductions,
+    # which may skip it (fmax on GPUs, nanmax in the interpreter).
     if GROUPED:
-        # Group score = its best biased score + its second best (the first maximum removed once).
-        top1 = tl.max(choice, axis=2)
-        first = tl.min(tl.where(choice == top1[:, :, None], member, BLOCK_EG), axis=2)
-        top2 = tl.max(tl.where(member == first[:, :, None], float("-inf"), choice), axis=2)
-        group_score = top1 + top2  # [BT, BG]; padding groups are -inf
+        # Group score = its best biased score + its second best (the first maximum removed once); NaN if the group
+        # holds a NaN (a NaN is always among its top two).
+        is_nan = choice != choice
+        group_nan = tl.max(is_nan.to(tl.int32), axis=2) > 0
+        numbers = tl.where(is_nan, float("-inf"), choice)
+        top1 = tl.max(numbers, axis=2)
+        first = tl.min(tl.where(numbers == top1[:, :, None], member, BLOCK_EG), axis=2)
+        top2 = tl.max(tl.where(member == first[:, :, None], float("-inf"), numbers), axis=2)
+        group_score = tl.where(group_nan, float("nan"), top1 + top2)  # [BT, BG]; padding groups are -inf
         group_id = tl.arange(0, BLOCK_G)[None, :]
         keep = tl.zeros((BLOCK_T, BLOCK_G), tl.int32)
         for _ in range(topk_group):
-            best = tl.max(group_score, axis=1)
-            # ties: the lowest group id, as the reference's stable sort
-            winner = tl.min(tl.where(group_score == best[:, None], group_id, BLOCK_G), axis=1)
-            won = group_id == winner[:, None]
-            keep = tl.where(won, 1, keep)
-            group_score = tl.where(won, float("-inf"), group_score)
+            live = keep == 0
+            g_nan = (group_score != group_score) & live
+            g_numbers = tl.where(live & (group_score == group_score), group_score, float("-inf"))
+            g_best = tl.max(g_numbers, axis=1)
+            any_nan = tl.max(g_nan.to(tl.int32), axis=1) > 0
+            candidate = tl.where(any_nan[:, None], g_nan, live & (g_numbers == g_best[:, None]))
+            winner = tl.min(tl.where(candidate, group_id, BLOCK_G), axis=1)
+            keep = tl.where(group_id == winner[:, None], 1, keep)
         choice = tl.where(keep[:, :, None] != 0, choice, float("-inf"))
 
     slot = tl.arange(0, BLOCK_K)[None, :]
     picked_weight = tl.zeros((BLOCK_T, BLOCK_K), tl.float32)
     picked_id = tl.zeros((BLOCK_T, BLOCK_K), tl.int32)
+    taken = tl.zeros((BLOCK_T, BLOCK_G, BLOCK_EG), tl.int32)
     for k in range(top_k):
-        best = tl.max(tl.max(choice, axis=2), axis=1)
-        # ties: the lowest expert id, as the reference's stable sort
-        winner = tl.min(tl.min(tl.where(choice == best[:, None, None], expert, _NO_EXPERT), axis=2), axis=1)
+        live = (taken == 0) & expert_ok
+        is_nan = (choice != choice) & live
+        numbers = tl.where(live & (choice == choice), choice, float("-inf"))
+        best = tl.max(tl.max(numbers, axis=2), axis=1)
+        any_nan = tl.max(tl.max(is_nan.to(tl.int32), axis=2), axis=1) > 0
+        candidate = tl.where(any_nan[:, None, None], is_nan, live & (numbers == best[:, None, None]))
+        winner = tl.min(tl.min(tl.where(candidate, expert, _NO_EXPERT), axis=2), axis=1)
         hit = expert == winner[:, None, None]
         weight = tl.sum(tl.sum(tl.where(hit, scores, 0.0), axis=2), axis=1)
-        choice = tl.where(hit, float("-inf"), choice)
+        taken = tl.where(hit, 1, taken)
         picked_weight = tl.where(slot == k, weight[:, None], picked_weight)
         picked_id = tl.where(slot == k, winner[:, None], picked_id)
     if NORMALIZE:
@@ -126,6 +142,7 @@ def _moe_gate_kernel(
     tl.store(ids_ptr + tokens[:, None] * stride_it + slot, picked_id, mask=out_mask)
 
 
+@unit_stride_arguments()
 def moe_gate(
     router_logits: Tensor,
     bias: Tensor | None,
@@ -357,6 +374,8 @@ def dispatch_assignments(x: Tensor, topk_ids: Tensor, num_experts: int) -> Dispa
         **ids_strides,
         BLOCK_A=block_a,
     )
+    if x.shape[1] == 0:  # zero-width rows: the permutation above is the whole result
+        return Dispatch(x_sorted, offsets, src_index, row_of)
     block_r, block_d = _rows_blocks(x.shape[1])
     _gather_rows_kernel[(triton.cdiv(num_assignments, block_r), triton.cdiv(x.shape[1], block_d))](
         x,
@@ -375,6 +394,7 @@ def dispatch_assignments(x: Tensor, topk_ids: Tensor, num_experts: int) -> Dispa
     return Dispatch(x_sorted, offsets, src_index, row_of)
 
 
+@unit_stride_arguments()
 def moe_dispatch(x: Tensor, topk_ids: Tensor, num_experts: int) -> tuple[Tensor, Tensor, Tensor]:
     """x [T, D], topk_ids [T, k] -> (x_sorted [T * k, D], expert_offsets int64 [E + 1], src_index int64 [T * k])."""
     d = dispatch_assignments(x, topk_ids, num_experts)
@@ -462,52 +482,11 @@ def _expert_tile(tile_expert_ptr, tile_row_ptr, offsets_ptr, K, BLOCK_M: tl.cons
 
 # ------------------------------------------------------------------------------------------ grouped GEMMs
 @triton.jit
-def float_tile_matmul(
-    x_ptr,  # activations; element (m, k) at x_ptr + m * stride_xm + k * stride_xk
-    w_ptr,  # weights [N, K] of one matrix; element (n, k) at w_ptr + n * stride_wn + k * stride_wk
-    rows,
-    row_mask,
-    cols,
-    col_mask,
-    k_end,
-    stride_xm,
-    stride_xk,
-    stride_wn,
-    stride_wk,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    DOT_UPCAST: tl.constexpr,  # the interpreter's bf16 dot is wrong: widen operands to fp32 there
-):
-    """-> fp32 [BLOCK_M, BLOCK_N] = x[rows, :k_end] @ w[cols, :k_end]^T with fp32 accumulation."""
-    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    for k0 in range(0, k_end, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        k_mask = ks < k_end
-        a = tl.load(
-            x_ptr + rows[:, None] * stride_xm + ks[None, :] * stride_xk,
-            mask=row_mask[:, None] & k_mask[None, :],
-            other=0.0,
-        )
-        b = tl.load(
-            w_ptr + ks[:, None] * stride_wk + cols[None, :] * stride_wn,
-            mask=k_mask[:, None] & col_mask[None, :],
-            other=0.0,
-        )
-        if DOT_UPCAST:
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        # "ieee": fp32 operands must not be rounded to tf32 (fp32 parity is 1e-5); bf16/fp16 dots are unaffected.
-        acc = tl.dot(a, b, acc, input_precision="ieee")
-    return acc
-
-
-@triton.jit
 def _grouped_matmul_kernel(
     # Pointers
-    x_ptr,  # [M, K] rows grouped by expert
+    x_ptr,  # [M, K] rows grouped by expert (w's dtype, or fp32 with SPLIT)
     w_ptr,  # [E, N, K]
-    y_ptr,  # [M, N], written
+    y_ptr,  # [M, N], written (any float dtype)
     offsets_ptr,  # [E + 1] int64
     tile_expert_ptr,  # [num_slots] int32
     tile_row_ptr,  # [num_slots] int32
@@ -527,13 +506,14 @@ def _grouped_matmul_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     DOT_UPCAST: tl.constexpr,
+    SPLIT: tl.constexpr,
 ):
     expert, rows, row_mask, k_end = _expert_tile(tile_expert_ptr, tile_row_ptr, offsets_ptr, K, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < N
     acc = float_tile_matmul(
         x_ptr, w_ptr + expert * stride_we, rows, row_mask, cols, col_mask, k_end,
-        stride_xm, stride_xk, stride_wn, stride_wk, BLOCK_M, BLOCK_N, BLOCK_K, DOT_UPCAST,
+        stride_xm, stride_xk, stride_wn, stride_wk, BLOCK_M, BLOCK_N, BLOCK_K, DOT_UPCAST, SPLIT,
     )  # fmt: skip
     tl.store(
         y_ptr + rows[:, None] * stride_ym + cols[None, :] * stride_yn,
@@ -634,13 +614,6 @@ def _grouped_w4a8_matmul_kernel(
     )
 
 
-def _float_gemm_blocks(n: int, k: int, dtype: torch.dtype) -> dict[str, int]:
-    if interpreting():  # each interpreted program costs milliseconds of Python: few, wide ones
-        return {"BLOCK_N": min(256, triton.next_power_of_2(n)), "BLOCK_K": min(256, triton.next_power_of_2(k))}
-    # fp32 operands take twice the shared memory per element: halve BLOCK_K.
-    return {"BLOCK_N": 128, "BLOCK_K": 32 if dtype == torch.float32 else 64}
-
-
 def _block_m(num_rows: int, num_experts: int) -> int:
     """Rows per tile: about the mean rows per expert, between 16 (tensor-core minimum) and 64 (128 interpreted)."""
     mean_rows = triton.next_power_of_2(max(1, triton.cdiv(num_rows, max(num_experts, 1))))
@@ -651,14 +624,25 @@ def _gemm_grid(tiles: ExpertTiles, n: int, block_n: int) -> tuple[int, int]:
     return (tiles.num_slots, triton.cdiv(n, block_n))
 
 
-def grouped_matmul_tiles(x_sorted: Tensor, w: Tensor, tiles: ExpertTiles, expert_offsets: Tensor) -> Tensor:
-    """grouped_matmul over a prebuilt tile index (fused_moe reuses one index for both of its GEMMs)."""
+def grouped_matmul_tiles(
+    x_sorted: Tensor,
+    w: Tensor,
+    tiles: ExpertTiles,
+    expert_offsets: Tensor,
+    *,
+    out_dtype: torch.dtype | None = None,
+) -> Tensor:
+    """grouped_matmul over a prebuilt tile index (fused_moe reuses one index for both of its GEMMs).
+
+    x_sorted: in w's dtype, or fp32 (an intermediate, split into hi + lo halves: backends/triton/matmul.py).
+    out_dtype: y's dtype (default x_sorted's); fp32 keeps an intermediate unrounded.
+    """
     num_rows, k = x_sorted.shape
     n = w.shape[1]
-    y = torch.empty((num_rows, n), dtype=x_sorted.dtype, device=x_sorted.device)
+    y = torch.empty((num_rows, n), dtype=out_dtype or x_sorted.dtype, device=x_sorted.device)
     if num_rows == 0 or n == 0:
         return y
-    blocks = _float_gemm_blocks(n, k, x_sorted.dtype)
+    blocks = gemm_blocks(n, k, x_sorted.dtype)
     _grouped_matmul_kernel[_gemm_grid(tiles, n, blocks["BLOCK_N"])](
         x_sorted,
         w,
@@ -677,11 +661,13 @@ def grouped_matmul_tiles(x_sorted: Tensor, w: Tensor, tiles: ExpertTiles, expert
         stride_yn=y.stride(1),
         BLOCK_M=tiles.block_m,
         DOT_UPCAST=DOT_UPCAST,
+        SPLIT=split_activations(x_sorted, w),
         **blocks,
     )
     return y
 
 
+@unit_stride_arguments()
 def grouped_matmul(x_sorted: Tensor, w: Tensor, expert_offsets: Tensor) -> Tensor:
     """x_sorted [M, K] grouped by expert, w [E, N, K], expert_offsets [E + 1] int64 -> y [M, N] (x's dtype),
     y[r] = x_sorted[r] @ w[e(r)]^T with fp32 accumulation."""
@@ -706,6 +692,7 @@ def _check_grouped_int8_inputs(
     )
 
 
+@unit_stride_arguments()
 def grouped_quant_matmul(
     x_q: Tensor,
     x_scale: Tensor,
@@ -764,6 +751,7 @@ def grouped_quant_matmul(
     return y
 
 
+@unit_stride_arguments()
 def grouped_w4a8_matmul(
     x_q: Tensor,
     x_scale: Tensor,
@@ -850,10 +838,13 @@ def _int_gemm_blocks(n: int, k: int) -> dict[str, int]:
 # ---------------------------------------------------------------------------------- combine, silu-and-mul
 @triton.jit
 def _invert_permutation_kernel(src_index_ptr, row_of_ptr, num_rows, BLOCK: tl.constexpr):
-    """row_of[src_index[r]] = r."""
+    """row_of[src_index[r]] = r. Values outside [0, num_rows) are skipped: validation rules them out, and with value
+    checks off they must not become stores outside row_of."""
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = rows < num_rows
-    tl.store(row_of_ptr + tl.load(src_index_ptr + rows, mask=ok, other=0), rows, mask=ok)
+    assignment = tl.load(src_index_ptr + rows, mask=ok, other=0)
+    ok &= (assignment >= 0) & (assignment < num_rows)
+    tl.store(row_of_ptr + assignment, rows, mask=ok)
 
 
 @triton.jit
@@ -880,9 +871,12 @@ def _combine_kernel(
     mask = token_ok[:, None] & (cols < width)[None, :]
     acc = tl.zeros((BLOCK_T, BLOCK_D), tl.float32)
     for j in range(top_k):  # slots in order: a fixed, deterministic summation order
-        rows = tl.load(row_of_ptr + tokens * top_k + j, mask=token_ok, other=0)
+        rows = tl.load(row_of_ptr + tokens * top_k + j, mask=token_ok, other=-1)
         weight = tl.load(weights_ptr + tokens * stride_wt + j * stride_wk, mask=token_ok, other=0.0)
-        y = tl.load(y_ptr + rows[:, None] * stride_ym + cols[None, :] * stride_yd, mask=mask, other=0.0)
+        # row -1: an assignment no row came from (only with value checks off); it reads nothing.
+        y = tl.load(
+            y_ptr + rows[:, None] * stride_ym + cols[None, :] * stride_yd, mask=mask & (rows >= 0)[:, None], other=0.0
+        )
         acc += weight[:, None] * y.to(tl.float32)
     tl.store(
         out_ptr + tokens[:, None] * stride_ot + cols[None, :] * stride_od,
@@ -891,11 +885,14 @@ def _combine_kernel(
     )
 
 
-def combine_rows(y_sorted: Tensor, row_of: Tensor, topk_weights: Tensor) -> Tensor:
-    """y_sorted [T * k, D], row_of [T * k] int32 (y row of each assignment), topk_weights [T, k] -> out [T, D]."""
+def combine_rows(
+    y_sorted: Tensor, row_of: Tensor, topk_weights: Tensor, out_dtype: torch.dtype | None = None
+) -> Tensor:
+    """y_sorted [T * k, D], row_of [T * k] int32 (y row of each assignment), topk_weights [T, k] -> out [T, D] in
+    out_dtype (default y_sorted's)."""
     num_tokens, top_k = topk_weights.shape
     width = y_sorted.shape[1]
-    out = torch.empty((num_tokens, width), dtype=y_sorted.dtype, device=y_sorted.device)
+    out = torch.empty((num_tokens, width), dtype=out_dtype or y_sorted.dtype, device=y_sorted.device)
     if num_tokens == 0 or width == 0:
         return out
     block_t, block_d = _rows_blocks(width)
@@ -919,11 +916,12 @@ def combine_rows(y_sorted: Tensor, row_of: Tensor, topk_weights: Tensor) -> Tens
     return out
 
 
+@unit_stride_arguments()
 def moe_combine(y_sorted: Tensor, src_index: Tensor, topk_weights: Tensor) -> Tensor:
     """y_sorted [T * k, D], src_index [T * k] int64 (a permutation), topk_weights [T, k] fp32 -> out [T, D]
     = sum_j topk_weights[t, j] * y_sorted[row of assignment t * k + j]."""
     num_rows = src_index.shape[0]
-    row_of = torch.empty(num_rows, dtype=torch.int32, device=src_index.device)
+    row_of = torch.full((num_rows,), -1, dtype=torch.int32, device=src_index.device)
     if num_rows > 0:
         block = 1024
         _invert_permutation_kernel[(triton.cdiv(num_rows, block),)](src_index, row_of, num_rows=num_rows, BLOCK=block)
@@ -950,15 +948,12 @@ def _silu_and_mul_kernel(
     gate = tl.load(gate_ptrs, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(gate_ptrs + inter * stride_hd, mask=mask, other=0.0).to(tl.float32)
     out = gate / (1.0 + tl.exp(-gate)) * up
-    tl.store(
-        out_ptr + rows[:, None] * stride_om + cols[None, :] * stride_od,
-        cast_for_store(out, out_ptr.dtype.element_ty),
-        mask=mask,
-    )
+    offsets = rows[:, None] * stride_om + cols[None, :] * stride_od
+    tl.store(out_ptr + offsets, cast_for_store(out, out_ptr.dtype.element_ty), mask=mask)
 
 
 def silu_and_mul(h: Tensor) -> Tensor:
-    """h [M, 2 * I] ([gate | up]) -> silu(gate) * up [M, I], h's dtype, fp32 math."""
+    """h [M, 2 * I] ([gate | up]) -> silu(gate) * up [M, I] in h's dtype, fp32 math."""
     num_rows, inter = h.shape[0], h.shape[1] // 2
     out = torch.empty((num_rows, inter), dtype=h.dtype, device=h.device)
     if num_rows == 0 or inter == 0:
@@ -979,16 +974,21 @@ def silu_and_mul(h: Tensor) -> Tensor:
     return out
 
 
+@unit_stride_arguments()
 def fused_moe(x: Tensor, topk_weights: Tensor, topk_ids: Tensor, w13: Tensor, w2: Tensor) -> Tensor:
     """x [T, D], topk_weights [T, k] fp32, topk_ids [T, k], w13 [E, 2I, D], w2 [E, D, I] -> out [T, D] (x's
     dtype): dispatch, grouped GEMM with w13, silu(gate) * up, grouped GEMM with w2, weighted combine. The
-    expert intermediates are kept in x's dtype, as the unfused pipeline would."""
+    expert intermediates stay fp32 (see below); only the output is rounded to x's dtype."""
     num_experts = w13.shape[0]
     routed = dispatch_assignments(x, topk_ids, num_experts)
     num_rows = routed.x_sorted.shape[0]
     if num_rows == 0:
         return torch.zeros_like(x)
     tiles = expert_tiles(routed.expert_offsets, num_rows, _block_m(num_rows, num_experts))
-    h = grouped_matmul_tiles(routed.x_sorted, w13, tiles, routed.expert_offsets)
-    y = grouped_matmul_tiles(silu_and_mul(h), w2, tiles, routed.expert_offsets)
-    return combine_rows(y, routed.row_of, topk_weights)
+    # The intermediates stay fp32 (h, the activations, y; backends/triton/matmul.py says why). The second GEMM
+    # still runs on w2's dtype: it splits the fp32 activations into hi + lo halves of that dtype in registers,
+    # which doubles its dots but not its weight reads.
+    h = grouped_matmul_tiles(routed.x_sorted, w13, tiles, routed.expert_offsets, out_dtype=torch.float32)
+    activated = silu_and_mul(h)
+    y = grouped_matmul_tiles(activated, w2, tiles, routed.expert_offsets, out_dtype=torch.float32)
+    return combine_rows(y, routed.row_of, topk_weights, out_dtype=x.dtype)

@@ -1,6 +1,9 @@
 """MLA prolog and indexer prolog of the Triton backend.
 
-The GEMMs run as torch.matmul in the activations' dtype (cuBLAS / hipBLAS tensor cores on a GPU). Everything
+The GEMMs are backends/triton/matmul.py's: native dots on the activations' dtype, fp32 results, and the fp32
+intermediates (q_norm before q_b_proj, q_nope before the W_UK absorption) fed to the next GEMM as hi + lo halves
+of the weights' dtype, so no intermediate is rounded to a bf16 / fp16 activation dtype (as in the reference and
+the torch backend; rounding them cost up to 27% of q_lat where q_b_proj's dot products cancel). Everything
 between and after them is one fused Triton kernel over rows, `_norm_rope_kernel`:
 
   row [W] --(RMSNorm or LayerNorm over dims [0, NORM_DIM), fp32 statistics)--> (RoPE on the pair dims of
@@ -25,9 +28,10 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from backends.triton.matmul import batched_matmul_into, linear
 from backends.triton.quant import cast_for_store
 from backends.triton.quantized_cache import finish_write, scratch_rows
-from backends.triton.runtime import interpreting
+from backends.triton.runtime import interpreting, unit_stride_arguments
 from glm5_hal.kv_formats import AUTO
 
 NORM_NONE = tl.constexpr(0)
@@ -57,7 +61,7 @@ def _norm_rope_kernel(
     bias_ptr,  # [NORM_DIM] LayerNorm bias (unused otherwise)
     cos_ptr,  # [T, HALF] fp32, row r uses token r // rows_per_token
     sin_ptr,  # [T, HALF] fp32
-    out_ptr,  # output rows: row r, or flat cache slot slot_mapping[r] when SCATTER
+    out_ptr,  # output rows: row r, or the paged cache slot slot_mapping[r] when SCATTER
     slot_ptr,  # [R] int64 slot mapping (SCATTER only)
     # Sizes and scalars
     num_rows,  # R
@@ -65,13 +69,15 @@ def _norm_rope_kernel(
     norm_dim,  # NORM_DIM
     rope_start,  # first dim of the RoPE pairs
     rows_per_token,  # rows sharing one cos/sin row (heads per token)
+    cache_block_size,  # slots per cache block (SCATTER only)
     eps,
     # Strides (elements)
     stride_xr,
     stride_xd,
     stride_cos,
     stride_sin,
-    stride_or,
+    stride_or,  # output row stride; with SCATTER the cache's block stride
+    stride_os,  # with SCATTER the cache's slot stride (rows need not be flat slots: blocks may have padding)
     stride_od,
     # Meta-parameters
     NORM: tl.constexpr,  # NORM_NONE, NORM_RMS or NORM_LAYER
@@ -85,12 +91,15 @@ def _norm_rope_kernel(
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = rows < num_rows
     if SCATTER:
-        out_rows = tl.load(slot_ptr + rows, mask=row_ok, other=-1)
-        row_ok &= out_rows >= 0  # a padding token (slot -1) writes nothing
+        slots = tl.load(slot_ptr + rows, mask=row_ok, other=-1)
+        row_ok &= slots >= 0  # a padding token (slot -1) writes nothing
+        slots = tl.maximum(slots, 0)
+        o_rows = (
+            out_ptr + (slots // cache_block_size)[:, None] * stride_or + (slots % cache_block_size)[:, None] * stride_os
+        )
     else:
-        out_rows = rows
+        o_rows = out_ptr + rows[:, None] * stride_or
     x_rows = x_ptr + rows[:, None] * stride_xr
-    o_rows = out_ptr + out_rows[:, None] * stride_or
     dims = tl.arange(0, BLOCK_W)
 
     mean = tl.zeros((BLOCK_R, 1), tl.float32)
@@ -151,23 +160,19 @@ def norm_rope(
     """Run `_norm_rope_kernel` over the rows of x.
 
     x: [R, W] (any strides). out: [R, W], or with slot_mapping [R] int64 a paged cache [num_blocks, block_size, W]
-    whose flat slot slot_mapping[r] receives row r (-1 = skip). norm: 0 none, 1 RMSNorm, 2 LayerNorm over dims
-    [0, norm_dim) with weight [norm_dim] (and bias [norm_dim] for LayerNorm). cos, sin: [T, rope / 2] fp32 with
-    T = R / rows_per_token: RoPE on dims [rope_start, rope_start + rope), after the norm. Written in place.
+    (any strides) whose slot slot_mapping[r] receives row r (-1 = skip). norm: 0 none, 1 RMSNorm, 2 LayerNorm over
+    dims [0, norm_dim) with weight [norm_dim] (and bias [norm_dim] for LayerNorm). cos, sin: [T, rope / 2] fp32
+    with T = R / rows_per_token: RoPE on dims [rope_start, rope_start + rope), after the norm. Written in place.
+    Vectors and the tables' rows are read with unit stride (the ops' wrappers see to that: unit_stride_arguments).
     """
     num_rows, width = x.shape
     if num_rows == 0:
         return
     if slot_mapping is not None:
-        if out.stride(0) != out.shape[1] * out.stride(1):
-            raise ValueError("cache: expected rows addressable as flat slots (stride(0) == block_size * stride(1))")
-        stride_or, stride_od = out.stride(1), out.stride(2)  # slot s at s * stride(1)
+        stride_or, stride_os, stride_od = out.stride()  # slot s: block s // block_size, offset s % block_size
     else:
-        stride_or, stride_od = out.stride(0), out.stride(1)
-    # Vectors and tables are read with unit element stride along their last dim (a copy only for odd layouts).
-    weight, bias, cos, sin, slot_mapping = (
-        None if t is None else t.contiguous() for t in (weight, bias, cos, sin, slot_mapping)
-    )
+        stride_or, stride_od = out.stride()
+        stride_os = 0
     half = 0 if cos is None else cos.shape[1]
     dummy = x  # pointer arguments a configuration does not read
     # GPU: 4 rows per program (a row is at most a few KB; T or T * H rows still give many programs). Interpreted:
@@ -186,12 +191,14 @@ def norm_rope(
         norm_dim=norm_dim,
         rope_start=rope_start,
         rows_per_token=rows_per_token,
+        cache_block_size=out.shape[1] if slot_mapping is not None else 1,
         eps=float(eps),
         stride_xr=x.stride(0),
         stride_xd=x.stride(1),
         stride_cos=0 if cos is None else cos.stride(0),
         stride_sin=0 if sin is None else sin.stride(0),
         stride_or=stride_or,
+        stride_os=stride_os,
         stride_od=stride_od,
         NORM=norm,
         HALF=half,
@@ -204,11 +211,7 @@ def norm_rope(
     )
 
 
-def _linear(x: Tensor, weight: Tensor) -> Tensor:
-    """x [..., in] @ weight [out, in]^T in x's dtype (fp32 accumulation inside the GEMM)."""
-    return torch.matmul(x, weight.to(x.dtype).t())
-
-
+@unit_stride_arguments(written=("kv_cache",))
 def mla_prolog(
     x: Tensor,
     w_dq: Tensor,
@@ -238,19 +241,21 @@ def mla_prolog(
     num_heads, nope, kv_lora = w_uk.shape
     rope_dim = 2 * cos.shape[1]
 
-    q_norm = torch.empty((num_tokens, w_dq.shape[0]), dtype=x.dtype, device=x.device)
-    norm_rope(_linear(x, w_dq), q_norm, norm=1, weight=gamma_cq, norm_dim=q_norm.shape[1], eps=eps)
+    q_norm = torch.empty((num_tokens, w_dq.shape[0]), dtype=torch.float32, device=x.device)  # fp32 until returned
+    norm_rope(linear(x, w_dq), q_norm, norm=1, weight=gamma_cq, norm_dim=q_norm.shape[1], eps=eps)
 
-    q = _linear(q_norm, w_uq_qr).view(num_tokens * num_heads, nope + rope_dim)  # rows (token, head)
+    q = linear(q_norm, w_uq_qr).view(num_tokens * num_heads, nope + rope_dim)  # fp32, rows (token, head)
     q_pe = torch.empty((num_tokens, num_heads, rope_dim), dtype=x.dtype, device=x.device)
     norm_rope(q[:, nope:], q_pe.view(-1, rope_dim), cos=cos, sin=sin, rows_per_token=num_heads)
-    # Absorb W_UK head by head as one batched GEMM: [H, T, nope] @ [H, nope, kv_lora] -> [H, T, kv_lora].
-    q_nope = q.view(num_tokens, num_heads, -1)[..., :nope].transpose(0, 1)
-    q_lat = torch.bmm(q_nope, w_uk.to(x.dtype)).transpose(0, 1).contiguous()
+    # Absorb W_UK head by head as one batched GEMM: [H, T, nope] @ [H, nope, kv_lora] -> [H, T, kv_lora], written
+    # through a head-major view of q_lat [T, H, kv_lora].
+    q_nope = q.view(num_tokens, num_heads, nope + rope_dim)[..., :nope].transpose(0, 1)
+    q_lat = torch.empty((num_tokens, num_heads, kv_lora), dtype=x.dtype, device=x.device)
+    batched_matmul_into(q_lat.transpose(0, 1), q_nope, w_uk.transpose(1, 2))
 
     rows, slots = scratch_rows(kv_cache, slot_mapping, kv_cache_dtype, num_tokens, kv_lora + rope_dim, x.device)
     norm_rope(
-        _linear(x, w_dkv_kr),
+        linear(x, w_dkv_kr),
         rows,
         norm=1,
         weight=gamma_ckv,
@@ -262,9 +267,10 @@ def mla_prolog(
         slot_mapping=slots,
     )
     finish_write(rows, kv_cache, slot_mapping, kv_cache_dtype)
-    return q_lat, q_pe, q_norm
+    return q_lat, q_pe, q_norm.to(x.dtype)
 
 
+@unit_stride_arguments(written=("index_k_cache",))
 def indexer_prolog(
     x: Tensor,
     q_norm: Tensor,
@@ -294,13 +300,13 @@ def indexer_prolog(
     num_tokens = x.shape[0]
     num_heads, head_dim = w_iw.shape[0], w_ik.shape[0]
 
-    q = _linear(q_norm.to(x.dtype), w_iq).view(num_tokens * num_heads, head_dim)
+    q = linear(q_norm, w_iq).view(num_tokens * num_heads, head_dim)  # fp32 until RoPE'd into q_idx
     q_idx = torch.empty((num_tokens, num_heads, head_dim), dtype=x.dtype, device=x.device)
     norm_rope(q, q_idx.view(-1, head_dim), cos=cos, sin=sin, interleaved=rope_interleaved, rows_per_token=num_heads)
 
     rows, slots = scratch_rows(index_k_cache, slot_mapping, kv_cache_dtype, num_tokens, head_dim, x.device)
     norm_rope(
-        _linear(x, w_ik),
+        linear(x, w_ik),  # fp32: LayerNorm's centring would magnify a rounding of the keys
         rows,
         norm=2,
         weight=k_norm_weight,
@@ -314,5 +320,5 @@ def indexer_prolog(
     )
     finish_write(rows, index_k_cache, slot_mapping, kv_cache_dtype)
     # The head weights stay fp32: they scale fp32 scores downstream.
-    weights = torch.matmul(x.float(), w_iw.float().t()) * (num_heads**-0.5 * head_dim**-0.5)
+    weights = linear(x, w_iw) * (num_heads**-0.5 * head_dim**-0.5)
     return q_idx, weights

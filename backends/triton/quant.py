@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from backends.triton.runtime import interpreting
+from backends.triton.runtime import interpreting, unit_stride_arguments
 
 INT8_MAX = tl.constexpr(127.0)
 # fp32 round-half-to-even of |y| < 2^22 without a libdevice call: adding 1.5 * 2^23 pushes the fraction out of
@@ -36,7 +36,10 @@ def cast_for_store(x, dtype: tl.constexpr):
     """x (fp32) -> dtype, rounding to nearest even as GPU conversions do, also under the interpreter."""
     if _EMULATE_BF16_RNE and dtype == tl.bfloat16:
         # Round the 16 dropped mantissa bits to nearest even; the truncating conversion is then exact.
-        bits = x.to(tl.float32).to(tl.uint32, bitcast=True)
+        # A NaN becomes the quiet NaN first: its payload may sit in the dropped bits (rounding would carry it into
+        # the exponent, or truncation leave inf).
+        x = tl.where(x != x, float("nan"), x.to(tl.float32))
+        bits = x.to(tl.uint32, bitcast=True)
         bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
         x = bits.to(tl.float32, bitcast=True)
     return x.to(dtype)
@@ -69,14 +72,22 @@ def _dynamic_quant_kernel(
 ):
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     row_ok = rows < num_rows
-    # Pass 1: the row's largest magnitude.
+    # Pass 1: the row's largest magnitude, and whether it holds a NaN (counted apart: max reductions may skip NaN,
+    # as GPU fmax and the interpreter's nanmax do).
     amax = tl.zeros([BLOCK_ROWS], tl.float32)
+    nans = tl.zeros([BLOCK_ROWS], tl.int32)
     for k0 in range(0, row_len, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)
         mask = row_ok[:, None] & (cols < row_len)[None, :]
         x = tl.load(x_ptr + rows[:, None] * stride_x_row + cols[None, :] * stride_x_col, mask=mask, other=0.0)
-        amax = tl.maximum(amax, tl.max(tl.abs(x.to(tl.float32)), axis=1))
-    scale = tl.where(amax > 0.0, amax / INT8_MAX, 1.0)  # a zero row keeps scale 1 (its codes are all 0)
+        magnitude = tl.abs(x.to(tl.float32))
+        is_nan = magnitude != magnitude
+        nans += tl.sum(is_nan.to(tl.int32), axis=1)
+        amax = tl.maximum(amax, tl.max(tl.where(is_nan, 0.0, magnitude), axis=1))
+    amax = tl.where(nans > 0, float("nan"), amax)
+    # A zero row keeps scale 1 (its codes are all 0); a row holding NaN or inf gets scale NaN or inf and codes 0.
+    scale = tl.where(amax == 0.0, 1.0, amax / INT8_MAX)
+    finite = amax < float("inf")  # False for NaN too
     tl.store(scale_ptr + rows, scale, mask=row_ok)
     # Pass 2: the codes. A true division (not a reciprocal multiply) keeps x / scale within an ulp of exact.
     for k0 in range(0, row_len, BLOCK_K):
@@ -84,10 +95,11 @@ def _dynamic_quant_kernel(
         mask = row_ok[:, None] & (cols < row_len)[None, :]
         x = tl.load(x_ptr + rows[:, None] * stride_x_row + cols[None, :] * stride_x_col, mask=mask, other=0.0)
         code = round_half_even(x.to(tl.float32) / scale[:, None])
-        code = tl.minimum(tl.maximum(code, -INT8_MAX), INT8_MAX)
+        code = tl.where(finite[:, None], tl.minimum(tl.maximum(code, -INT8_MAX), INT8_MAX), 0.0)
         tl.store(q_ptr + rows[:, None] * stride_q_row + cols[None, :] * stride_q_col, code.to(tl.int8), mask=mask)
 
 
+@unit_stride_arguments()
 def dynamic_quant(x: Tensor) -> tuple[Tensor, Tensor]:
     """Per-token symmetric int8 of x [..., K] (bf16/fp16/fp32) -> (q int8 [..., K], scale fp32 [...])."""
     row_len = x.shape[-1]
@@ -306,6 +318,7 @@ def int_gemm_blocks(m: int, n: int, k: int) -> dict[str, int]:
     return {"BLOCK_M": 16 if m <= 16 else 64 if m <= 64 else 128, "BLOCK_N": 128, "BLOCK_K": 64}
 
 
+@unit_stride_arguments()
 def quant_matmul(
     x_q: Tensor,
     x_scale: Tensor,
@@ -344,6 +357,7 @@ def quant_matmul(
     return y
 
 
+@unit_stride_arguments()
 def w4a8_matmul(
     x_q: Tensor,
     x_scale: Tensor,

@@ -7,7 +7,8 @@ never into a dequantized copy of the cache; rows are quantized in registers befo
            load_index_codes + index_key_scale: an index key's 128 codes (exact in bf16/fp16, so the indexer's dot
                stays a tensor-core dot) and the one scale its scores are multiplied by afterwards
 [writing]  quantize_into_cache: fp32 rows [T, width] -> per tile of 128: max|x|, scale, codes -> the paged
-               cache's uint8 rows at slot_mapping (-1 = skip); RoPE dims stored as bf16
+               cache's uint8 rows at slot_mapping (-1 = skip); RoPE dims stored as bf16; a tile holding NaN
+               or inf: scale NaN / inf and codes 0
 
 Formats reach the kernels as constexpr (CODE_FLOAT / CODE_E4M3 / CODE_INT8 and byte offsets), so a float cache
 compiles to exactly the kernels it had before. Reference: ops_reference/kv_cache.py
@@ -135,11 +136,13 @@ def _quantize_rows_kernel(
     # Pointers
     rows_ptr,  # [T, width] fp32 rows to store
     slot_ptr,  # [T] int64 flat cache slots, -1 = skip
-    cache_ptr,  # [num_blocks, block_size, row_bytes] uint8; slot s at cache_ptr + s * stride_slot
+    cache_ptr,  # [num_blocks, block_size, row_bytes] uint8, rows of contiguous bytes, any block / slot strides
     # Sizes
     num_rows,
+    block_size,  # slots per cache block
     # Strides
     stride_row,  # elements
+    stride_block,  # bytes
     stride_slot,  # bytes
     # Meta-parameters
     CODE: tl.constexpr,
@@ -156,19 +159,26 @@ def _quantize_rows_kernel(
     slots = tl.load(slot_ptr + rows, mask=rows < num_rows, other=-1)
     ok = slots >= 0  # padding tokens (and rows past the end) store nothing
     src = rows_ptr + rows[:, None] * stride_row
-    row_dst = cache_ptr + tl.where(ok, slots, 0) * stride_slot  # [BLOCK_R]
+    slots = tl.where(ok, slots, 0)
+    row_dst = cache_ptr + (slots // block_size) * stride_block + (slots % block_size) * stride_slot  # [BLOCK_R]
     dst = row_dst[:, None]
     cols = tl.arange(0, TILE_SIZE)
     for t in tl.static_range(NUM_SCALES):
         x = tl.load(src + t * TILE_SIZE + cols[None, :], mask=ok[:, None], other=0.0)  # [BLOCK_R, TILE]
         amax = tl.max(tl.abs(x), axis=1)
         scale = tl.where(amax == 0.0, 1.0, amax / QMAX)
+        # NaN found by x != x: a max reduction may drop it (fmax on GPUs). A NaN tile's scale is NaN, an inf
+        # tile's +inf (from amax); either stores codes 0 (ops_reference.kv_cache).
+        has_nan = tl.max((x != x).to(tl.int32), axis=1) > 0
+        scale = tl.where(has_nan, float("nan"), scale)
+        finite = (scale == scale) & (scale != float("inf"))
         ratio = x / scale[:, None]  # a true division, as the reference's x / scale
         if CODE == CODE_E4M3:
             codes = encode_e4m3(ratio)
         else:
             codes = tl.minimum(tl.maximum(round_half_even(ratio), -QMAX), QMAX).to(tl.int8)
             codes = codes.to(tl.uint8, bitcast=True)
+        codes = tl.where(finite[:, None], codes, 0).to(tl.uint8)
         tl.store(dst + t * TILE_SIZE + cols[None, :], codes, mask=ok[:, None])
         tl.store((row_dst + SCALES_OFFSET).to(tl.pointer_type(tl.float32)) + t, scale, mask=ok)
     if ROPE_DIMS > 0:
@@ -180,13 +190,17 @@ def _quantize_rows_kernel(
 
 
 def quantize_into_cache(rows: Tensor, cache: Tensor, slot_mapping: Tensor, fmt: KVCacheFormat) -> None:
-    """Store rows [T, width] fp32 (unit element stride) as `fmt` rows of the uint8 cache [num_blocks, block_size,
-    row_bytes] at flat slots slot_mapping [T] int64 (-1 = skip)."""
+    """Store rows [T, width] fp32 as `fmt` rows of the uint8 cache [num_blocks, block_size, row_bytes] (any
+    view: written in place, through an aligned copy only where `needs_copy`) at flat slots slot_mapping [T] int64
+    (-1 = skip)."""
     num_rows = rows.shape[0]
     if num_rows == 0:
         return
-    if cache.stride(2) != 1 or cache.stride(0) != cache.shape[1] * cache.stride(1):
-        raise ValueError("cache: expected rows of contiguous bytes addressable as flat slots")
+    if needs_copy(cache, fmt.name):
+        dense = cache.contiguous()
+        quantize_into_cache(rows, dense, slot_mapping, fmt)
+        cache.copy_(dense)
+        return
     if rows.stride(1) != 1:
         rows = rows.contiguous()
     block_r = 16 if interpreting() else 4  # interpreted programs cost Python time each: fewer, larger ones
@@ -195,7 +209,9 @@ def quantize_into_cache(rows: Tensor, cache: Tensor, slot_mapping: Tensor, fmt: 
         slot_mapping.contiguous(),
         cache,
         num_rows=num_rows,
+        block_size=cache.shape[1],
         stride_row=rows.stride(0),
+        stride_block=cache.stride(0),
         stride_slot=cache.stride(1),
         CODE=_CODES[fmt.code],
         QMAX=fmt.qmax,
@@ -225,8 +241,10 @@ def finish_write(scratch: Tensor, cache: Tensor, slot_mapping: Tensor, kv_cache_
 
 
 def needs_copy(cache: Tensor, kv_cache_dtype: str) -> bool:
-    """Whether a quantized cache's rows cannot be read in place: the kernels read a row's bytes contiguously and
-    its fp32 scales / bf16 RoPE values through aligned pointers (a plain torch allocation always can be)."""
+    """Whether a quantized cache's rows cannot be read or written in place: the kernels address rows by block and
+    slot stride (so a cache whose blocks have spare slots is fine), but read a row's bytes contiguously and its
+    fp32 scales / bf16 RoPE values through aligned pointers (a plain torch allocation always can be)."""
     if kv_cache_dtype == AUTO:
         return False
-    return cache.stride(2) != 1 or cache.stride(1) % 4 != 0 or cache.data_ptr() % 4 != 0
+    strides_aligned = cache.stride(0) % 4 == 0 and cache.stride(1) % 4 == 0
+    return cache.stride(2) != 1 or not strides_aligned or cache.data_ptr() % 4 != 0

@@ -8,8 +8,11 @@ suite's conftest does it for the tests. Kernel modules read `DOT_UPCAST` once, a
 
 from __future__ import annotations
 
+import functools
+import inspect
 import os
 import sys
+from collections.abc import Callable
 
 import torch
 
@@ -44,3 +47,33 @@ def use_interpreter_if_no_gpu() -> None:
 # right; kernels take this as a constexpr and upcast bf16 operands to fp32 before tl.dot. Compiled kernels keep
 # the native bf16 tensor-core dot. Kept in step with the interpreter switch by use_interpreter_if_no_gpu().
 DOT_UPCAST: bool = interpreting()
+
+
+def unit_stride_arguments(*, written: tuple[str, ...] = ()) -> Callable[[Callable], Callable]:
+    """Decorator of every kernel wrapper: its tensor arguments arrive with unit stride along the last dim.
+
+    Validation accepts any view, so a 1-D bias, scale, slot map, offset or index vector may be every other element
+    of a buffer; the kernels read vectors (and the last dim of every table) as plain arrays, and take every other
+    stride as an argument. Views that lack a unit last stride are copied here, once per call (a no-op for the
+    usual contiguous tensors). The `written` arguments (caches written in place) are never copied: the kernels
+    that write them take all their strides.
+    """
+
+    def decorate(wrapper: Callable) -> Callable:
+        signature = inspect.signature(wrapper)
+
+        @functools.wraps(wrapper)
+        def with_unit_strides(*args, **kwargs):
+            bound = signature.bind(*args, **kwargs)
+            for name, value in bound.arguments.items():
+                if name not in written and isinstance(value, torch.Tensor) and _needs_unit_stride(value):
+                    bound.arguments[name] = value.contiguous()
+            return wrapper(*bound.args, **bound.kwargs)
+
+        return with_unit_strides
+
+    return decorate
+
+
+def _needs_unit_stride(t: torch.Tensor) -> bool:
+    return t.dim() > 0 and t.shape[-1] > 1 and t.stride(-1) != 1

@@ -2,7 +2,7 @@
 
 One program per (query token, tile of BLOCK_H heads). The program walks the token's topk selected key positions
 in tiles of BLOCK_N:
-  1. block-table lookup of each key position -> flat cache slot (invalid keys: -1, >= seq_lens_k, past topk are
+  1. block-table lookup of each key position -> its cache row (invalid keys: -1, >= seq_lens_k, past topk are
      masked, never read),
   2. one gather of the BLOCK_N rows of D = d_v + rope dims, shared by every head of the tile: that reuse is
      the point of the layout (H heads x one KV head, MQA mode),
@@ -10,10 +10,10 @@ in tiles of BLOCK_N:
      because D = 576 is not a power of two and Triton blocks must be,
   4. online softmax in fp32 with a running max / sum per head (base 2 inside, natural-log lse out),
   5. acc[BLOCK_H, d_v] += p . V with V = the first d_v dims of the same gathered rows.
-A head with no valid key ends with sum 0: out 0 and lse -inf, as the contract says.
+A head with no valid key ends with out 0 and lse -inf, as the contract says; NaN in a read score propagates.
 A quantized latent cache (fp8_ds_mla, int8_mla) is decoded in step 2 as the rows are loaded (code x its tile's
 scale, the RoPE dims from bf16), into q's dtype; nothing else changes (backends/triton/quantized_cache.py).
-The paged-batch helpers (token -> sequence, key position -> slot) are jit functions shared with the indexer.
+The paged-batch helpers (token -> sequence, key position -> cache row) are jit functions shared with the indexer.
 Reference: ops_reference/attention.py
 """
 
@@ -29,7 +29,7 @@ from torch import Tensor
 
 from backends.triton.quant import cast_for_store
 from backends.triton.quantized_cache import code_of, layout_of, load_cache_values, needs_copy
-from backends.triton.runtime import DOT_UPCAST, interpreting
+from backends.triton.runtime import DOT_UPCAST, interpreting, unit_stride_arguments
 from glm5_hal.kv_formats import AUTO
 
 _LOG2E = tl.constexpr(1.4426950408889634)
@@ -50,16 +50,21 @@ def token_sequence(cu_seqlens_q_ptr, num_seqs, token, BLOCK_B: tl.constexpr):
 
 
 @triton.jit
-def key_slots(block_table_ptr, stride_bt_b, seq, positions, max_blocks, BLOCK_SIZE: tl.constexpr):
-    """Flat cache slots (int64) of request-local key `positions` of sequence `seq`.
+def key_rows(
+    block_table_ptr, stride_bt_b, seq, positions, max_blocks, stride_block, stride_slot, BLOCK_SIZE: tl.constexpr
+):
+    """Element offsets (int64) of the cache rows of request-local key `positions` of sequence `seq`: block
+    block_table[seq, p // BLOCK_SIZE] times the cache's block stride plus p % BLOCK_SIZE times its slot stride (so
+    a cache whose blocks have spare slots, or any other strides, is read in place).
 
-    Positions the table cannot address (negative, past the table, unallocated -1 blocks) map to slot 0..: the
-    caller masks those keys, this only keeps the address in bounds.
+    Positions the table cannot address (negative, past the table) are clamped into it, and a -1 block becomes 0;
+    the block id of an entry a sequence does not use may be anything (padding), so the caller must mask every
+    invalid key's load (masked lanes are never read).
     """
     pos = tl.maximum(positions, 0)
     block_col = tl.minimum(pos // BLOCK_SIZE, max_blocks - 1)
     block = tl.load(block_table_ptr + seq.to(tl.int64) * stride_bt_b + block_col)
-    return tl.maximum(block, 0).to(tl.int64) * BLOCK_SIZE + (pos % BLOCK_SIZE)
+    return tl.maximum(block, 0).to(tl.int64) * stride_block + (pos % BLOCK_SIZE).to(tl.int64) * stride_slot
 
 
 # ------------------------------------------------------------------------------------------------------ kernel
@@ -67,7 +72,7 @@ def key_slots(block_table_ptr, stride_bt_b, seq, positions, max_blocks, BLOCK_SI
 def _sparse_attention_kernel(
     # Pointers
     q_ptr,  # [T, H, D]
-    kv_ptr,  # [num_blocks, BLOCK_SIZE, D] (or a format's uint8 rows), flat slots: row s at kv_ptr + s * stride_kv_slot
+    kv_ptr,  # [num_blocks, BLOCK_SIZE, D] (or a format's uint8 rows [.., .., row_bytes]), any block / slot strides
     indices_ptr,  # [T, topk] int32 request-local key positions
     block_table_ptr,  # [B, max_blocks] int32
     seq_lens_k_ptr,  # [B] int32
@@ -86,6 +91,7 @@ def _sparse_attention_kernel(
     stride_qt,
     stride_qh,
     stride_qd,
+    stride_kv_block,
     stride_kv_slot,
     stride_kv_d,
     stride_it,
@@ -130,12 +136,14 @@ def _sparse_attention_kernel(
     running_max = tl.full((BLOCK_H,), float("-inf"), tl.float32)
     running_sum = tl.zeros((BLOCK_H,), tl.float32)
     acc = tl.zeros((BLOCK_H, BLOCK_DV), tl.float32)
+    num_valid = tl.zeros((BLOCK_H,), tl.int32)  # valid keys seen (the same for every head)
     for k0 in range(0, topk, BLOCK_N):
         ks = k0 + tl.arange(0, BLOCK_N)
         pos = tl.load(indices_ptr + token * stride_it + ks * stride_ik, mask=ks < topk, other=-1)
         key_ok = (pos >= 0) & (pos < key_limit)
-        slots = key_slots(block_table_ptr, stride_bt_b, seq, pos, max_blocks, BLOCK_SIZE)
-        kv_rows = kv_ptr + slots[:, None] * stride_kv_slot
+        num_valid += tl.sum(key_ok.to(tl.int32), axis=0)
+        rows = key_rows(block_table_ptr, stride_bt_b, seq, pos, max_blocks, stride_kv_block, stride_kv_slot, BLOCK_SIZE)
+        kv_rows = kv_ptr + rows[:, None]
         layout = (q_ptr.dtype.element_ty, KV_CODE, QUANT_DIMS, SCALES_OFFSET, ROPE_OFFSET)
         kv_v = load_cache_values(kv_rows, dv[None, :], key_ok[:, None] & dv_ok[None, :], stride_kv_d, *layout)
         kv_r = load_cache_values(kv_rows, d_v + dr[None, :], key_ok[:, None] & dr_ok[None, :], stride_kv_d, *layout)
@@ -157,7 +165,8 @@ def _sparse_attention_kernel(
         acc = tl.dot(p.to(kv_v.dtype), kv_v, acc * rescale[:, None], input_precision="ieee")
         running_max = new_max
 
-    has_keys = running_sum > 0.0
+    # Decided by the count, not by running_sum > 0: a NaN score makes the sum NaN, and NaN must reach out and lse.
+    has_keys = num_valid > 0
     out = acc / tl.where(has_keys, running_sum, 1.0)[:, None]
     lse = tl.where(has_keys, (running_max + tl.math.log2(tl.where(has_keys, running_sum, 1.0))) * _LN2, float("-inf"))
     tl.store(
@@ -197,6 +206,7 @@ def _tuned_kernel():
     return triton.autotune(configs, key=["num_heads", "d_v", "d_rest", "topk"])(_sparse_attention_kernel)
 
 
+@unit_stride_arguments()
 def sparse_flash_attention(
     q: Tensor,
     kv_cache: Tensor,
@@ -224,10 +234,8 @@ def sparse_flash_attention(
     lse = torch.empty((num_tokens, num_heads), dtype=torch.float32, device=q.device)
     if num_tokens == 0 or num_heads == 0:
         return out, lse
-    if kv_cache.stride(0) != kv_cache.shape[1] * kv_cache.stride(1) or needs_copy(kv_cache, kv_cache_dtype):
-        kv_cache = kv_cache.contiguous()  # the kernel addresses rows as flat slots
-    # The kernel reads these with unit element stride (they are tiny: a copy only for odd layouts).
-    block_table, seq_lens_k, cu_seqlens_q = (t.contiguous() for t in (block_table, seq_lens_k, cu_seqlens_q))
+    if needs_copy(kv_cache, kv_cache_dtype):
+        kv_cache = kv_cache.contiguous()  # a quantized row's scales / RoPE values need aligned addresses
     config = _launch_config(num_heads, q.dtype)
     kernel = _sparse_attention_kernel if config is not None else _tuned_kernel()
     config = config or {}
@@ -254,6 +262,7 @@ def sparse_flash_attention(
         stride_qt=q.stride(0),
         stride_qh=q.stride(1),
         stride_qd=q.stride(2),
+        stride_kv_block=kv_cache.stride(0),
         stride_kv_slot=kv_cache.stride(1),
         stride_kv_d=kv_cache.stride(2),
         stride_it=indices.stride(0),

@@ -8,7 +8,8 @@ ONNX (opset 18) has no bit-cast, so bytes become numbers by arithmetic that is e
                       (1 + m / 2^23) * 2^(e - 127) in float64 (2^(e - 127) from a 256-entry table) -> fp32
           bf16 RoPE   2 bytes -> bits16 * 2^16 = its fp32 bits -> the same
           values      code value * its tile's scale (one fp32 multiply, as every backend)
-[encode]  scale       per tile of 128: max|x| / qmax (1 for an all-zero tile), fp32
+[encode]  scale       per tile of 128: max|x| / qmax (1 for an all-zero tile), fp32; a tile holding NaN / +-inf:
+                      scale NaN / +inf and codes 0 (ops_reference.kv_cache "NaN and inf")
           int8        Round (half to even) of x / scale, clipped to +-127, as its two's-complement byte
           e4m3        e = max(floor(log2|r|), -6) counted against a table of binade edges, m = Round(|r| / 2^(e-3)),
                       code = 8 (e + 6) + m, at most 126 (448), + 128 if r < 0
@@ -31,6 +32,7 @@ F32, F64, I64 = "float32", "float64", "int64"
 _POW2 = np.ldexp(1.0, np.arange(256) - 127)  # 2^(e - 127) for an fp32 exponent field e (0 and 255 unused)
 _POW2[0] = 2.0**-126  # exponent field 0: subnormals, whose mantissa has no implicit 1
 _E4M3_EDGES = np.ldexp(1.0, np.arange(-5, 9)).astype(np.float32)  # 2^-5 .. 2^8: where e4m3 binades begin
+_NAN_BITS, _INF_BITS = 0x7FC00000, 0x7F800000  # fp32 bits of +NaN and +inf
 
 
 def format_of(options) -> KVCacheFormat | None:
@@ -46,15 +48,18 @@ def _code_table(fmt: KVCacheFormat) -> np.ndarray:
 
 
 def _floats_from_bits(g: GraphBuilder, bits: str) -> str:
-    """fp32 values of fp32 bit patterns held as int64 (0 .. 2^32 - 1); exact (computed in float64)."""
+    """fp32 values of fp32 bit patterns held as int64 (0 .. 2^32 - 1); exact (computed in float64). Exponent field
+    255 is inf (2^128 overflows the cast to fp32) or, with a mantissa, NaN."""
     exponent = g.op("Mod", g.op("Div", bits, g.const(2**23)), g.const(256))
-    mantissa = cast(g, g.op("Mod", bits, g.const(2**23)), F64)
-    fraction = g.op("Div", mantissa, g.const(float(2**23), F64))
+    mantissa_bits = g.op("Mod", bits, g.const(2**23))
+    fraction = g.op("Div", cast(g, mantissa_bits, F64), g.const(float(2**23), F64))
     normal = g.op("Greater", exponent, g.const(0))
     significand = g.op("Where", normal, g.op("Add", fraction, g.const(1.0, F64)), fraction)
     magnitude = g.op("Mul", significand, g.op("Gather", g.const(_POW2, F64), exponent))
     negative = g.op("GreaterOrEqual", bits, g.const(2**31))
-    return cast(g, g.op("Where", negative, g.op("Neg", magnitude), magnitude), F32)
+    value = cast(g, g.op("Where", negative, g.op("Neg", magnitude), magnitude), F32)
+    nan = g.op("And", g.op("Equal", exponent, g.const(255)), g.op("Greater", mantissa_bits, g.const(0)))
+    return g.op("Where", nan, g.const(float("nan"), F32), value)
 
 
 def _int_bytes(g: GraphBuilder, data: str, count: int) -> str:
@@ -76,6 +81,16 @@ def decode_rows(g: GraphBuilder, rows: str, fmt: KVCacheFormat) -> str:
         return quantized
     rope_bits = g.op("Mul", _int_bytes(g, slice_last(g, rows, fmt.rope_offset, fmt.row_bytes), 2), g.const(2**16))
     return g.op("Concat", quantized, _floats_from_bits(g, rope_bits), axis=-1)
+
+
+def _bits(g: GraphBuilder, x: str) -> str:
+    """int64 fp32 bit patterns of fp32 values x, NaN (as +NaN) and +-inf included."""
+    nan, inf = g.op("IsNaN", x), g.op("IsInf", x)
+    finite_bits = _float_bits(g, g.op("Where", g.op("Or", nan, inf), g.const(0.0, F32), x))
+    sign = g.op("Mul", cast(g, g.op("Less", x, g.const(0.0, F32)), I64), g.const(2**31))
+    return g.op(
+        "Where", nan, g.const(_NAN_BITS), g.op("Where", inf, g.op("Add", sign, g.const(_INF_BITS)), finite_bits)
+    )
 
 
 def _float_bits(g: GraphBuilder, x: str) -> str:
@@ -122,7 +137,13 @@ def _encode_e4m3(g: GraphBuilder, ratio: str) -> str:
 def encode_rows(g: GraphBuilder, rows: str, fmt: KVCacheFormat) -> str:
     """rows [N, width] fp32 -> their cache rows [N, row_bytes] uint8 (per tile: scale, codes; bf16 RoPE)."""
     tiles = g.op("Reshape", slice_last(g, rows, 0, fmt.quantized_dims), g.const([0, fmt.num_scales, TILE]))
-    amax = g.op("ReduceMax", g.op("Abs", tiles), g.const([-1]), keepdims=0)  # [N, tiles]
+    # A tile holding NaN gets scale NaN, one holding +-inf scale +inf, and either codes 0 (ops_reference.kv_cache);
+    # found by IsNaN / IsInf, since how ReduceMax treats NaN is left to the runtime.
+    has_nan = g.op("ReduceMax", cast(g, g.op("IsNaN", tiles), I64), g.const([-1]), keepdims=0)
+    has_inf = g.op("ReduceMax", cast(g, g.op("IsInf", tiles), I64), g.const([-1]), keepdims=0)
+    finite = g.op("Equal", g.op("Add", has_nan, has_inf), g.const(0))  # [N, tiles]
+    magnitudes = g.op("Where", g.op("Unsqueeze", finite, g.const([-1])), g.op("Abs", tiles), g.const(0.0, F32))
+    amax = g.op("ReduceMax", magnitudes, g.const([-1]), keepdims=0)  # [N, tiles]
     scale = g.op(
         "Where", g.op("Equal", amax, g.const(0.0, F32)), g.const(1.0, F32), g.op("Div", amax, g.const(fmt.qmax, F32))
     )
@@ -132,11 +153,14 @@ def encode_rows(g: GraphBuilder, rows: str, fmt: KVCacheFormat) -> str:
     else:
         codes = cast(g, g.op("Clip", g.op("Round", ratio), g.const(-127.0, F32), g.const(127.0, F32)), I64)
         codes = g.op("Mod", g.op("Add", codes, g.const(256)), g.const(256))  # two's complement byte
+    codes = g.op("Where", g.op("Unsqueeze", finite, g.const([-1])), codes, g.const(0))
+    special = g.op("Where", g.op("Greater", has_nan, g.const(0)), g.const(float("nan"), F32), g.const(np.inf, F32))
+    scale = g.op("Where", finite, scale, special)
     parts = [
         cast(g, g.op("Reshape", codes, g.const([0, fmt.quantized_dims])), "uint8"),
-        _byte_split(g, _float_bits(g, scale), 4),
+        _byte_split(g, _bits(g, scale), 4),
     ]
     if fmt.rope_dims:
         rope = cast(g, cast(g, slice_last(g, rows, fmt.quantized_dims, fmt.width), "bfloat16"), F32)
-        parts.append(_byte_split(g, g.op("Div", _float_bits(g, rope), g.const(2**16)), 2))
+        parts.append(_byte_split(g, g.op("Div", _bits(g, rope), g.const(2**16)), 2))
     return g.op("Concat", *parts, axis=-1)

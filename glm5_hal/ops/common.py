@@ -9,6 +9,7 @@ import torch
 from glm5_hal.checks import (
     INDEX_DTYPES,
     VERIFICATION_DTYPE,
+    check_block_size,
     check_index_range,
     check_ragged_layout,
     check_same_device,
@@ -58,6 +59,7 @@ def check_paged_batch(
     cache: [num_blocks, block_size, D]. block_table: [B, max_blocks] int32. seq_lens_k: [B] int32 (keys in
     context, new tokens included). cu_seqlens_q: [B+1] int32 prefix sums of new tokens, ending at T.
     """
+    check_block_size(cache_name, cache)
     check_tensor("block_table", block_table, ["B", "max_blocks"], INDEX_DTYPES, sizes)
     check_tensor("seq_lens_k", seq_lens_k, ["B"], INDEX_DTYPES, sizes)
     sizes["B+1"] = sizes["B"] + 1
@@ -70,7 +72,10 @@ def check_cache_write(
     cache_name: str, cache: torch.Tensor, slot_mapping: torch.Tensor, num_tokens: int, sizes: dict[str, int]
 ) -> None:
     """slot_mapping: [T] int64, one cache slot per token (block * block_size + offset), -1 = do not write."""
+    check_block_size(cache_name, cache)
     check_tensor("slot_mapping", slot_mapping, [num_tokens], (torch.int64,), sizes)
     check_same_device(**{cache_name: cache}, slot_mapping=slot_mapping)
     num_slots = cache.shape[0] * cache.shape[1]
-    check_index_range("slot_mapping", slot_mapping, -1, num_slots, f"-1 or a slot of the {num_slots}-slot cache")
+    check_index_range(
+        "slot_mapping", slot_mapping, -1, num_slots, lambda: f"-1 or a slot of the {num_slots}-slot cache"
+    )

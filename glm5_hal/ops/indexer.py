@@ -10,6 +10,7 @@ from glm5_hal.checks import (
     accumulation_dtype,
     check,
     check_accumulation_tensor,
+    check_finite_float,
     check_positive_int,
     check_same_device,
     check_tensor,
@@ -17,6 +18,18 @@ from glm5_hal.checks import (
 from glm5_hal.kv_formats import AUTO, INDEX, check_cache, dispatch_kwargs
 from glm5_hal.ops.common import NAMESPACE, check_cache_write, check_paged_batch, dispatch
 from glm5_hal.ops.mla_prolog import check_rope_tables
+
+# Largest `topk` lightning_indexer takes: 32x the models' 2048. It bounds the [T, topk] outputs, so that a typo
+# (2**31) is an error instead of a 16 GiB allocation; topk above the visible keys is still fine (-1 padding).
+MAX_TOPK = 65536
+
+
+def _check_head_dim(index_k_cache: Tensor, sizes: dict[str, int]) -> None:
+    check(
+        sizes["DI"] >= 1,
+        ValueError,
+        lambda: f"index_k_cache: expected DI >= 1 in [num_blocks, block_size, DI], got {tuple(index_k_cache.shape)}",
+    )
 
 
 @torch.library.custom_op(f"{NAMESPACE}::indexer_prolog", mutates_args=("index_k_cache",))
@@ -129,6 +142,7 @@ def indexer_prolog(
     dtype = x.dtype
     check_tensor("q_norm", q_norm, ["T", "q_lora"], (dtype,), sizes)
     check_cache("index_k_cache", index_k_cache, kv_cache_dtype, INDEX, [None, None, "DI"], dtype, sizes)
+    _check_head_dim(index_k_cache, sizes)
     check_tensor("w_iq", w_iq, ["HI_x_DI", "q_lora"], (dtype,), sizes)
     check(
         sizes["HI_x_DI"] % sizes["DI"] == 0,
@@ -154,11 +168,7 @@ def indexer_prolog(
         TypeError,
         lambda: f"rope_interleaved: expected a bool, got {rope_interleaved!r}",
     )
-    check(
-        isinstance(eps, (int, float)) and float(eps) > 0.0,
-        ValueError,
-        lambda: f"eps: expected a positive float, got {eps!r}",
-    )
+    eps = check_finite_float("eps", eps, positive=True)
     check_same_device(
         x=x,
         q_norm=q_norm,
@@ -185,7 +195,7 @@ def indexer_prolog(
         index_k_cache,
         slot_mapping,
         rope_interleaved,
-        float(eps),
+        eps,
         kv_cache_dtype,
     )
 
@@ -204,6 +214,7 @@ def _check_scoring_inputs(
     check_accumulation_tensor("weights", weights, ["T", "HI"], q_idx.dtype, sizes)
     dims = ["num_blocks", "block_size", "DI"]
     check_cache("index_k_cache", index_k_cache, kv_cache_dtype, INDEX, dims, q_idx.dtype, sizes)
+    _check_head_dim(index_k_cache, sizes)
     check_same_device(q_idx=q_idx, weights=weights, index_k_cache=index_k_cache)
     check_paged_batch("index_k_cache", index_k_cache, block_table, seq_lens_k, cu_seqlens_q, sizes["T"], sizes)
     return sizes
@@ -323,7 +334,8 @@ def lightning_indexer(
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Pick, for every query token, the `topk` keys with the highest indexer score.
 
-    Args:{args}        topk: keys to keep per token (2048 for both models). May exceed the visible keys.
+    Args:{args}        topk: keys to keep per token (2048 for both models), at most MAX_TOPK (65536). May exceed
+            the visible keys.
         return_scores: also return the selected keys' scores.
 
     Returns:
@@ -336,7 +348,7 @@ def lightning_indexer(
     Reference: ops_reference/indexer.py
     """
     _check_scoring_inputs(q_idx, weights, index_k_cache, block_table, seq_lens_k, cu_seqlens_q, kv_cache_dtype)
-    topk = check_positive_int("topk", topk)
+    topk = check_positive_int("topk", topk, maximum=MAX_TOPK)
     indices, scores = _lightning_indexer_op(
         q_idx, weights, index_k_cache, block_table, seq_lens_k, cu_seqlens_q, topk, kv_cache_dtype
     )

@@ -9,6 +9,7 @@ from glm5_hal.checks import (
     FLOAT_OP_DTYPES,
     check,
     check_accumulation_tensor,
+    check_finite_float,
     check_same_device,
     check_tensor,
 )
@@ -138,11 +139,7 @@ def mla_prolog(
         ),
     )
     check_cache_write("kv_cache", kv_cache, slot_mapping, sizes["T"], sizes)
-    check(
-        isinstance(eps, (int, float)) and float(eps) > 0.0,
-        ValueError,
-        lambda: f"eps: expected a positive float, got {eps!r}",
-    )
+    eps = check_finite_float("eps", eps, positive=True)
     check_same_device(
         x=x,
         w_dq=w_dq,
@@ -168,6 +165,6 @@ def mla_prolog(
         sin,
         kv_cache,
         slot_mapping,
-        float(eps),
+        eps,
         kv_cache_dtype,
     )

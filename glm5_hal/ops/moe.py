@@ -14,8 +14,10 @@ from glm5_hal.checks import (
     FLOAT_OP_DTYPES,
     check,
     check_accumulation_tensor,
+    check_finite_float,
     check_index_range,
     check_optional_tensor,
+    check_permutation,
     check_positive_int,
     check_same_device,
     check_tensor,
@@ -120,22 +122,16 @@ def moe_gate(
             f"{num_experts // n_group}"
         ),
     )
-    check(
-        isinstance(routed_scaling_factor, (int, float)),
-        TypeError,
-        lambda: f"routed_scaling_factor: expected a float, got {routed_scaling_factor!r}",
-    )
+    routed_scaling_factor = check_finite_float("routed_scaling_factor", routed_scaling_factor)
     check(
         isinstance(norm_topk_prob, bool), TypeError, lambda: f"norm_topk_prob: expected a bool, got {norm_topk_prob!r}"
     )
-    return _moe_gate_op(
-        router_logits, bias, top_k, n_group, topk_group, float(routed_scaling_factor), norm_topk_prob, scoring
-    )
+    return _moe_gate_op(router_logits, bias, top_k, n_group, topk_group, routed_scaling_factor, norm_topk_prob, scoring)
 
 
 def _check_topk_ids(topk_ids: Tensor, num_experts: int, sizes: dict[str, int]) -> None:
     check_tensor("topk_ids", topk_ids, ["T", "k"], (torch.int32, torch.int64), sizes)
-    check_index_range("topk_ids", topk_ids, 0, num_experts, f"an expert id of the {num_experts} experts")
+    check_index_range("topk_ids", topk_ids, 0, num_experts, lambda: f"an expert id of the {num_experts} experts")
 
 
 def _check_expert_offsets(expert_offsets: Tensor, num_rows: int, sizes: dict[str, int]) -> None:
@@ -241,7 +237,8 @@ def moe_combine(y_sorted: Tensor, src_index: Tensor, topk_weights: Tensor) -> Te
     Args:
         y_sorted: [T * k, D], bf16/fp16/fp32, or fp64 (verification mode, reference backend). Expert outputs
             in dispatch order.
-        src_index: [T * k], int64. From `moe_dispatch`: the assignment t * k + j of each row (a permutation).
+        src_index: [T * k], int64. From `moe_dispatch`: the assignment t * k + j of each row, a permutation of
+            0 .. T * k - 1 (checked, unless value checks are off: then anything else is undefined).
         topk_weights: [T, k], fp32 (fp64 for fp64 y_sorted). From `moe_gate`. Routing weights are applied
             here and nowhere else.
 
@@ -258,7 +255,7 @@ def moe_combine(y_sorted: Tensor, src_index: Tensor, topk_weights: Tensor) -> Te
     rows = sizes["T*k"] = sizes["T"] * sizes["k"]
     check_tensor("y_sorted", y_sorted, ["T*k", "D"], FLOAT_OP_DTYPES, sizes)
     check_tensor("src_index", src_index, ["T*k"], (torch.int64,), sizes)
-    check_index_range("src_index", src_index, 0, rows, "an assignment t * k + j")
+    check_permutation("src_index", src_index, rows)
     check_same_device(y_sorted=y_sorted, src_index=src_index, topk_weights=topk_weights)
     return _moe_combine_op(y_sorted, src_index, topk_weights)
 
@@ -270,7 +267,7 @@ def _fused_moe_op(x: Tensor, topk_weights: Tensor, topk_ids: Tensor, w13: Tensor
 
 @_fused_moe_op.register_fake
 def _(x, topk_weights, topk_ids, w13, w2):
-    return torch.empty_like(x)
+    return x.new_empty(x.shape)
 
 
 def fused_moe(x: Tensor, topk_weights: Tensor, topk_ids: Tensor, w13: Tensor, w2: Tensor) -> Tensor:

@@ -14,6 +14,7 @@ from glm5_hal.checks import (
     ACTIVATION_DTYPES,
     FLOAT_OP_DTYPES,
     check,
+    check_finite_float,
     check_optional_tensor,
     check_same_device,
     check_tensor,
@@ -33,6 +34,14 @@ def _check_out_dtype(out_dtype: object) -> torch.dtype:
     return out_dtype  # type: ignore[return-value]
 
 
+def _check_int8_activations(x_q: Tensor, x_scale: Tensor, sizes: dict[str, int]) -> None:
+    """x_q: [M, K] int8 with K >= 1 (dynamic_quant never makes an empty row, and a GEMM without a reduction dim
+    is a caller bug); x_scale: [M] fp32."""
+    check_tensor("x_q", x_q, ["M", "K"], (torch.int8,), sizes)
+    check(sizes["K"] >= 1, ValueError, lambda: f"x_q: expected K >= 1 in [M, K], got shape {tuple(x_q.shape)}")
+    check_tensor("x_scale", x_scale, ["M"], (torch.float32,), sizes)
+
+
 @torch.library.custom_op(f"{NAMESPACE}::dynamic_quant", mutates_args=())
 def _dynamic_quant_op(x: Tensor) -> tuple[Tensor, Tensor]:
     return dispatch("dynamic_quant", x.device, x)
@@ -40,7 +49,8 @@ def _dynamic_quant_op(x: Tensor) -> tuple[Tensor, Tensor]:
 
 @_dynamic_quant_op.register_fake
 def _(x):
-    return torch.empty_like(x, dtype=torch.int8), x.new_empty(x.shape[:-1], dtype=torch.float32)
+    # Outputs are new contiguous tensors whatever x's strides (docs/ops.md), so not empty_like.
+    return x.new_empty(x.shape, dtype=torch.int8), x.new_empty(x.shape[:-1], dtype=torch.float32)
 
 
 def dynamic_quant(x: Tensor) -> tuple[Tensor, Tensor]:
@@ -96,8 +106,7 @@ def quant_matmul(
     Reference: ops_reference/quant.py
     """
     sizes: dict[str, int] = {}
-    check_tensor("x_q", x_q, ["M", "K"], (torch.int8,), sizes)
-    check_tensor("x_scale", x_scale, ["M"], (torch.float32,), sizes)
+    _check_int8_activations(x_q, x_scale, sizes)
     check_tensor("w_q", w_q, ["N", "K"], (torch.int8,), sizes)
     check_tensor("w_scale", w_scale, ["N"], (torch.float32,), sizes)
     out_dtype = _check_out_dtype(out_dtype)
@@ -143,8 +152,7 @@ def w4a8_matmul(
     Reference: ops_reference/quant.py
     """
     sizes: dict[str, int] = {}
-    check_tensor("x_q", x_q, ["M", "K"], (torch.int8,), sizes)
-    check_tensor("x_scale", x_scale, ["M"], (torch.float32,), sizes)
+    _check_int8_activations(x_q, x_scale, sizes)
     k = sizes["K"]
     check(k % 2 == 0, ValueError, lambda: f"x_q: expected an even K (int4 weights pack two per byte), got K = {k}")
     check_tensor("w_packed", w_packed, ["N", k // 2], (torch.uint8,), sizes)
@@ -152,7 +160,12 @@ def w4a8_matmul(
         check_tensor("w_scale", w_scale, ["N"], (torch.float32,), sizes)
     else:
         check(
-            isinstance(group_size, int) and group_size > 0 and group_size % 2 == 0 and k % group_size == 0,
+            isinstance(group_size, int) and not isinstance(group_size, bool),
+            TypeError,
+            lambda: f"group_size: expected None or an even divisor of K = {k}, got {group_size!r}",
+        )
+        check(
+            group_size > 0 and group_size % 2 == 0 and k % group_size == 0,
             ValueError,
             lambda: f"group_size: expected None or an even divisor of K = {k}, got {group_size!r}",
         )
@@ -179,7 +192,7 @@ def _hadamard_transform_op(x: Tensor, scale: float | None) -> Tensor:
 
 @_hadamard_transform_op.register_fake
 def _(x, scale):
-    return torch.empty_like(x)
+    return x.new_empty(x.shape)
 
 
 def hadamard_transform(x: Tensor, *, scale: float | None = None) -> Tensor:
@@ -206,9 +219,5 @@ def hadamard_transform(x: Tensor, *, scale: float | None = None) -> Tensor:
         ValueError,
         lambda: f"x: expected a last dim n = K * 2^m with K in {sorted(HADAMARD_BASE_SIZES)}, got n = {n}",
     )
-    check(
-        scale is None or isinstance(scale, (int, float)),
-        TypeError,
-        lambda: f"scale: expected None or a float, got {scale!r}",
-    )
-    return _hadamard_transform_op(x, None if scale is None else float(scale))
+    scale = None if scale is None else check_finite_float("scale", scale)
+    return _hadamard_transform_op(x, scale)

@@ -10,6 +10,7 @@ from glm5_hal.checks import (
     INDEX_DTYPES,
     accumulation_dtype,
     check,
+    check_finite_float,
     check_index_range,
     check_same_device,
     check_tensor,
@@ -95,18 +96,19 @@ def sparse_flash_attention(
     check_cache("kv_cache", kv_cache, kv_cache_dtype, LATENT, ["num_blocks", "block_size", "D"], q.dtype, sizes)
     check_tensor("indices", indices, ["T", "topk"], INDEX_DTYPES, sizes)
     check(
-        isinstance(d_v, int) and 0 < d_v <= sizes["D"],
-        ValueError,
+        isinstance(d_v, int) and not isinstance(d_v, bool),
+        TypeError,
         lambda: f"d_v: expected an int in [1, {sizes['D']}] (the row width of kv_cache), got {d_v!r}",
     )
     check(
-        isinstance(sm_scale, (int, float)) and float(sm_scale) > 0.0,
+        0 < d_v <= sizes["D"],
         ValueError,
-        lambda: f"sm_scale: expected a positive float, got {sm_scale!r}",
+        lambda: f"d_v: expected an int in [1, {sizes['D']}] (the row width of kv_cache), got {d_v!r}",
     )
+    sm_scale = check_finite_float("sm_scale", sm_scale, positive=True)
     check_same_device(q=q, kv_cache=kv_cache, indices=indices)
     check_paged_batch("kv_cache", kv_cache, block_table, seq_lens_k, cu_seqlens_q, sizes["T"], sizes)
-    check_index_range("indices", indices, -1, 2**31 - 1, "-1 or a request-local key position")
+    check_index_range("indices", indices, -1, 2**31 - 1, lambda: "-1 or a request-local key position")
     return _sparse_flash_attention_op(
-        q, kv_cache, indices, block_table, seq_lens_k, cu_seqlens_q, float(sm_scale), int(d_v), kv_cache_dtype
+        q, kv_cache, indices, block_table, seq_lens_k, cu_seqlens_q, sm_scale, d_v, kv_cache_dtype
     )

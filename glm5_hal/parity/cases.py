@@ -2,7 +2,8 @@
 
 Cases are grouped `regular` (plain shapes), `irregular` (ragged batches, shuffled blocks, odd sizes) and `corner`
 (empty rows, zero-token experts, all tokens on one expert, skipped cache writes). `build(gen, dtype)` returns
-fresh inputs keyed by the public op's argument names; nothing is zero unless the case is about zeros.
+fresh inputs keyed by the public op's argument names; nothing is zero unless the case is about zeros. The builders
+of paged ops pass `batch_options` on to glm5_hal.parity.inputs.paged_batch (garbage table padding, spare blocks).
 """
 
 from __future__ import annotations
@@ -53,9 +54,11 @@ MTP_DECODE = [SeqSpec(2, 50), SeqSpec(2, 2)]  # two new tokens each (multi-token
 
 
 # ---------------------------------------------------------------------------------------------------- prologs
-def mla_prolog_inputs(cfg: ModelConfig, seqs: list[SeqSpec], block_size: int, pad: tuple[int, ...] = ()) -> Build:
+def mla_prolog_inputs(
+    cfg: ModelConfig, seqs: list[SeqSpec], block_size: int, pad: tuple[int, ...] = (), **batch_options: object
+) -> Build:
     def build(gen: torch.Generator, dtype: torch.dtype) -> dict:
-        batch = paged_batch(seqs, block_size, gen, pad_slots=pad)
+        batch = paged_batch(seqs, block_size, gen, pad_slots=pad, **batch_options)
         w = mla_weights(cfg, gen, dtype)
         cos, sin = rope_tables(batch.positions, cfg.qk_rope_head_dim, cfg.rope_theta)
         return {
@@ -71,9 +74,11 @@ def mla_prolog_inputs(cfg: ModelConfig, seqs: list[SeqSpec], block_size: int, pa
     return build
 
 
-def indexer_prolog_inputs(cfg: ModelConfig, seqs: list[SeqSpec], block_size: int, pad: tuple[int, ...] = ()) -> Build:
+def indexer_prolog_inputs(
+    cfg: ModelConfig, seqs: list[SeqSpec], block_size: int, pad: tuple[int, ...] = (), **batch_options: object
+) -> Build:
     def build(gen: torch.Generator, dtype: torch.dtype) -> dict:
-        batch = paged_batch(seqs, block_size, gen, pad_slots=pad)
+        batch = paged_batch(seqs, block_size, gen, pad_slots=pad, **batch_options)
         w = mla_weights(cfg, gen, dtype)
         cos, sin = rope_tables(batch.positions, cfg.qk_rope_head_dim, cfg.rope_theta)
         return {
@@ -91,9 +96,11 @@ def indexer_prolog_inputs(cfg: ModelConfig, seqs: list[SeqSpec], block_size: int
 
 
 # ---------------------------------------------------------------------------------------------------- indexer
-def indexer_inputs(cfg: ModelConfig, seqs: list[SeqSpec], block_size: int, topk: int | None = None) -> Build:
+def indexer_inputs(
+    cfg: ModelConfig, seqs: list[SeqSpec], block_size: int, topk: int | None = None, **batch_options: object
+) -> Build:
     def build(gen: torch.Generator, dtype: torch.dtype) -> dict:
-        batch = paged_batch(seqs, block_size, gen)
+        batch = paged_batch(seqs, block_size, gen, **batch_options)
         inputs = {
             "q_idx": randn((batch.num_tokens, cfg.index_n_heads, cfg.index_head_dim), gen, dtype=dtype),
             # Mixed-sign head weights, as weights_proj produces: ReLU and the signs both matter.
@@ -118,9 +125,10 @@ def sparse_attention_inputs(
     topk: int,
     invalid_fraction: float = 0.0,
     empty_rows: tuple[int, ...] = (),
+    **batch_options: object,
 ) -> Build:
     def build(gen: torch.Generator, dtype: torch.dtype) -> dict:
-        batch = paged_batch(seqs, block_size, gen)
+        batch = paged_batch(seqs, block_size, gen, **batch_options)
         indices = random_topk_indices(batch, topk, gen, invalid_fraction=invalid_fraction)
         for t in empty_rows:
             indices[t] = -1
@@ -160,7 +168,8 @@ def moe_gate_inputs(
 def _topk_ids(tokens: int, k: int, num_experts: int, gen: torch.Generator, used_experts: int | None) -> torch.Tensor:
     """[T, k] int32 distinct expert ids per token, drawn from the first `used_experts` experts only."""
     pool = num_experts if used_experts is None else used_experts
-    return torch.stack([torch.randperm(pool, generator=gen)[:k] for _ in range(tokens)]).to(torch.int32)
+    rows = [torch.randperm(pool, generator=gen)[:k] for _ in range(tokens)]
+    return torch.stack(rows).to(torch.int32) if rows else torch.zeros(0, k, dtype=torch.int32)
 
 
 def _routing(tokens: int, k: int, num_experts: int, gen: torch.Generator, used_experts: int | None):

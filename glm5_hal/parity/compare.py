@@ -77,7 +77,12 @@ def compare_exact(name: str, out: torch.Tensor, ref: np.ndarray) -> Verdict:
 
 
 def compare_topk(name: str, indices: torch.Tensor, ref_logits: np.ndarray, topk: int, dtype: torch.dtype) -> Verdict:
-    """Indices [T, topk] against the reference logits [T, S] (-inf = not visible)."""
+    """Indices [T, topk] against the reference logits [T, S] (-inf = not visible).
+
+    NaN ranks above every number (docs/ops.md "NaN"): the keys the reference scores NaN must all be picked (or,
+    when there are more of them than topk, the lowest-positioned ones: NaN ties NaN); the rest is judged as a
+    top-k of the numbers, within the dtype's tolerance (exact ties are judged by test_topk_ties).
+    """
     got = to_numpy(indices).astype(np.int64)
     if got.shape != (ref_logits.shape[0], topk):
         return Verdict(name, False, float("inf"), f"shape {got.shape} != ({ref_logits.shape[0]}, {topk})")
@@ -85,21 +90,32 @@ def compare_topk(name: str, indices: torch.Tensor, ref_logits: np.ndarray, topk:
     worst = 0.0
     for t, row in enumerate(got):
         scores = ref_logits[t]
-        visible = np.flatnonzero(np.isfinite(scores))
+        nan = np.isnan(scores)
+        visible = np.flatnonzero(nan | (scores > -np.inf))
         n_valid = min(topk, visible.size)
         head, tail = row[:n_valid], row[n_valid:]
         if (tail != -1).any():
             return Verdict(name, False, float("inf"), f"row {t}: expected -1 after the first {n_valid} entries")
-        if ((head < 0) | (head >= scores.size)).any() or not np.isfinite(scores[np.clip(head, 0, None)]).all():
+        if ((head < 0) | (head >= scores.size)).any() or (scores[np.clip(head, 0, None)] == -np.inf).any():
             return Verdict(name, False, float("inf"), f"row {t}: an index is -1, out of range or not visible")
         if np.unique(head).size != head.size:
             return Verdict(name, False, float("inf"), f"row {t}: duplicate indices")
+        n_nan = min(int(nan.sum()), n_valid)
+        first_nan = np.flatnonzero(nan)[:n_nan]  # the NaN keys that rank first: the lowest positions
+        if not np.array_equal(np.sort(head[nan[head]]), first_nan):
+            return Verdict(
+                name,
+                False,
+                float("inf"),
+                f"row {t}: picked NaN-scored keys {np.sort(head[nan[head]]).tolist()}, expected {first_nan.tolist()}",
+            )
+        head, visible, n_valid = head[~nan[head]], visible[~nan[visible]], n_valid - n_nan
         if n_valid == 0:
             continue
         # Any set whose weakest member is at least the true k-th best score (up to rounding) is a top-k set.
         kth_best = np.sort(scores[visible])[::-1][n_valid - 1]
         weakest = scores[head].min()
-        row_scale = np.abs(scores[visible]).max() or 1.0
+        row_scale = np.abs(scores[visible][np.isfinite(scores[visible])]).max(initial=0.0) or 1.0
         shortfall = (kth_best - weakest) / row_scale
         worst = max(worst, float(shortfall))
         if shortfall > tol:
@@ -112,12 +128,22 @@ def compare_topk(name: str, indices: torch.Tensor, ref_logits: np.ndarray, topk:
     return Verdict(name, True, worst)
 
 
+def compare_unchanged(name: str, after: torch.Tensor, before: torch.Tensor) -> Verdict:
+    """An input the op must only read: the same values (NaN where NaN) after the call as before."""
+    got, want = to_numpy(after), to_numpy(before)
+    same = (got == want) | (np.isnan(got) & np.isnan(want)) if got.dtype.kind == "f" else got == want
+    if got.shape != want.shape or not np.all(same):
+        return Verdict(name, False, float("inf"), "an input the op must only read was modified")
+    return Verdict(name, True, 0.0)
+
+
 def compare_int8_codes(name: str, q: torch.Tensor, ref_q: np.ndarray, x: np.ndarray, ref_scale: np.ndarray) -> Verdict:
     got = to_numpy(q).astype(np.int64)
     want = np.asarray(ref_q, dtype=np.int64)
     if got.shape != want.shape:
         return Verdict(name, False, float("inf"), f"shape {got.shape} != reference {want.shape}")
-    ratio = x / ref_scale[..., None]
+    with np.errstate(invalid="ignore", divide="ignore"):  # rows holding NaN / inf: their codes are 0, compared below
+        ratio = x / ref_scale[..., None]
     near_boundary = np.abs(np.abs(ratio - np.floor(ratio)) - 0.5) < 1e-4
     diff = np.abs(got - want)
     bad = (diff > 1) | ((diff == 1) & ~near_boundary)

@@ -68,18 +68,26 @@ def paged_batch(
     shuffle_blocks: bool = True,
     spare_blocks: int = 1,
     pad_slots: Sequence[int] = (),
+    garbage_padding: bool = False,
+    extra_columns: int = 0,
 ) -> PagedBatch:
     """Lay `seqs` out in a paged cache.
 
     shuffle_blocks: assign cache blocks in a random order (what a real allocator produces) instead of 0, 1, 2...
     spare_blocks: extra unused blocks in the cache (so an off-by-one block id reads garbage, not nothing).
     pad_slots: flat token indices whose slot_mapping is -1 (padding tokens that must not be written).
+    garbage_padding: fill the block-table entries a sequence does not use with random int32 values (any value is
+        allowed there) instead of -1. extra_columns: block-table columns beyond the longest sequence's blocks.
     """
     blocks_per_seq = [math.ceil(s.k_len / block_size) for s in seqs]
-    max_blocks = max(max(blocks_per_seq, default=1), 1)
+    max_blocks = max(max(blocks_per_seq, default=1), 1) + extra_columns
     num_blocks = sum(blocks_per_seq) + spare_blocks
     order = torch.randperm(num_blocks, generator=gen) if shuffle_blocks else torch.arange(num_blocks)
-    block_table = torch.full((len(seqs), max_blocks), -1, dtype=torch.int32)  # unused entries: -1 padding
+    if garbage_padding:  # unused entries: anything
+        block_table = torch.randint(-(2**31), 2**31, (len(seqs), max_blocks), generator=gen, dtype=torch.int64)
+        block_table = block_table.to(torch.int32)
+    else:  # unused entries: -1 padding
+        block_table = torch.full((len(seqs), max_blocks), -1, dtype=torch.int32)
     next_block = 0
     for b, n in enumerate(blocks_per_seq):
         block_table[b, :n] = order[next_block : next_block + n].to(torch.int32)
@@ -162,3 +170,37 @@ def random_topk_indices(batch: PagedBatch, topk: int, gen: torch.Generator, *, i
                 row[bad] = torch.where(torch.rand(n_bad, generator=gen) < 0.5, -1, past_end)
             rows.append(row)
     return torch.stack(rows) if rows else torch.zeros(0, topk, dtype=torch.int32)
+
+
+# Memory layouts a tensor argument may come in (validation accepts any strides): the same values, other strides.
+#   contiguous    as built
+#   strided       every other element of a buffer along the last dim (the gaps hold poison)
+#   padded        the leading block of a buffer one larger in every dim, at an offset (row / block padding, e.g.
+#                 a cache whose blocks have spare slots, a weight sliced out of a wider one)
+#   column_major  the last two dims swapped in memory (a transposed view); 1-D tensors get `strided`
+LAYOUTS = ("contiguous", "strided", "padded", "column_major")
+
+
+def poison_value(dtype: torch.dtype) -> float | int:
+    """What fills the gaps of a non-contiguous buffer: NaN for floats (any read of a gap shows in the result),
+    0 for integers (a valid index or code, so a kernel that ignores strides computes a wrong answer rather than
+    reading outside its buffers)."""
+    return float("nan") if dtype.is_floating_point else 0
+
+
+def with_layout(t: torch.Tensor, layout: str) -> torch.Tensor:
+    """`t`'s values in `layout` (see LAYOUTS): a view into a fresh buffer whose other elements are poison."""
+    if layout == "contiguous" or t.dim() == 0:
+        return t.clone()
+    if layout == "column_major" and t.dim() >= 2:
+        return t.mT.contiguous().mT
+    if layout in ("strided", "column_major"):
+        buffer = torch.full((*t.shape[:-1], 2 * t.shape[-1]), poison_value(t.dtype), dtype=t.dtype, device=t.device)
+        view = buffer[..., ::2]
+    elif layout == "padded":
+        buffer = torch.full(tuple(n + 2 for n in t.shape), poison_value(t.dtype), dtype=t.dtype, device=t.device)
+        view = buffer[tuple(slice(1, n + 1) for n in t.shape)]
+    else:
+        raise ValueError(f"layout: expected one of {LAYOUTS}, got {layout!r}")
+    view.copy_(t)
+    return view

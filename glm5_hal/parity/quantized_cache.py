@@ -10,7 +10,8 @@ Writers (mla_prolog, indexer_prolog) compute their rows in the activation dtype 
 they store may differ from the reference's where a value sits near a code boundary. A written row is judged by
 `compare_quantized_cache`: each stored value must lie within half a quantization step (of the backend's own
 scale: the rounding the format allows) plus the dtype's tolerance of the reference's unquantized float64 value,
-each scale within the dtype's tolerance of max|tile| / qmax, and every row not written must keep its bytes.
+each scale within the dtype's tolerance of max|tile| / qmax, and every row not written must keep its bytes. A tile
+the reference holds NaN / inf in must store scale NaN / +inf and codes 0, and NaN / inf RoPE values as themselves.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import torch
 from glm5_hal.kv_formats import CACHE_ARGUMENT, OP_CACHE
 from glm5_hal.kv_formats import encode_rows as torch_encode_rows
 from glm5_hal.parity.compare import TOLERANCE, Verdict, to_numpy
-from ops_reference.kv_cache import FORMATS, TILE, KVCacheFormat, decode_rows, encode_rows
+from ops_reference.kv_cache import FORMATS, TILE, KVCacheFormat, decode_bf16, decode_rows, encode_bf16, encode_rows
 
 WRITERS = ("mla_prolog", "indexer_prolog")
 ZERO_TILE_EVERY = 7  # every 7th cache slot's first tile is zeroed before encoding (scale 1, codes 0)
@@ -148,30 +149,47 @@ def compare_quantized_cache(
     if want.size == 0:
         return Verdict(name, True, 0.0)
     reference = decode_rows(np.asarray(reference_cache, np.uint8).reshape(-1, fmt.row_bytes)[slots[keep]], fmt)
-    rel = float(np.linalg.norm(decoded - reference) / max(np.linalg.norm(reference), 1e-300))
+    both = np.isfinite(decoded) & np.isfinite(reference)  # (NaN / inf positions are judged below)
+    rel = float(np.linalg.norm(decoded[both] - reference[both]) / max(np.linalg.norm(reference[both]), 1e-300))
 
     n, q = want.shape[0], fmt.quantized_dims
     tiles = want[:, :q].reshape(n, fmt.num_scales, TILE)
-    amax = np.abs(tiles).max(axis=-1)  # [n, tiles]
     scales = np.ascontiguousarray(stored[:, fmt.scales_offset : fmt.rope_offset]).view("<f4").astype(np.float64)
+    # A tile holding NaN / inf (ops_reference.kv_cache): scale NaN / +inf and codes 0, whatever else it holds.
+    nan_tile = np.isnan(tiles).any(axis=-1)  # [n, tiles]
+    inf_tile = np.isinf(tiles).any(axis=-1) & ~nan_tile
+    codes = stored[:, :q].reshape(n, fmt.num_scales, TILE)
+    if not (np.isnan(scales[nan_tile]).all() and (scales[inf_tile] == np.inf).all()):
+        return Verdict(name, False, rel, "a tile holding NaN / inf must store scale NaN / +inf")
+    if (codes[nan_tile | inf_tile] != 0).any():
+        return Verdict(name, False, rel, "a tile holding NaN / inf must store codes 0")
+    finite = ~(nan_tile | inf_tile)
+    tiles, scales, got_tiles = tiles[finite], scales[finite], decoded[:, :q].reshape(n, fmt.num_scales, TILE)[finite]
+
+    amax = np.abs(tiles).max(axis=-1)  # [finite tiles]
     want_scales = np.where(amax == 0, 1.0, amax / fmt.qmax)
     scale_err = np.abs(scales - want_scales) / want_scales
     if not (scale_err <= tol).all():
         return Verdict(name, False, rel, f"scales off by up to {scale_err.max():.3g} relative (tolerance {tol:g})")
 
     # Quantized dims: within half a step of the backend's own scale, plus the dtype's tolerance of the tile.
-    got_tiles = decoded[:, :q].reshape(n, fmt.num_scales, TILE)
     in_codes = np.maximum(np.abs(tiles), np.abs(got_tiles)) / scales[..., None]
     half_step = (_half_e4m3_step(in_codes) if fmt.code == "e4m3" else 0.5) * scales[..., None]
     bound = half_step + tol * (np.abs(tiles) + amax[..., None])
     excess = np.abs(got_tiles - tiles) - bound
     if (excess > 0).any():
         return Verdict(name, False, rel, f"{int((excess > 0).sum())} quantized values beyond half a step + tolerance")
-    # RoPE dims: bf16 rounding of the value, plus the dtype's tolerance.
+    # RoPE dims: bf16 rounding of the value, plus the dtype's tolerance; where that rounding is NaN or +-inf
+    # (NaN, inf, or a value past bf16's range), exactly that.
     rope, got_rope = want[:, q:], decoded[:, q:]
     if rope.size:
+        rounded = decode_bf16(encode_bf16(rope))
+        special = ~np.isfinite(rounded)
+        if not np.array_equal(rounded[special], got_rope[special], equal_nan=True):
+            return Verdict(name, False, rel, "a NaN / inf RoPE value was not stored as NaN / that inf")
+        rope, got_rope = np.where(special, 0.0, rope), np.where(special, 0.0, got_rope)
         row_max = np.abs(rope).max(axis=1, keepdims=True)
         bound = _half_bf16_ulp(np.maximum(np.abs(rope), np.abs(got_rope))) + tol * (np.abs(rope) + row_max)
-        if (np.abs(got_rope - rope) > bound).any():
+        if not (np.abs(got_rope - rope) <= bound).all():
             return Verdict(name, False, rel, "bf16 RoPE values beyond bf16 rounding + tolerance")
     return Verdict(name, True, rel)

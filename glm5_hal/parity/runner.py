@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import random
@@ -11,8 +12,10 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+import glm5_hal
 from glm5_hal.parity.cases import Case
-from glm5_hal.parity.compare import Verdict
+from glm5_hal.parity.compare import Verdict, compare_unchanged
+from glm5_hal.parity.inputs import with_layout
 from glm5_hal.parity.specs import SPECS
 from glm5_hal.registry import ANY_DEVICE, OP_NAMES, registry
 from glm5_hal.selection import OpNotImplementedError, use_backend
@@ -70,6 +73,15 @@ def _clone(value: object, device: torch.device) -> object:
     return value.clone().to(device) if isinstance(value, torch.Tensor) else value
 
 
+def custom_op_arguments(op: str, inputs: dict) -> tuple:
+    """`inputs` (keyed by the public op's argument names) in the order of the custom op torch.ops.glm5_hal.<op>,
+    with the public function's defaults for the arguments it leaves out (eps, kv_cache_dtype, ...): what the
+    public wrapper passes, for opcheck."""
+    public = inspect.signature(getattr(glm5_hal, op)).parameters
+    schema = getattr(torch.ops.glm5_hal, op).default._schema
+    return tuple(inputs[a.name] if a.name in inputs else public[a.name].default for a in schema.arguments)
+
+
 def case_generator(case: Case, dtype: torch.dtype, seed: int) -> torch.Generator:
     """A generator seeded by the run seed and the case identity (stable across processes and backends)."""
     key = zlib.crc32(f"{case.id}/{dtype}".encode())
@@ -78,28 +90,57 @@ def case_generator(case: Case, dtype: torch.dtype, seed: int) -> torch.Generator
 
 def run_case(case: Case, backend: str, dtype: torch.dtype, *, device: str = "cpu", seed: int | None = None) -> Result:
     """Build the case's inputs, run the op on `backend` (strict: no silent fallback), judge against the reference."""
-    spec = SPECS[case.op]
     seed = session_seed() if seed is None else seed
-    dtype_name = str(dtype).removeprefix("torch.")
     inputs = case.build(case_generator(case, dtype, seed), dtype)
+    return run_inputs(case.op, inputs, backend, dtype, device=device, name=case.name, exact=case.exact)
+
+
+def run_inputs(
+    op: str,
+    inputs: dict,
+    backend: str,
+    dtype: torch.dtype,
+    *,
+    device: str = "cpu",
+    name: str = "",
+    exact: bool = False,
+    layouts: dict[str, str] | None = None,
+) -> Result:
+    """Run `op` on `backend` (strict) with a copy of `inputs` on `device`, judged against the reference on `inputs`.
+
+    layouts: {argument: a layout of glm5_hal.parity.inputs.LAYOUTS}; those arguments reach the op as views with
+    the same values in that layout (a written cache is judged through its view). exact: every output must match
+    the reference exactly. Every argument the op does not write must come back unchanged. `inputs` is left as
+    it was.
+    """
+    spec = SPECS[op]
+    dtype_name = str(dtype).removeprefix("torch.")
     device_inputs = {k: _clone(v, torch.device(device)) for k, v in inputs.items()}
+    for arg, layout in (layouts or {}).items():
+        if isinstance(device_inputs.get(arg), torch.Tensor):
+            device_inputs[arg] = with_layout(device_inputs[arg], layout)
     try:
-        with use_backend(backend, ops=[case.op], strict=True):
+        with use_backend(backend, ops=[op], strict=True):
             outputs = spec.run(device_inputs)
     except OpNotImplementedError as exc:
-        return Result(case.op, case.name, backend, dtype_name, "not implemented", 0.0, str(exc))
+        return Result(op, name, backend, dtype_name, "not implemented", 0.0, str(exc))
     except Exception as exc:  # the table reports a crashing backend as a failure, with its message
-        return Result(case.op, case.name, backend, dtype_name, "error", float("inf"), f"{type(exc).__name__}: {exc}")
+        return Result(op, name, backend, dtype_name, "error", float("inf"), f"{type(exc).__name__}: {exc}")
     outputs = {k: v.cpu() for k, v in outputs.items()}
     verdicts = spec.judge(inputs, outputs, dtype)
-    if case.exact:
+    verdicts += [
+        compare_unchanged(f"{arg} (input)", value.cpu(), inputs[arg])
+        for arg, value in device_inputs.items()
+        if isinstance(value, torch.Tensor) and arg not in spec.mutated
+    ]
+    if exact:
         verdicts = [
             v if v.rel_err == 0.0 else Verdict(v.output, False, v.rel_err, "exact case: " + v.detail) for v in verdicts
         ]
     failed = [v for v in verdicts if not v.passed]
     worst = max((v.rel_err for v in verdicts), default=0.0)
     detail = "; ".join(f"{v.output}: {v.detail}" for v in failed)
-    return Result(case.op, case.name, backend, dtype_name, "fail" if failed else "pass", worst, detail)
+    return Result(op, name, backend, dtype_name, "fail" if failed else "pass", worst, detail)
 
 
 def run_all(
