@@ -216,6 +216,11 @@ class Probe(Protocol):
     def fp32_output(self, dtype: torch.dtype) -> bool:
         """Whether a GEMM of `dtype` operands can hand back fp32 (torch.mm(..., out_dtype=torch.float32))."""
 
+    def residual_exact(self, dtype: torch.dtype) -> bool:
+        """Whether addmm / baddbmm with `dtype` operands add their input matrix to the fp32 accumulator before they
+        round, so that r + addmm(-r, a, b), r = a @ b rounded, recovers the fp32 product (backends/torch_eager/gemm.py).
+        """
+
     def int8_exact(self, route: int8_gemms.Int8Gemm) -> tuple[bool, str]:
         """Whether the route runs and is bit-exact here (int8_gemms.is_exact at EXACTNESS_DEPTH), and why."""
 
@@ -294,6 +299,20 @@ class DeviceProbe:
         except RUNTIME_ERRORS:
             return False  # no such overload in this torch, or no kernel for this device
 
+    def residual_exact(self, dtype: torch.dtype) -> bool:
+        a = torch.randn(3, 16, 256, generator=self._gen).to(self.device, dtype)
+        b = torch.randn(3, 256, 48, generator=self._gen).to(self.device, dtype)
+        want = torch.bmm(a.double(), b.double())
+        try:
+            rounded = torch.bmm(a, b)
+            batched = rounded.double() + torch.baddbmm(-rounded, a, b).double()
+            flat = rounded[0].double() + torch.addmm(-rounded[0], a[0], b[0]).double()
+        except RUNTIME_ERRORS:
+            return False
+        # A rounded result is off by ~2^-9 of its size; a recovered one by ~2^-16 (two roundings of the residual).
+        bound = 2.0**-13 * want.abs().amax()
+        return bool((batched - want).abs().amax() <= bound and (flat - want[0]).abs().amax() <= bound)
+
     def int8_exact(self, route: int8_gemms.Int8Gemm) -> tuple[bool, str]:
         if self._exactness_cases is None:  # built once, shared by every route
             self._exactness_cases = int8_gemms.exactness_cases(self._gen, EXACTNESS_DEPTH)
@@ -313,7 +332,8 @@ class DeviceProbe:
 @dataclass(frozen=True)
 class HalfChoice:
     """Whether ops with `dtype` activations give their GEMMs `dtype` operands (fp32 accumulation), and how the
-    result comes back: fp32_output = the GEMM returns its fp32 accumulators, else its `dtype` result is upcast."""
+    result comes back: fp32_output = the GEMM returns its fp32 accumulators, else its `dtype` result plus the residual
+    GEMM that recovers its rounding (backends/torch_eager/gemm.py)."""
 
     dtype: torch.dtype
     use: bool
@@ -324,7 +344,7 @@ class HalfChoice:
     def path(self) -> str:
         if not self.use:
             return "fp32 operands (conservative)"
-        result = "fp32 result" if self.fp32_output else f"{_unit(self.dtype)} result upcast to fp32"
+        result = "fp32 result" if self.fp32_output else f"{_unit(self.dtype)} result + its rounding residual (addmm)"
         return f"{_unit(self.dtype)} operands, fp32 accumulation, {result}"
 
 
@@ -417,6 +437,14 @@ def _decide_half(
             False,
             False,
             "fp16 GEMMs here return fp16 only (no out_dtype=float32): products that fit fp32 could overflow fp16",
+        )
+    if not fp32_output and not probe.residual_exact(dtype):
+        return HalfChoice(
+            dtype,
+            False,
+            False,
+            f"{unit} GEMMs here return {unit} only and addmm rounds before it adds: the rounding of every intermediate"
+            " could not be recovered",
         )
     if mode == FORCE:
         return HalfChoice(dtype, True, fp32_output, f"{ENV_FAST_PATHS}=1")

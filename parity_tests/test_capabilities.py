@@ -18,7 +18,7 @@ import torch
 
 from glm5_hal import capabilities as caps
 from glm5_hal import int8_gemms
-from glm5_hal.capabilities import AUTO, FORCE, DeviceFacts, decide
+from glm5_hal.capabilities import AUTO, FORCE, DeviceFacts, DeviceProbe, decide
 from glm5_hal.cli import main
 
 AVX2_ZEN3 = "model name\t: AMD EPYC 7B13\ncpu family\t: 25\nflags\t\t: fpu sse sse2 avx avx2 fma f16c bmi2\n"
@@ -39,8 +39,9 @@ class FakeProbe:
         fp32_output: bool = False,
         exact: dict[str, bool] | None = None,
         int8: dict[str, float] | None = None,
+        residual_exact: bool = True,
     ) -> None:
-        self.half, self._fp32_output = half or {}, fp32_output
+        self.half, self._fp32_output, self._residual_exact = half or {}, fp32_output, residual_exact
         self.exact, self.int8 = exact or {}, int8 or {}
         self.asked: list[str] = []
 
@@ -51,6 +52,10 @@ class FakeProbe:
     def fp32_output(self, dtype: torch.dtype) -> bool:
         self.asked.append(f"fp32_output {dtype}")
         return self._fp32_output
+
+    def residual_exact(self, dtype: torch.dtype) -> bool:
+        self.asked.append(f"residual_exact {dtype}")
+        return self._residual_exact
 
     def int8_exact(self, route: int8_gemms.Int8Gemm) -> tuple[bool, str]:
         self.asked.append(f"int8_exact {route.name}")
@@ -83,11 +88,37 @@ def test_cpu_without_bf16_or_int8_units_keeps_the_conservative_path_and_measures
     assert got.int8.route == off.int8.route is None
 
 
+def test_a_rounded_result_that_cannot_be_recovered_keeps_the_conservative_path():
+    """bf16 GEMMs that return bf16 only, on a device whose addmm rounds before it adds: every intermediate would be
+    rounded, so the half path is refused before anything is timed, in every mode (=1 included)."""
+    for mode in (AUTO, FORCE):
+        probe = FakeProbe(half={torch.bfloat16: 4.0}, residual_exact=False)
+        bf16 = decide(_cpu(ZEN5), probe, mode).half[torch.bfloat16]
+        assert not bf16.use and "addmm rounds before it adds" in bf16.reason
+        assert "residual_exact torch.bfloat16" in probe.asked
+        assert "half_speedup torch.bfloat16" not in probe.asked
+    # With an fp32-result GEMM the residual is not needed, and not asked for.
+    probe = FakeProbe(half={torch.bfloat16: 4.0}, fp32_output=True, residual_exact=False)
+    assert decide(_cpu(ZEN5), probe, AUTO).half[torch.bfloat16].use
+    assert "residual_exact torch.bfloat16" not in probe.asked
+
+
+def test_the_real_probe_sees_this_cpus_addmm_add_in_fp32_or_refuses() -> None:
+    """DeviceProbe.residual_exact on this machine agrees with a direct measurement of the recovered product."""
+    probe = DeviceProbe(torch.device("cpu"))
+    a, b = torch.randn(8, 512).bfloat16(), torch.randn(512, 32).bfloat16()
+    rounded = a @ b
+    recovered = rounded.double() + torch.addmm(-rounded, a, b).double()
+    want = a.double() @ b.double()
+    measured = bool((recovered - want).abs().amax() <= 2.0**-13 * want.abs().amax())
+    assert probe.residual_exact(torch.bfloat16) == measured
+
+
 def test_cpu_with_units_and_a_measured_win_takes_the_fast_paths():
     probe = FakeProbe(half={torch.bfloat16: 4.0}, exact={ONEDNN: True, INT_MM: True}, int8={ONEDNN: 6.0, INT_MM: 7.0})
     got = decide(_cpu(ZEN5), probe, AUTO)
     bf16, fp16 = got.half[torch.bfloat16], got.half[torch.float16]
-    assert bf16.use and not bf16.fp32_output and "bfloat16 result upcast" in bf16.path
+    assert bf16.use and not bf16.fp32_output and "rounding residual" in bf16.path
     assert "avx512_bf16" in bf16.reason and "4.00x" in bf16.reason
     assert not fp16.use and "no CPU flag avx512_fp16" in fp16.reason
     # Routes are taken in order of preference among the exact ones that win, not by the probe shape's speed alone.

@@ -2,9 +2,11 @@
 
 - Parity of every parity case (real-dims ones excepted: the main suite runs those on the probe's own choice) with
   GLM5_HAL_FAST_PATHS=1 (every correct fast path) and =0 (the conservative fp32 path), at the usual tolerances.
-- Wiring: which dtypes the GEMMs actually receive on each path (an aten-level spy), attention logits in fp32
-  wherever the GEMM cannot return fp32, rows decoded from a quantized cache in the same operand dtype as a float
-  cache's.
+- Wiring: which dtypes the GEMMs actually receive on each path (an aten-level spy): on the fast path every GEMM
+  operand is in the activation dtype (fp32 intermediates and rows decoded from a quantized cache enter as hi + lo
+  parts), on the conservative path every one is fp32.
+- Precision of the fast path's GEMMs: fp32 operands and results are not rounded to bf16 (backends/torch_eager/gemm.py),
+  on inputs built to cancel, where one bf16 rounding would be amplified past the bf16 tolerance.
 - The per-weight cache of the int8 paths: made once, remade after an in-place write, shared by views, released
   with the weight.
 """
@@ -21,7 +23,7 @@ import ops_reference as ref
 from backends.torch_eager import OPS, weight_cache
 from backends.torch_eager.gemm import FP32, Gemm, gemm_for
 from conftest import parity_backends
-from glm5_hal.capabilities import capabilities, fast_paths
+from glm5_hal.capabilities import DeviceProbe, capabilities, fast_paths
 from glm5_hal.kv_formats import FORMATS
 from glm5_hal.parity import CASES, run_case
 from glm5_hal.parity.compare import compare_float, to_numpy
@@ -29,7 +31,12 @@ from glm5_hal.parity.inputs import SeqSpec, paged_batch, randn, random_topk_indi
 from glm5_hal.parity.quantized_cache import encode_cache
 
 MODES = {"1": "fast paths forced", "0": "conservative fp32 paths"}
-GEMM_OPS = {torch.ops.aten.mm.default, torch.ops.aten.bmm.default, torch.ops.aten.addmm.default}
+GEMM_OPS = {
+    torch.ops.aten.mm.default,
+    torch.ops.aten.bmm.default,
+    torch.ops.aten.addmm.default,
+    torch.ops.aten.baddbmm.default,
+}
 
 
 def _params():
@@ -65,6 +72,10 @@ class _GemmSpy(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+def _operand_dtypes(spy: _GemmSpy) -> set[torch.dtype]:
+    return {d for dtypes in spy.operands for d in dtypes}
+
+
 def _sparse_attention_inputs(dtype: torch.dtype) -> tuple:
     gen = torch.Generator().manual_seed(0)
     batch = paged_batch([SeqSpec(3, 40)], 16, gen)
@@ -91,8 +102,8 @@ def test_gemm_path_follows_the_mode_and_the_activation_dtype() -> None:
         assert fast.operand == torch.bfloat16
         choice = capabilities(cpu).half_choice(torch.bfloat16)
         assert fast.fp32_output == choice.fp32_output
-        # Logits keep fp32 unless the GEMM returns fp32 (a bf16-rounded logit is off by 2^-9 of its size).
-        assert fast.logits is (fast if fast.fp32_output else FP32)
+        # Logits take the same path: its results are fp32-accurate whether or not the GEMM returns fp32.
+        assert fast.logits is fast
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -100,9 +111,7 @@ def test_sparse_attention_gemm_operands(mode: str) -> None:
     fast = _bf16_gemm(mode)
     with fast_paths(mode), _GemmSpy() as spy:
         OPS["sparse_flash_attention"](*_sparse_attention_inputs(torch.bfloat16))
-    scores, values = spy.operands  # one token tile: the logits product, then the value product
-    assert values == (fast.operand, fast.operand)
-    assert scores == (fast.logits.operand, fast.logits.operand)
+    assert _operand_dtypes(spy) == {fast.operand}
     with fast_paths(mode), _GemmSpy() as fp32_spy:
         OPS["sparse_flash_attention"](*_sparse_attention_inputs(torch.float32))
     assert all(dtypes == (torch.float32, torch.float32) for dtypes in fp32_spy.operands)
@@ -125,15 +134,14 @@ def test_projections_and_experts_gemm_operands(mode: str) -> None:
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("kv_cache_dtype", ["fp8_ds_mla", "int8_mla"])
 def test_quantized_latent_rows_feed_the_same_gemms(mode: str, kv_cache_dtype: str) -> None:
-    """Rows decoded from a quantized cache reach sparse attention's GEMMs in the operand dtype of the path."""
+    """Rows decoded from a quantized cache reach sparse attention's GEMMs in the operand dtype of the path (as hi + lo
+    parts on the fast path: decoded values are fp32)."""
     q, cache, *rest = _sparse_attention_inputs(torch.bfloat16)
     quantized = encode_cache(cache.float(), FORMATS[kv_cache_dtype], reference=False)
     fast = _bf16_gemm(mode)
     with fast_paths(mode), _GemmSpy() as spy:
         OPS["sparse_flash_attention"](q, quantized, *rest, kv_cache_dtype=kv_cache_dtype)
-    scores, values = spy.operands
-    assert values == (fast.operand, fast.operand)
-    assert scores == (fast.logits.operand, fast.logits.operand)
+    assert _operand_dtypes(spy) == {fast.operand}
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -152,9 +160,69 @@ def test_indexer_keys_feed_the_path_gemm_and_the_head_reduction_stays_fp32(mode:
         OPS["indexer_logits"](
             q, weights, cache, batch.block_table, batch.seq_lens_k, batch.cu_seqlens_q, kv_cache_dtype=kv_cache_dtype
         )
-    dots, head_reduction = spy.operands  # one key chunk: q . k, then the fp32 sum over heads
-    assert dots == (fast.operand, fast.operand)
+    *dots, head_reduction = spy.operands  # one key chunk: the q . k GEMMs, then the fp32 sum over heads
+    assert dots and {d for dtypes in dots for d in dtypes} == {fast.operand}
     assert head_reduction == (torch.float32, torch.float32)
+
+
+# ------------------------------------------------------------------------------------------------ precision
+
+
+def _half_gemms() -> list[Gemm]:
+    """The half-precision paths this device can run: fp32 results (out_dtype), and rounded results with the residual
+    GEMM where addmm adds in fp32 (the probe's check; where it fails the backend never takes that path)."""
+    cpu, probe = torch.device("cpu"), DeviceProbe(torch.device("cpu"))
+    paths = [Gemm(torch.bfloat16, fp32_output=False)] if probe.residual_exact(torch.bfloat16) else []
+    if probe.fp32_output(torch.bfloat16):
+        paths.append(Gemm(torch.bfloat16, fp32_output=True))
+    assert paths or not capabilities(cpu).half_choice(torch.bfloat16).use
+    return paths
+
+
+def _cancelling(gen: torch.Generator, rows: int, depth: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 activations a [rows, depth] and bf16 weights w [cols, depth] whose products a @ w^T cancel to ~0.2% of the
+    magnitudes they sum (each weight row nearly orthogonal to every activation row)."""
+    a = torch.randn(rows, depth, generator=gen, dtype=torch.float64)
+    w = torch.randn(cols, depth, generator=gen, dtype=torch.float64)
+    basis, _ = torch.linalg.qr(a.T)  # [depth, rows]
+    w = w - (w @ basis) @ basis.T + 0.002 * w.norm(dim=1, keepdim=True) * basis.sum(1) / basis.sum(1).norm()
+    return a.float(), w.bfloat16()
+
+
+@pytest.mark.parametrize("output", [False, True])
+def test_half_gemm_keeps_fp32_operands_and_results(output: bool) -> None:
+    """On fresh inputs built to cancel, a bf16 rounding of the fp32 operand would be ~100x larger than its share of
+    the result (past the bf16 tolerance). The fast path's hi + lo operand carries ~16 bits, so its product must be
+    at least 2^6 times closer than that rounding (2^9 in theory), and, as the op's output (`output=True`), within
+    one more rounding of the result (2^-8)."""
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    a, w = _cancelling(gen, 4, 64, 48)
+    want = a.double() @ w.double().T
+    rounded_operand = (a.bfloat16().double() @ w.double().T - want).norm() / want.norm()
+    assert rounded_operand > 2e-2, "the inputs do not cancel: the test would be void"
+    bound = float(rounded_operand) * 2.0**-6 + (2.0**-8 if output else 0.0)
+    for gemm in _half_gemms():
+        for got in (
+            gemm.linear(a, w, output=output),
+            gemm.bmm(a[None], w.T[None], output=output)[0],
+            gemm.bmm(w[None], a.T[None], output=output)[0].T,  # the fp32 operand second
+        ):
+            assert got.dtype == torch.float32
+            rel = float((got.double() - want).norm() / want.norm())
+            assert rel <= bound, f"{gemm}: relative error {rel:.3g} > {bound:g}"
+
+
+def test_half_gemm_passes_nan_and_inf_through() -> None:
+    """inf in an fp32 operand gives the reference's +-inf / NaN, not NaN from the residual's inf - inf."""
+    a = torch.tensor([[1.0, 2.0], [float("inf"), 1.0], [float("nan"), 0.0]])
+    w = torch.tensor([[1.0, 0.5], [2.0, -1.0]], dtype=torch.bfloat16)
+    want = a.double() @ w.double().T
+    for gemm in _half_gemms():
+        got = gemm.linear(a, w).double()
+        assert torch.equal(torch.isnan(got), torch.isnan(want)), gemm
+        finite = torch.isfinite(want)
+        assert torch.equal(got[~finite & ~torch.isnan(want)], want[~finite & ~torch.isnan(want)]), gemm
+        assert torch.allclose(got[finite], want[finite], rtol=1e-5), gemm
 
 
 # ------------------------------------------------------------------------------------------------ int8 weight cache

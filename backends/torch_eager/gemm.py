@@ -8,15 +8,23 @@ activation dtype.
 Two paths, one interface:
 - FP32 (fp32 activations always; bf16 / fp16 where the probe found no faster unit, or GLM5_HAL_FAST_PATHS=0): the
   operands are upcast to fp32, exactly the code the backend ran before it had fast paths.
-- half-precision operands (bf16 / fp16 activations where the probe says so): the operands are given in the
-  activation dtype and the GEMM accumulates in fp32. The result comes back in fp32 where the device's GEMM can
-  return it (out_dtype); elsewhere (CPUs: bf16 only) the GEMM's bf16 result, rounded once from its fp32
-  accumulator, is upcast. Everything around the GEMMs (norms, RoPE, softmax statistics, lse) stays fp32, and
-  an intermediate feeding the next GEMM is rounded to the activation dtype as a bf16 model's own layers would.
+- half-precision operands (bf16 / fp16 activations where the probe says so): the GEMMs run in the activation dtype
+  and accumulate in fp32, and still nothing is rounded that the fp32 path keeps (the contract accumulates in fp32,
+  and an op's intermediates feed cancelling sums: a q_norm row nearly orthogonal to a weight row, LayerNorm's
+  centring, the weighted sum over experts or indexer heads, so one rounding of an intermediate to bf16 can be
+  amplified many times past the bf16 tolerance; the fuzz suite finds such inputs at small widths):
+  * an fp32 operand (an intermediate: q_norm, the SwiGLU activation, softmax probabilities, decoded cache rows)
+    enters as the sum of two parts in the operand dtype, hi = round(x) and lo = round(x - hi) (x to ~2^-16);
+  * the result comes back in fp32 where the device's GEMM can return it (out_dtype); elsewhere (CPUs: bf16 results
+    only) the rounded result r is followed by r' = addmm(-r, a, b), whose fp32 accumulator holds exactly the
+    rounding error, and the sum r + r' is the fp32 result to ~2^-16 (the probe checks once per device that the
+    GEMM adds in fp32 before it rounds; where it does not, the half path is not used).
+  A product that is the op's output (rounded to the activation dtype right after: `output=True`) skips the
+  residual: rounding it once more would change nothing.
+  Everything around the GEMMs (norms, RoPE, softmax statistics, lse) stays fp32. On a CPU a bf16 product costs
+  2-4 bf16 GEMMs this way, still several times faster than one fp32 GEMM on weights converted per call.
 
-Products that feed a softmax (attention logits) take `gemm.logits`: a rounded result is not acceptable there, since
-exp() turns the rounding error of a logit (2^-9 of its magnitude, which is 0.06 at a logit of 30) into a relative
-error of the probability. So they use half-precision operands only where the GEMM returns fp32, and fp32 elsewhere.
+`gemm.logits` (products that feed a softmax) is the same path: the results are fp32-accurate on both kinds of device.
 """
 
 from __future__ import annotations
@@ -24,17 +32,28 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from backends.torch_eager.primitives import COMPUTE_DTYPE, linear
 from glm5_hal.capabilities import capabilities
 
 
+def _parts(t: Tensor, dtype: torch.dtype) -> tuple[Tensor, ...]:
+    """t as a sum of `dtype` tensors: (t,) if it already is `dtype`, else (hi, lo) with hi = t rounded and lo the
+    rounding error rounded (0 where hi is not finite, so inf and NaN pass through hi alone)."""
+    if t.dtype == dtype:
+        return (t,)
+    hi = t.to(dtype)
+    exact = t.to(COMPUTE_DTYPE)
+    lo = torch.where(torch.isfinite(hi), exact - hi.to(COMPUTE_DTYPE), 0.0).to(dtype)
+    return hi, lo
+
+
 @dataclass(frozen=True)
 class Gemm:
     """operand: the dtype GEMM operands are given in (COMPUTE_DTYPE = the fp32 path). fp32_output: the GEMM returns
-    its fp32 accumulators (torch.mm / torch.bmm with out_dtype=float32) rather than an `operand` result."""
+    its fp32 accumulators (torch.mm / torch.bmm with out_dtype=float32); otherwise its rounded result is corrected
+    by the residual GEMM (see the module docstring)."""
 
     operand: torch.dtype
     fp32_output: bool = True
@@ -45,32 +64,46 @@ class Gemm:
 
     @property
     def logits(self) -> Gemm:
-        """The path for products that feed a softmax: this one if it returns fp32 results, else FP32 (see the
-        module docstring)."""
-        return self if self.fp32_output else FP32
+        """The path for products that feed a softmax: this one (its results are fp32-accurate either way)."""
+        return self
 
-    def bmm(self, a: Tensor, b: Tensor) -> Tensor:
-        """a [B, M, K] @ b [B, K, N] -> [B, M, N] fp32 (any float dtypes in, converted to `operand`)."""
-        a, b = a.to(self.operand), b.to(self.operand)
-        if not self.half:
-            return torch.bmm(a, b)
+    def _product(self, a: Tensor, b: Tensor, matmul, matmul_add, output: bool) -> Tensor:
+        """sum over the parts of a and b (lo x lo left out: below fp32's precision) of a_i @ b_j, in fp32."""
+        a_parts, b_parts = _parts(a, self.operand), _parts(b, self.operand)
+        pairs = [(x, y) for i, x in enumerate(a_parts) for j, y in enumerate(b_parts) if i + j < 2]
         if self.fp32_output:
-            return torch.bmm(a, b, out_dtype=COMPUTE_DTYPE)
-        return torch.bmm(a, b).to(COMPUTE_DTYPE)
+            total = matmul(*pairs[0], out_dtype=COMPUTE_DTYPE)
+            for x, y in pairs[1:]:
+                total += matmul(x, y, out_dtype=COMPUTE_DTYPE)
+            return total
+        rounded = matmul(*pairs[0])
+        total = rounded.to(COMPUTE_DTYPE)
+        if not output:
+            # The accumulator of addmm(-r, a, b) starts at -r, so it ends at the rounding error of r (exact in fp32).
+            residual = matmul_add(rounded.neg(), *pairs[0]).to(COMPUTE_DTYPE)
+            total = torch.where(torch.isfinite(rounded), total + residual, total)
+        for x, y in pairs[1:]:  # the lo terms: ~2^-8 of the result, so one rounding of theirs is ~2^-17 of it
+            total += matmul(x, y).to(COMPUTE_DTYPE)
+        return total
 
-    def linear(self, x: Tensor, weight: Tensor) -> Tensor:
-        """x [..., in] (any float dtype) @ weight [out, in]^T -> [..., out] fp32.
+    def bmm(self, a: Tensor, b: Tensor, *, output: bool = False) -> Tensor:
+        """a [B, M, K] @ b [B, K, N] -> [B, M, N] fp32 (any float dtypes in; an fp32 operand is not rounded).
+        output: the result is the op's output, rounded to the activation dtype right after."""
+        if not self.half:
+            return torch.bmm(a.to(COMPUTE_DTYPE), b.to(COMPUTE_DTYPE))
+        return self._product(a, b, torch.bmm, torch.baddbmm, output)
+
+    def linear(self, x: Tensor, weight: Tensor, *, output: bool = False) -> Tensor:
+        """x [..., in] (any float dtype) @ weight [out, in]^T -> [..., out] fp32 (an fp32 x is not rounded).
+        output: the result is the op's output, rounded to the activation dtype right after.
 
         A weight in another dtype than `operand` (an fp32 weight beside bf16 activations) takes the fp32 path:
         rounding a weight on every call would cost a full copy and lose its precision.
         """
         if not self.half or weight.dtype != self.operand:
             return linear(x.to(COMPUTE_DTYPE), weight)
-        x = x.to(self.operand)
-        if self.fp32_output:
-            flat = torch.mm(x.reshape(-1, x.shape[-1]), weight.T, out_dtype=COMPUTE_DTYPE)
-            return flat.view(*x.shape[:-1], weight.shape[0])
-        return F.linear(x, weight).to(COMPUTE_DTYPE)
+        flat = self._product(x.reshape(-1, x.shape[-1]), weight.T, torch.mm, torch.addmm, output)
+        return flat.view(*x.shape[:-1], weight.shape[0])
 
 
 FP32 = Gemm(COMPUTE_DTYPE)

@@ -45,7 +45,7 @@ def mla_prolog(
     q_norm = rms_norm(gemm.linear(x, w_dq), gamma_cq, eps)  # [T, q_lora]
     q = gemm.linear(q_norm, w_uq_qr).view(num_tokens, num_heads, nope + 2 * cos.shape[1])  # [T, H, nope + rope]
     # Absorb W_UK head by head as one batched GEMM: [H, T, nope] @ [H, nope, kv_lora] -> [H, T, kv_lora].
-    q_lat = gemm.bmm(q[..., :nope].transpose(0, 1), w_uk).transpose(0, 1)
+    q_lat = gemm.bmm(q[..., :nope].transpose(0, 1), w_uk, output=True).transpose(0, 1)
     q_pe = rope(q[..., nope:], cos, sin, interleaved=True)  # [T, H, rope]
 
     kv = gemm.linear(x, w_dkv_kr)  # [T, kv_lora + rope]

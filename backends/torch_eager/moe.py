@@ -75,15 +75,15 @@ def moe_dispatch(x: Tensor, topk_ids: Tensor, num_experts: int) -> tuple[Tensor,
     return x[src_index // top_k], expert_offsets, src_index
 
 
-def _grouped_linear(x: Tensor, w: Tensor, row_ends: list[int], gemm: Gemm) -> Tensor:
-    """x: [M, K] grouped by expert, in gemm.operand; w: [E, N, K]; row_ends: [E + 1] host ints. Returns [M, N]
-    fp32."""
+def _grouped_linear(x: Tensor, w: Tensor, row_ends: list[int], gemm: Gemm, output: bool = False) -> Tensor:
+    """x: [M, K] grouped by expert (any float dtype); w: [E, N, K]; row_ends: [E + 1] host ints. Returns [M, N]
+    fp32. output: y is the op's output (Gemm.linear)."""
     y = x.new_empty(x.shape[0], w.shape[1], dtype=COMPUTE_DTYPE)
     # The unavoidable loop over experts (see the module docstring); only experts that own rows cost a GEMM.
     for expert in range(w.shape[0]):
         lo, hi = row_ends[expert], row_ends[expert + 1]
         if hi > lo:
-            y[lo:hi] = gemm.linear(x[lo:hi], w[expert])
+            y[lo:hi] = gemm.linear(x[lo:hi], w[expert], output=output)
     return y
 
 
@@ -99,7 +99,7 @@ def grouped_matmul(x_sorted: Tensor, w: Tensor, expert_offsets: Tensor) -> Tenso
     dtype, fp32 accumulation.
     """
     gemm = gemm_for(x_sorted.dtype, x_sorted.device)
-    y = _grouped_linear(x_sorted.to(gemm.operand), w, _host_offsets(expert_offsets), gemm)
+    y = _grouped_linear(x_sorted, w, _host_offsets(expert_offsets), gemm, output=True)
     return y.to(x_sorted.dtype)
 
 
@@ -125,14 +125,13 @@ def fused_moe(x: Tensor, topk_weights: Tensor, topk_ids: Tensor, w13: Tensor, w2
     """Routed experts of one MoE layer (validated by glm5_hal.fused_moe).
 
     x: [T, D]; topk_weights: [T, k] fp32; topk_ids: [T, k]; w13: [E, 2I, D] (gate rows, then up rows); w2:
-    [E, D, I]. Returns out [T, D] in x's dtype; every intermediate is fp32 (the activation enters the down
-    projection in the GEMM operand dtype).
+    [E, D, I]. Returns out [T, D] in x's dtype; every intermediate is fp32.
     """
     num_experts, inter = w13.shape[0], w13.shape[1] // 2
     gemm = gemm_for(x.dtype, x.device)
     x_sorted, expert_offsets, src_index = moe_dispatch(x, topk_ids, num_experts)
     row_ends = _host_offsets(expert_offsets)
-    h = _grouped_linear(x_sorted.to(gemm.operand), w13, row_ends, gemm)  # [T * k, 2I] fp32
-    activated = (F.silu(h[:, :inter]) * h[:, inter:]).to(gemm.operand)  # [T * k, I]
+    h = _grouped_linear(x_sorted, w13, row_ends, gemm)  # [T * k, 2I] fp32
+    activated = F.silu(h[:, :inter]) * h[:, inter:]  # [T * k, I] fp32 (not rounded: Gemm splits it)
     y = _grouped_linear(activated, w2, row_ends, gemm)  # [T * k, D] fp32
     return _combine(y, src_index, topk_weights).to(x.dtype)

@@ -30,10 +30,11 @@ def write_rows(cache: Tensor, slot_mapping: Tensor, rows: Tensor, kv_cache_dtype
 
 
 def row_reader(kv_cache_dtype: str = AUTO, operand: torch.dtype = COMPUTE_DTYPE) -> Callable[[Tensor], Tensor]:
-    """A function from gathered cache rows [..., row] (float, or uint8 of a format) to their values [..., width] in
-    `operand` (the dtype the op's GEMMs take: fp32, or the activation's bf16 / fp16 on a half-precision path)."""
+    """A function from gathered cache rows [..., row] (float, or uint8 of a format) to their values [..., width]: a
+    float cache's rows in `operand` (the dtype the op's GEMMs take), a quantized cache's decoded rows in fp32."""
     if kv_cache_dtype == AUTO:
         return lambda rows: rows.to(operand)
     fmt = FORMATS[kv_cache_dtype]
-    # decode_rows gives each value exactly rounded to fp32; the operand cast rounds it once more (a no-op in fp32).
-    return lambda rows: decode_rows(rows, fmt).to(operand)
+    # decode_rows gives each value exactly rounded to fp32, and it stays fp32: a half-precision Gemm takes an fp32
+    # operand as two parts instead of rounding it (backends/torch_eager/gemm.py).
+    return lambda rows: decode_rows(rows, fmt)

@@ -46,7 +46,7 @@ def sparse_flash_attention(
     seqs = token_sequences(cu_seqlens_q, num_tokens)  # [T]
     key_limit = seq_lens_k.to(torch.int64)[seqs]  # [T]
     gemm = gemm_for(q.dtype, q.device)  # logits on gemm.logits; the softmax statistics stay fp32
-    read_rows = row_reader(kv_cache_dtype, gemm.operand)  # decoded (a quantized cache) into the GEMM operand dtype
+    read_rows = row_reader(kv_cache_dtype, gemm.operand)  # float rows in the operand dtype, decoded ones fp32
 
     out = torch.empty(num_tokens, num_heads, d_v, dtype=q.dtype, device=q.device)
     lse = torch.empty(num_tokens, num_heads, dtype=COMPUTE_DTYPE, device=q.device)
