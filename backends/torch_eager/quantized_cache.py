@@ -2,11 +2,11 @@
 gathered, so only the rows an op reads at a time (a key chunk, a token tile's topk rows) ever exist decoded.
 
     write_rows(cache, slot_mapping, rows, kv_cache_dtype)          fp32 rows -> [encode] -> paged cache write
-    row_reader(kv_cache_dtype, operand)(gathered uint8 or float rows) -> values in the GEMM operand dtype
+    row_reader(kv_cache_dtype, operand)(gathered uint8 or float rows) -> a float cache's rows in the GEMM operand
+                                                                        dtype, a quantized cache's decoded in fp32
 
-A reader hands its rows to the GEMM in the operand dtype of the op's GEMM path (backends.torch_eager.gemm): fp32 on
-the conservative path; on a half-precision path the decoded rows are rounded once to bf16 / fp16, as a float cache
-of that dtype would have stored them, and feed the same fast GEMM.
+Decoded rows stay fp32 on every path: a half-precision GEMM path (backends.torch_eager.gemm) takes an fp32 operand
+as hi + lo parts, so no decoded value is rounded.
 """
 
 from __future__ import annotations
