@@ -110,6 +110,12 @@ def _read_slots(op: str, inputs: dict, cache: torch.Tensor) -> torch.Tensor:
     return read
 
 
+def _assert_no_nan(outputs: dict) -> None:
+    for name, out in outputs.items():
+        if out.is_floating_point():
+            assert not bool(out.isnan().any()), f"{name}: NaN from an unread slot reached the output"
+
+
 def check_reader(case: FuzzCase, backend: str) -> None:
     cache_arg = READERS[case.op]
     inputs = _clone(case.inputs)
@@ -119,9 +125,7 @@ def check_reader(case: FuzzCase, backend: str) -> None:
     rows[~read] = float("nan")
     _, view, _ = guarded(cache, float("nan"))
     outputs = _run(case.op, {**inputs, cache_arg: view}, backend)
-    for name, out in outputs.items():
-        if out.is_floating_point():
-            assert not bool(out.isnan().any()), f"{name}: NaN from an unread slot reached the output"
+    _assert_no_nan(outputs)
     _judge(case.op, inputs, outputs, case.dtype)
     assert torch.equal(view.isnan(), cache.isnan()) and torch.equal(view.nan_to_num(), cache.nan_to_num()), (
         f"{cache_arg}: a reader wrote its cache"
@@ -185,9 +189,7 @@ def check_quantized_reader(case: FuzzCase, backend: str, row_pad: int = 4) -> No
     rows[~read] = garbage_rows(int((~read).sum()), fmt, case.params["seed"])
     _, view, _ = guarded(cache, 0xFF, row_pad)  # all-ones bytes: NaN scales, NaN e4m3 codes
     outputs = _run(case.op, {**inputs, cache_arg: view}, backend)
-    for name, out in outputs.items():
-        if out.is_floating_point():
-            assert not bool(out.isnan().any()), f"{name}: NaN from an unread slot reached the output"
+    _assert_no_nan(outputs)
     _judge(case.op, inputs, outputs, case.dtype)
     assert torch.equal(view, cache), f"{cache_arg}: a reader wrote its cache"
 
