@@ -129,8 +129,8 @@ def check_cache(
             known == fmt.width,
             ValueError,
             lambda: (
-                f"{name}: kv_cache_dtype {fmt.name!r} stores rows of {fmt.width} values ({_describe(fmt)}), but "
-                f"the other arguments have {width} = {known}"
+                f"{name}: kv_cache_dtype {fmt.name!r} stores rows of {fmt.width} values ({_describe(fmt)}), so the "
+                f"other arguments' {width} must be {fmt.width}, got {width} = {known}"
             ),
         )
     return fmt

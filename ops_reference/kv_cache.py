@@ -177,11 +177,11 @@ def encode_rows(rows: np.ndarray, fmt: KVCacheFormat) -> np.ndarray:
         ratio = tiles / scale[..., None].astype(np.float64)  # ... is the one the codes are relative to
         codes = encode_e4m3(ratio) if fmt.code == "e4m3" else encode_int8(ratio)
     codes = np.where(np.isfinite(scale)[..., None], codes, 0).astype(np.uint8)  # a NaN / inf tile: codes 0
-    out = np.empty((n, fmt.row_bytes), np.uint8)
+    out = np.empty((n, fmt.row_bytes), np.uint8)  # (every reshape below names its sizes: N may be 0)
     out[:, : fmt.scales_offset] = codes.reshape(n, fmt.quantized_dims)
-    out[:, fmt.scales_offset : fmt.rope_offset] = scale.astype("<f4").view(np.uint8).reshape(n, -1)
+    out[:, fmt.scales_offset : fmt.rope_offset] = scale.astype("<f4").view(np.uint8).reshape(n, 4 * fmt.num_scales)
     rope = encode_bf16(rows[:, fmt.quantized_dims :]).astype("<u2")
-    out[:, fmt.rope_offset :] = rope.view(np.uint8).reshape(n, -1)
+    out[:, fmt.rope_offset :] = rope.view(np.uint8).reshape(n, 2 * fmt.rope_dims)
     return out
 
 
@@ -193,7 +193,9 @@ def decode_rows(data: np.ndarray, fmt: KVCacheFormat) -> np.ndarray:
     codes = data[..., : fmt.scales_offset]
     values = decode_e4m3(codes).astype(np.float64) if fmt.code == "e4m3" else decode_int8(codes)
     scales = np.ascontiguousarray(data[..., fmt.scales_offset : fmt.rope_offset]).view("<f4").astype(np.float64)
-    quantized = (values.reshape(*lead, fmt.num_scales, TILE) * scales[..., None]).reshape(*lead, fmt.quantized_dims)
+    with np.errstate(invalid="ignore"):  # code 0 x scale inf (a tile written with inf) reads NaN, by the rule
+        tiles = values.reshape(*lead, fmt.num_scales, TILE) * scales[..., None]
+    quantized = tiles.reshape(*lead, fmt.quantized_dims)
     rope = decode_bf16(np.ascontiguousarray(data[..., fmt.rope_offset :]).view("<u2"))
     return np.concatenate([quantized, rope], axis=-1)
 

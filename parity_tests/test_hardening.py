@@ -11,7 +11,10 @@
 9. the triton cache writers refused a padded-block cache view;
 10. the triton prologs rounded their fp32 intermediates (the GEMMs' results before a norm, q_norm and q before
     the next GEMM) to bf16 / fp16 where the reference and the torch backend keep them: far off where a short
-    dot product or LayerNorm's centring cancels (mla_prolog's q_lat 27% off at hidden 1, q_lora 10).
+    dot product or LayerNorm's centring cancels (mla_prolog's q_lat 27% off at hidden 1, q_lora 10);
+11. quantized caches (found by the fuzz suite's quantized configs): the reference's row encoder crashed on zero
+    rows (a writer with T = 0), and ascend's int8_mla sparse attention on a cache view without a flat row view
+    (padded, every other byte, transposed).
 The property-based suite in parity_tests/fuzz/ keeps looking for more of the same.
 """
 
@@ -37,6 +40,7 @@ from fakes.ascend.fixture import fake_torch_npu_fixture, torch_npu_schemas_fixtu
 from glm5_hal.cli.info import collect
 from glm5_hal.parity import cases as C
 from glm5_hal.parity.inputs import with_layout
+from glm5_hal.parity.quantized_cache import formats_of, quantized_build, with_quantized_cache
 from glm5_hal.parity.runner import custom_op_arguments, run_inputs, session_seed
 from glm5_hal.registry import OP_NAMES, registry
 from glm5_hal.selection import resolve
@@ -581,3 +585,25 @@ def test_defect10_prolog_intermediates_stay_fp32(op: str, dims: dict, dtype: tor
     build = _cancelling_mla_prolog if op == "mla_prolog" else _cancelling_indexer_prolog
     result = run_inputs(op, build(**dims, gen=gen, dtype=dtype), backend, dtype)
     assert result.passed, f"{result.status}: {result.detail} (GLM5_HAL_PARITY_SEED={session_seed()})"
+
+
+# ------------------------------------------------------------------------------------------ 11: quantized caches
+_WRITER_FORMATS = [(op, f) for op in ("mla_prolog", "indexer_prolog") for f in formats_of(op)]
+
+
+@pytest.mark.parametrize("backend", ["reference", "torch", "triton"])
+@pytest.mark.parametrize(("op", "kv_cache_dtype"), _WRITER_FORMATS)
+def test_defect11_quantized_writers_with_no_token(op: str, kv_cache_dtype: str, backend: str) -> None:
+    builder = C.mla_prolog_inputs if op == "mla_prolog" else C.indexer_prolog_inputs
+    build = quantized_build(builder(C.MINI, [C.SeqSpec(0, 5)], 4), kv_cache_dtype)
+    _ref_check(op, build(torch.Generator().manual_seed(0), torch.float32), backend)
+
+
+@pytest.mark.parametrize("layout", ["strided", "padded", "column_major"])
+def test_defect11_ascend_int8_attention_on_any_cache_layout(fake_torch_npu, layout: str) -> None:
+    """bf16 queries on an int8_mla cache reach npu_kv_quant_sparse_flash_attention's adapter, which gathers rows
+    from a flat view of the cache: a cache without one is copied, not refused with a RuntimeError."""
+    case = with_quantized_cache(C.cases_for("sparse_flash_attention", quick=True)[0], "int8_mla")
+    inputs = case.build(torch.Generator().manual_seed(12), torch.bfloat16)
+    result = run_inputs("sparse_flash_attention", inputs, "ascend", torch.bfloat16, layouts={"kv_cache": layout})
+    assert result.passed, f"{result.status}: {result.detail}"

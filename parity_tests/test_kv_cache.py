@@ -24,7 +24,7 @@ import ops_reference as ref
 from fakes.ascend.fixture import fake_torch_npu_fixture, torch_npu_schemas_fixture  # noqa: F401 (pytest fixtures)
 from glm5_hal.cli import main
 from glm5_hal.config import DEEPSEEK_V32, GLM5, GLM5_MINI
-from glm5_hal.kv_formats import FORMATS, TILE, KVCacheFormatUnsupportedError, decode_rows, encode_rows
+from glm5_hal.kv_formats import FORMATS, KVCacheFormatUnsupportedError, decode_rows, encode_rows
 from glm5_hal.parity.cases import cases_for
 from glm5_hal.parity.runner import case_generator
 from glm5_hal.registry import Availability, Backend, registry
@@ -512,22 +512,12 @@ def test_onnx_graphs_write_nan_and_inf_tiles_by_the_rule(kv_cache_dtype):
     assert all(v.passed for v in verdicts), [v for v in verdicts if not v.passed]
 
 
-def _nan_scales(inputs: dict, name: str, fmt) -> None:
-    """The bytes a writer stores for a tile holding NaN / inf: every third slot's first tile gets scale NaN, every
-    fifth slot's last tile scale +inf, both with codes 0."""
-    rows = inputs[name].view(-1, fmt.row_bytes)
-    rows[::3, :TILE] = 0
-    rows[::3, fmt.scales_offset : fmt.scales_offset + 4] = torch.tensor([float("nan")]).view(torch.uint8)
-    rows[::5, fmt.scales_offset - TILE : fmt.scales_offset] = 0
-    rows[::5, fmt.rope_offset - 4 : fmt.rope_offset] = torch.tensor([float("inf")]).view(torch.uint8)
-
-
 @pytest.mark.parametrize("backend", [*READER_BACKENDS, "onnxruntime"])
 @pytest.mark.parametrize("op", ["indexer_logits", "lightning_indexer", "sparse_flash_attention"])
 def test_readers_propagate_nan_and_inf_scales_as_the_reference(backend, op):
     """A NaN / inf scale (a tile written with NaN / inf) reads NaN where its codes are 0 and +-inf elsewhere: every
     backend's outputs are the reference's, NaN positions included (docs/ops.md "NaN")."""
-    from glm5_hal.parity.quantized_cache import with_quantized_cache
+    from glm5_hal.parity.quantized_cache import store_nonfinite_tiles, with_quantized_cache
     from glm5_hal.parity.runner import run_inputs
     from glm5_hal.parity.specs import SPECS
 
@@ -536,7 +526,7 @@ def test_readers_propagate_nan_and_inf_scales_as_the_reference(backend, op):
     case = with_quantized_cache(next(c for c in cases_for(quick=True) if c.op == op), kv_cache_dtype)
     inputs = case.build(case_generator(case, torch.float32, seed=15), torch.float32)
     name = "kv_cache" if fmt.cache == "latent" else "index_k_cache"
-    _nan_scales(inputs, name, fmt)
+    store_nonfinite_tiles(inputs[name], fmt, nan_every=3, inf_every=5)
     outputs = SPECS[op].reference({k: v for k, v in inputs.items()})
     assert any(np.isnan(v).any() for v in outputs.values()), "no output reads a NaN scale: the test is void"
     if backend != "onnxruntime":

@@ -54,6 +54,18 @@ def encode_cache(cache: torch.Tensor, fmt: KVCacheFormat, *, zero_tiles: bool = 
     return torch.from_numpy(encoded).reshape(blocks, block_size, fmt.row_bytes)
 
 
+def store_nonfinite_tiles(cache: torch.Tensor, fmt: KVCacheFormat, *, nan_every: int, inf_every: int) -> None:
+    """Store, in place, the bytes a writer stores for a tile holding NaN (scale NaN, codes 0) in the first tile of
+    every `nan_every`-th slot of `cache` (uint8 [num_blocks, block_size, row_bytes], contiguous), and those of a
+    tile holding inf (scale +inf, codes 0) in the last tile of every `inf_every`-th slot."""
+    rows = cache.view(-1, fmt.row_bytes)
+    first, last = fmt.scales_offset, fmt.rope_offset - 4  # byte offsets of the first and the last scale
+    rows[::nan_every, :TILE] = 0
+    rows[::nan_every, first : first + 4] = torch.tensor([float("nan")]).view(torch.uint8)
+    rows[::inf_every, fmt.quantized_dims - TILE : fmt.quantized_dims] = 0
+    rows[::inf_every, last : last + 4] = torch.tensor([float("inf")]).view(torch.uint8)
+
+
 def quantized_build(build: Build, kv_cache_dtype: str, *, zero_tiles: bool = True, reference: bool = True) -> Build:
     """`build` with its cache argument encoded in `kv_cache_dtype` (encode_cache) and passed as kv_cache_dtype=."""
     fmt = FORMATS[kv_cache_dtype]

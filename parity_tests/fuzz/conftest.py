@@ -46,7 +46,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:  # no
         terminalreporter.write_line(f"{kind}:")
         for op, backend, n in rows:
             classes = f"  ({len(FUZZ_CLASSES[op])} classes)" if kind == "bad inputs" and op in FUZZ_CLASSES else ""
-            terminalreporter.write_line(f"  {op:<24} {backend:<10} {n}{classes}")
+            terminalreporter.write_line(f"  {op:<34} {backend:<12} {n}{classes}")
 
 
 @pytest.fixture(autouse=True, scope="package")

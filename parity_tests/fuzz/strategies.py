@@ -9,7 +9,8 @@ What the draws cover (the issue's list): ragged, decode and prefill batches, q_l
 contexts, shuffled blocks, garbage in unused block-table entries, spare blocks and table columns, -1 and
 past-the-end indices, rows with no valid index, -1 cache slots, zero-token experts, all tokens on few experts,
 zero-size dims validation accepts (T = 0, empty expert groups), ties in the router, and a non-contiguous view of
-every argument (every other element, padded rows / blocks, column-major).
+every argument (every other element, padded rows / blocks, column-major). QUANTIZED_CASES: the cache ops with their
+cache in every quantized format (kv_cache_dtype), zero tiles and NaN / inf tiles included.
 """
 
 from __future__ import annotations
@@ -23,9 +24,11 @@ import torch
 from hypothesis import strategies as st
 
 from glm5_hal.config import GLM5_MINI, ModelConfig
+from glm5_hal.kv_formats import CACHE_ARGUMENT, FORMATS, INDEX, LATENT, OP_CACHE
 from glm5_hal.ops.quant import HADAMARD_BASE_SIZES
 from glm5_hal.parity import cases as C
 from glm5_hal.parity.inputs import LAYOUTS, SeqSpec
+from glm5_hal.parity.quantized_cache import WRITERS, encode_cache, formats_of, store_nonfinite_tiles
 
 PROFILE = os.environ.get("GLM5_HAL_FUZZ_PROFILE", "ci").strip() or "ci"
 _EXAMPLE_SCALE = {"ci": 1, "long": 10}
@@ -90,23 +93,27 @@ block_sizes = st.sampled_from([1, 2, 3, 4, 8, 16])
 
 
 @st.composite
-def model_dims(draw) -> ModelConfig:
-    """A GLM-5-shaped config with tiny, odd dims (RoPE width even; the indexer's RoPE fits its head width)."""
+def model_dims(draw, fixed: dict | None = None) -> ModelConfig:
+    """A GLM-5-shaped config with tiny, odd dims (RoPE width even; the indexer's RoPE fits its head width); `fixed`
+    overrides some of them (the widths a quantized cache format needs)."""
     rope = draw(st.sampled_from([2, 4, 8]))
-    return GLM5_MINI.with_overrides(
-        name="fuzz",
-        hidden_size=draw(st.integers(1, 40)),
-        num_attention_heads=draw(st.integers(1, 4)),
-        q_lora_rank=draw(st.integers(1, 24)),
-        kv_lora_rank=draw(st.integers(1, 24)),
-        qk_nope_head_dim=draw(st.integers(1, 12)),
-        qk_rope_head_dim=rope,
-        index_n_heads=draw(st.integers(1, 4)),
-        index_head_dim=draw(st.integers(rope, rope + 20)),
-        indexer_rope_interleaved=draw(st.booleans()),
-        rms_norm_eps=draw(st.sampled_from([1e-6, 1e-5, 0.25])),
-        rope_theta=draw(st.sampled_from([1e4, 1e6])),
-    )
+    drawn = {
+        "hidden_size": draw(st.integers(1, 40)),
+        "num_attention_heads": draw(st.integers(1, 4)),
+        "q_lora_rank": draw(st.integers(1, 24)),
+        "kv_lora_rank": draw(st.integers(1, 24)),
+        "qk_nope_head_dim": draw(st.integers(1, 12)),
+        "qk_rope_head_dim": rope,
+        "index_n_heads": draw(st.integers(1, 4)),
+        "index_head_dim": draw(st.integers(rope, rope + 20)),
+        "indexer_rope_interleaved": draw(st.booleans()),
+        "rms_norm_eps": draw(st.sampled_from([1e-6, 1e-5, 0.25])),
+        "rope_theta": draw(st.sampled_from([1e4, 1e6])),
+    }
+    return GLM5_MINI.with_overrides(name="fuzz", **{**drawn, **(fixed or {})})
+
+
+ANY_DIMS = model_dims()  # every dim drawn (the float cases)
 
 
 def _with_layouts(draw, op: str, inputs: dict, dtype: torch.dtype, params: dict) -> FuzzCase:
@@ -121,8 +128,8 @@ def _built(build: Callable, seed: int, dtype: torch.dtype) -> dict:
 
 # ------------------------------------------------------------------------------------------------- prologs
 @st.composite
-def prolog_cases(draw, op: str) -> FuzzCase:
-    cfg, seqs, block_size = draw(model_dims()), draw(ragged_seqs()), draw(block_sizes)
+def prolog_cases(draw, op: str, dims: st.SearchStrategy[ModelConfig] = ANY_DIMS) -> FuzzCase:
+    cfg, seqs, block_size = draw(dims), draw(ragged_seqs()), draw(block_sizes)
     num_tokens = sum(s.q_len for s in seqs)
     pad = tuple(sorted(draw(st.sets(st.integers(0, num_tokens - 1)) if num_tokens else st.just(set()))))
     options, dtype, seed = draw(batch_options()), draw(float_dtypes), draw(seeds)
@@ -152,8 +159,8 @@ _DIM_NAMES = (
 
 # ------------------------------------------------------------------------------------------ indexer, attention
 @st.composite
-def indexer_cases(draw, op: str) -> FuzzCase:
-    cfg, seqs, block_size = draw(model_dims()), draw(ragged_seqs()), draw(block_sizes)
+def indexer_cases(draw, op: str, dims: st.SearchStrategy[ModelConfig] = ANY_DIMS) -> FuzzCase:
+    cfg, seqs, block_size = draw(dims), draw(ragged_seqs()), draw(block_sizes)
     topk = draw(st.integers(1, 40)) if op == "lightning_indexer" else None  # may exceed the visible keys
     options, dtype, seed = draw(batch_options()), draw(float_dtypes), draw(seeds)
     inputs = _built(C.indexer_inputs(cfg, seqs, block_size, topk, **options), seed, dtype)
@@ -162,8 +169,8 @@ def indexer_cases(draw, op: str) -> FuzzCase:
 
 
 @st.composite
-def sparse_attention_cases(draw) -> FuzzCase:
-    cfg, seqs, block_size = draw(model_dims()), draw(ragged_seqs()), draw(block_sizes)
+def sparse_attention_cases(draw, dims: st.SearchStrategy[ModelConfig] = ANY_DIMS) -> FuzzCase:
+    cfg, seqs, block_size = draw(dims), draw(ragged_seqs()), draw(block_sizes)
     num_tokens = sum(s.q_len for s in seqs)
     topk = draw(st.integers(1, 24))
     invalid = draw(st.sampled_from([0.0, 0.25, 0.6]))
@@ -326,3 +333,41 @@ VALID_CASES: dict[str, st.SearchStrategy[FuzzCase]] = {
     "w4a8_matmul": w4a8_matmul_cases(),
     "hadamard_transform": hadamard_cases(),
 }
+
+
+# ------------------------------------------------------------------------------------------- quantized caches
+# The widths a quantized format fixes (docs/ops.md section 7): a latent row is kv_lora 512 + rope 64, an index key
+# DI = 128. Every other dim of the config stays drawn.
+FORMAT_WIDTHS = {LATENT: {"kv_lora_rank": 512, "qk_rope_head_dim": 64}, INDEX: {"index_head_dim": 128}}
+_CACHE_CASES: dict[str, Callable[[st.SearchStrategy[ModelConfig]], st.SearchStrategy[FuzzCase]]] = {
+    "mla_prolog": lambda dims: prolog_cases("mla_prolog", dims),
+    "indexer_prolog": lambda dims: prolog_cases("indexer_prolog", dims),
+    "indexer_logits": lambda dims: indexer_cases("indexer_logits", dims),
+    "lightning_indexer": lambda dims: indexer_cases("lightning_indexer", dims),
+    "sparse_flash_attention": lambda dims: sparse_attention_cases(dims),
+}
+_NONFINITE_EVERY = [None, None, (3, 5), (2, 7)]  # (NaN, inf) tiles in every n-th slot, or none
+
+
+@st.composite
+def quantized_cache_cases(draw, op: str, nonfinite_tiles: bool = True) -> FuzzCase:
+    """A random valid config of a cache op (`_CACHE_CASES`, at the format's widths) with its cache in a quantized
+    format drawn from the op's: the float cache encoded by the reference (glm5_hal.parity.quantized_cache), the
+    first tile of every 7th slot zeroed first or not (scale 1, codes 0), and for a reader (with nonfinite_tiles)
+    maybe the bytes of NaN / inf tiles in some slots (scale NaN / +inf, codes 0: what a writer stores for them).
+    Every backend reads the same bytes; a writer's rows are judged by compare_quantized_cache."""
+    kv_cache_dtype = draw(st.sampled_from(formats_of(op)))
+    fmt = FORMATS[kv_cache_dtype]
+    case = draw(_CACHE_CASES[op](model_dims(FORMAT_WIDTHS[fmt.cache])))
+    name = CACHE_ARGUMENT[fmt.cache]
+    zero_tiles = draw(st.booleans())
+    nonfinite = draw(st.sampled_from(_NONFINITE_EVERY)) if nonfinite_tiles and op not in WRITERS else None
+    cache = encode_cache(case.inputs[name], fmt, zero_tiles=zero_tiles)
+    if nonfinite is not None:
+        store_nonfinite_tiles(cache, fmt, nan_every=nonfinite[0], inf_every=nonfinite[1])
+    inputs = {**case.inputs, name: cache, "kv_cache_dtype": kv_cache_dtype}
+    params = {**case.params, "kv_cache_dtype": kv_cache_dtype, "zero_tiles": zero_tiles, "nonfinite": nonfinite}
+    return FuzzCase(op, inputs, case.dtype, case.layouts, params)
+
+
+QUANTIZED_CASES: dict[str, st.SearchStrategy[FuzzCase]] = {op: quantized_cache_cases(op) for op in OP_CACHE}

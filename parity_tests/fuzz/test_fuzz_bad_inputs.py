@@ -19,7 +19,12 @@ before any backend, so this needs no backend). The classes:
   degenerate      a zero size the op cannot work with (block_size 0, DI 0, K 0, n 0)
   structure       values that break the argument's structure (offsets not a prefix sum, src_index not a
                   permutation, w13 with an odd row count, groups that do not divide E, an odd K for int4)
-  option          an option outside its set (scoring, out_dtype, a non-bool flag)
+  option          an option outside its set (scoring, out_dtype, a non-bool flag, a kv_cache_dtype of the other
+                  cache or of no cache, a kv_cache_dtype that is not a str)
+
+The cache ops also get the bad inputs of a quantized cache, on random valid configs whose cache is quantized
+(fuzz.strategies.QUANTIZED_CASES): the format options above, a uint8 cache passed as "auto", a float or int8 cache
+with a format, a row of the wrong byte count, and other arguments whose width is not the format's.
 
 Not every class applies to every op: an op without index arguments has no index_range, an op of one tensor no
 device mismatch (dynamic_quant and hadamard_transform take one tensor and get 5 and 7 classes; the session
@@ -38,7 +43,8 @@ import torch
 from hypothesis import HealthCheck, assume, given, settings
 
 import glm5_hal
-from fuzz.strategies import FUZZ_CLASSES, FUZZ_COUNTS, VALID_CASES, FuzzCase, examples
+from fuzz.strategies import FUZZ_CLASSES, FUZZ_COUNTS, QUANTIZED_CASES, VALID_CASES, FuzzCase, examples
+from glm5_hal.kv_formats import CACHE_ARGUMENT, FORMATS, OP_CACHE
 from glm5_hal.ops.quant import hadamard_base_size
 from glm5_hal.registry import OP_NAMES
 
@@ -54,10 +60,11 @@ class Bad:
     arg: str
     corrupt: Corrupt
     exc: type[Exception]
+    quantized: bool = False  # corrupts a config whose cache is quantized (QUANTIZED_CASES)
 
     @property
     def id(self) -> str:
-        return f"{self.op}-{self.kind}-{self.arg}"
+        return f"{self.op}-{self.kind}-{self.arg}" + ("-quantized" if self.quantized else "")
 
 
 def _set(arg: str, make: Callable[[dict], object], when: Callable[[dict], bool] = lambda a: True) -> Corrupt:
@@ -222,6 +229,44 @@ def _int8_gemm(op: str, weight: str) -> list[Bad]:
         Bad("option", op, "out_dtype", _set("out_dtype", lambda a: torch.int32), TypeError),
         Bad("option", op, "out_dtype", _set("out_dtype", lambda a: torch.float64), TypeError),
     ]
+
+
+def _quantized(op: str, narrower: Corrupt, named: str) -> list[Bad]:
+    """The bad inputs of a quantized cache. narrower: the other arguments, consistent among themselves, one value
+    narrower than the format's row (575 latent values, 127 index key values); `named`: the argument whose message
+    says so (the first one validation finds disagreeing)."""
+    cache = CACHE_ARGUMENT[OP_CACHE[op]]
+    other_format = next(name for name, fmt in FORMATS.items() if fmt.cache != OP_CACHE[op])
+
+    def as_float(a: dict) -> torch.Tensor:
+        fmt = FORMATS[a["kv_cache_dtype"]]
+        return torch.zeros((*a[cache].shape[:-1], fmt.width), dtype=a["x" if "x" in a else READ_BY[op]].dtype)
+
+    def bad(kind: str, arg: str, corrupt: Corrupt, exc: type[Exception]) -> Bad:
+        return Bad(kind, op, arg, corrupt, exc, quantized=True)
+
+    return [
+        bad("option", "kv_cache_dtype", _set("kv_cache_dtype", lambda a: other_format), ValueError),
+        bad("option", "kv_cache_dtype", _set("kv_cache_dtype", lambda a: "fp8"), ValueError),
+        bad("option", "kv_cache_dtype", _set("kv_cache_dtype", lambda a: 8), TypeError),
+        bad("dtype", cache, _set("kv_cache_dtype", lambda a: "auto"), TypeError),  # uint8 rows called "auto"
+        bad("dtype", cache, _set(cache, as_float), TypeError),  # a float cache with a format
+        bad("dtype", cache, _set(cache, lambda a: a[cache].view(torch.int8)), TypeError),
+        bad("shape", cache, _set(cache, lambda a: a[cache][..., :-1]), ValueError),  # row_bytes - 1
+        bad("shape", named, narrower, ValueError),
+    ]
+
+
+READ_BY = {"indexer_logits": "q_idx", "lightning_indexer": "q_idx", "sparse_flash_attention": "q"}
+
+
+def _narrower_reader(op: str) -> Corrupt:
+    return _set(READ_BY[op], lambda a: a[READ_BY[op]][..., :-1])
+
+
+def _narrower_latent(a: dict) -> dict:
+    """kv_lora 511: w_uk, w_dkv_kr and gamma_ckv one latent dim narrower (the RoPE dims stay 64)."""
+    return {**a, "w_uk": a["w_uk"][..., 1:], "w_dkv_kr": a["w_dkv_kr"][1:], "gamma_ckv": a["gamma_ckv"][1:]}
 
 
 BAD_INPUTS: list[Bad] = [
@@ -408,6 +453,12 @@ BAD_INPUTS: list[Bad] = [
     ),
     Bad("degenerate", "hadamard_transform", "x", _set("x", lambda a: a["x"][..., :0]), ValueError),
     *_scalar("hadamard_transform", "scale", *_BAD_FINITE_FLOAT),
+    # ------------------------------------------------------------------------------------- quantized caches
+    *_quantized("mla_prolog", _narrower_latent, "kv_cache"),
+    *_quantized("indexer_prolog", _set("w_ik", lambda a: a["w_ik"][1:]), "w_ik"),  # the cache sets DI first
+    *_quantized("indexer_logits", _narrower_reader("indexer_logits"), "index_k_cache"),
+    *_quantized("lightning_indexer", _narrower_reader("lightning_indexer"), "index_k_cache"),
+    *_quantized("sparse_flash_attention", _narrower_reader("sparse_flash_attention"), "kv_cache"),
 ]
 
 CLASSES_PER_OP: dict[str, set[str]] = {op: {b.kind for b in BAD_INPUTS if b.op == op} for op in OP_NAMES}
@@ -422,7 +473,7 @@ def _message_names(message: str, arg: str) -> bool:
 @pytest.mark.parametrize("bad", BAD_INPUTS, ids=[f"{b.id}-{i}" for i, b in enumerate(BAD_INPUTS)])
 def test_bad_input_is_refused_naming_the_argument(bad: Bad) -> None:
     @settings(max_examples=examples(4), suppress_health_check=[HealthCheck.filter_too_much, HealthCheck.too_slow])
-    @given(case=VALID_CASES[bad.op])
+    @given(case=QUANTIZED_CASES[bad.op] if bad.quantized else VALID_CASES[bad.op])
     def refused(case: FuzzCase) -> None:
         inputs = bad.corrupt({k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in case.inputs.items()})
         assume(inputs is not None)

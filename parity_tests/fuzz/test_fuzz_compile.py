@@ -3,7 +3,8 @@
 opcheck (schema, fake tensors, AOT dispatch with dynamic shapes) runs on random valid configs in random layouts,
 so the fake implementations must agree with the real outputs whatever the input strides (docs/ops.md: outputs
 are new contiguous tensors). The compiled call must trace without a graph break (validation builds its messages
-lazily and keeps sizes symbolic), and give the eager result bit for bit, on configs of different sizes.
+lazily and keeps sizes symbolic), and give the eager result bit for bit, on configs of different sizes. The cache
+ops do both with their cache in every quantized format too (uint8 caches, kv_cache_dtype a string argument).
 """
 
 from __future__ import annotations
@@ -13,13 +14,21 @@ import torch
 from hypothesis import HealthCheck, given, settings
 
 import glm5_hal
-from fuzz.strategies import FUZZ_COUNTS, VALID_CASES, FuzzCase, examples
+from fuzz.strategies import FUZZ_COUNTS, VALID_CASES, FuzzCase, examples, quantized_cache_cases
+from glm5_hal.kv_formats import OP_CACHE
 from glm5_hal.parity.inputs import with_layout
 from glm5_hal.parity.runner import custom_op_arguments
 from glm5_hal.registry import OP_NAMES
 
 OPCHECK_CONFIGS_PER_OP = 4
 COMPILED_CONFIGS_PER_OP = 4
+QUANTIZED_CONFIGS_PER_OP = 3  # per cache op, each test
+# (op, strategy, what the session summary calls it): every op on float configs, the cache ops on quantized ones
+# without NaN / inf tiles (opcheck compares eager and traced outputs with assert_close, where NaN != NaN).
+CONFIGS = [(op, VALID_CASES[op], op) for op in OP_NAMES] + [
+    (op, quantized_cache_cases(op, nonfinite_tiles=False), f"{op} quantized") for op in OP_CACHE
+]
+CONFIG_IDS = [label.replace(" ", "-") for _, _, label in CONFIGS]
 
 
 def _laid_out(case: FuzzCase) -> dict:
@@ -36,17 +45,21 @@ def _opcheck_layout(t: torch.Tensor, layout: str) -> str:
     return "contiguous" if t.numel() == 0 else layout
 
 
-@pytest.mark.parametrize("op", OP_NAMES)
-def test_opcheck_on_random_configs_and_layouts(op: str) -> None:
-    @settings(max_examples=examples(OPCHECK_CONFIGS_PER_OP), suppress_health_check=[HealthCheck.too_slow])
-    @given(case=VALID_CASES[op])
+def _count(label: str) -> int:
+    return QUANTIZED_CONFIGS_PER_OP if label.endswith("quantized") else OPCHECK_CONFIGS_PER_OP
+
+
+@pytest.mark.parametrize(("op", "configs", "label"), CONFIGS, ids=CONFIG_IDS)
+def test_opcheck_on_random_configs_and_layouts(op: str, configs, label: str) -> None:
+    @settings(max_examples=examples(_count(label)), suppress_health_check=[HealthCheck.too_slow])
+    @given(case=configs)
     def holds(case: FuzzCase) -> None:
         torch.library.opcheck(
             getattr(torch.ops.glm5_hal, op).default,
             custom_op_arguments(op, _laid_out(case)),
             test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"),
         )
-        FUZZ_COUNTS[("opcheck", op, "default")] += 1
+        FUZZ_COUNTS[("opcheck", label, "default")] += 1
 
     holds()
 
@@ -55,14 +68,14 @@ def _outputs(result: object) -> tuple[torch.Tensor, ...]:
     return result if isinstance(result, tuple) else (result,)
 
 
-@pytest.mark.parametrize("op", OP_NAMES)
-def test_compiled_fullgraph_dynamic_matches_eager(op: str) -> None:
+@pytest.mark.parametrize(("op", "configs", "label"), CONFIGS, ids=CONFIG_IDS)
+def test_compiled_fullgraph_dynamic_matches_eager(op: str, configs, label: str) -> None:
     torch._dynamo.reset()
     fn = getattr(glm5_hal, op)
     compiled = torch.compile(lambda kw: fn(**kw), fullgraph=True, dynamic=True, backend="aot_eager")
 
-    @settings(max_examples=examples(COMPILED_CONFIGS_PER_OP), suppress_health_check=[HealthCheck.too_slow])
-    @given(case=VALID_CASES[op])
+    @settings(max_examples=examples(_count(label)), suppress_health_check=[HealthCheck.too_slow])
+    @given(case=configs)
     def holds(case: FuzzCase) -> None:
         eager_inputs = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in case.inputs.items()}
         compiled_inputs = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in case.inputs.items()}
@@ -72,6 +85,6 @@ def test_compiled_fullgraph_dynamic_matches_eager(op: str) -> None:
         for name, value in eager_inputs.items():  # written caches: the same writes
             if isinstance(value, torch.Tensor):
                 torch.testing.assert_close(compiled_inputs[name], value, rtol=0, atol=0, equal_nan=True)
-        FUZZ_COUNTS[("torch.compile", op, "default")] += 1
+        FUZZ_COUNTS[("torch.compile", label, "default")] += 1
 
     holds()
