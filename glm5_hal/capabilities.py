@@ -55,6 +55,10 @@ MIN_SPEEDUP = 1.25
 # Probe GEMM: M tokens x K x N, big enough to be past call overheads, small enough to take milliseconds.
 PROBE_SHAPE = (64, 1024, 1024)
 PROBE_REPS = 5
+# Row counts tried for where a half-precision product with its residual GEMM (two passes over the weight) starts to
+# beat the fp32 GEMM (one pass, the weight upcast in blocks): few rows are weight-bound, many compute-bound.
+ROW_STEPS = (1, 2, 4, 8, 16, 32, 64)
+ROWS_PROBE_WEIGHT = (2048, 2048)  # [N, K]: 8 MiB of bf16, past the caches, like a real projection
 # Depth of the int8 exactness check: GLM-5's widest projection (o_proj, K = 16384).
 EXACTNESS_DEPTH = 16384
 # What a GEMM that does not exist on a device (or in this torch) raises.
@@ -221,6 +225,10 @@ class Probe(Protocol):
         round, so that r + addmm(-r, a, b), r = a @ b rounded, recovers the fp32 product (backends/torch_eager/gemm.py).
         """
 
+    def residual_min_rows(self, dtype: torch.dtype) -> int:
+        """The fewest rows (of ROW_STEPS) at which a `dtype` product with its residual GEMM is MIN_SPEEDUP times as
+        fast as the fp32 GEMM over the same weight upcast in blocks; past the last step, the step after it."""
+
     def int8_exact(self, route: int8_gemms.Int8Gemm) -> tuple[bool, str]:
         """Whether the route runs and is bit-exact here (int8_gemms.is_exact at EXACTNESS_DEPTH), and why."""
 
@@ -313,6 +321,29 @@ class DeviceProbe:
         bound = 2.0**-13 * want.abs().amax()
         return bool((batched - want).abs().amax() <= bound and (flat - want[0]).abs().amax() <= bound)
 
+    def residual_min_rows(self, dtype: torch.dtype) -> int:
+        n, k = ROWS_PROBE_WEIGHT
+        weight = torch.randn(n, k, generator=self._gen).to(self.device, dtype)
+        for rows in ROW_STEPS:
+            a = torch.randn(rows, k, generator=self._gen).to(self.device, dtype)
+
+            def half_call(a: torch.Tensor = a) -> object:
+                rounded = a @ weight.T
+                return torch.addmm(-rounded, a, weight.T)
+
+            def fp32_call(a: torch.Tensor = a) -> object:
+                # As the conservative path (backends/torch_eager/primitives.linear): 256 weight rows at a time.
+                return [a.float() @ weight[i : i + 256].float().T for i in range(0, n, 256)]
+
+            half_call(), fp32_call()  # warm-up
+            half_best = fp32_best = float("inf")
+            for _ in range(PROBE_REPS):
+                half_best = min(half_best, self._timed(half_call))
+                fp32_best = min(fp32_best, self._timed(fp32_call))
+            if half_best * MIN_SPEEDUP <= fp32_best:  # a clear win, as for every fast path (not a coin toss)
+                return rows
+        return 2 * ROW_STEPS[-1]
+
     def int8_exact(self, route: int8_gemms.Int8Gemm) -> tuple[bool, str]:
         if self._exactness_cases is None:  # built once, shared by every route
             self._exactness_cases = int8_gemms.exactness_cases(self._gen, EXACTNESS_DEPTH)
@@ -339,13 +370,15 @@ class HalfChoice:
     use: bool
     fp32_output: bool
     reason: str
+    min_rows: int = 1  # products with fewer rows keep the fp32 GEMM (the residual's second pass costs more there)
 
     @property
     def path(self) -> str:
         if not self.use:
             return "fp32 operands (conservative)"
         result = "fp32 result" if self.fp32_output else f"{_unit(self.dtype)} result + its rounding residual (addmm)"
-        return f"{_unit(self.dtype)} operands, fp32 accumulation, {result}"
+        rows = f"; fp32 below {self.min_rows} rows" if self.min_rows > 1 else ""
+        return f"{_unit(self.dtype)} operands, fp32 accumulation, {result}{rows}"
 
 
 @dataclass(frozen=True)
@@ -448,15 +481,18 @@ def _decide_half(
         )
     if mode == FORCE:
         return HalfChoice(dtype, True, fp32_output, f"{ENV_FAST_PATHS}=1")
+    # Without an fp32 result every product takes two passes over its weight: where rows are few (weight-bound)
+    # the fp32 GEMM's single pass wins, so measure from how many rows on the half path pays.
+    min_rows = 1 if fp32_output else probe.residual_min_rows(dtype)
     known = f"{unit} units: {facts.evidence[unit]}" if facts.units[unit] else f"{unit} units unknown here"
     if not facts.measure_speed:
-        return HalfChoice(dtype, True, fp32_output, known)
+        return HalfChoice(dtype, True, fp32_output, known, min_rows)
     try:
         speedup = measured[f"{unit} GEMM"] = probe.half_speedup(dtype)
     except RUNTIME_ERRORS as exc:  # an unknown device without such a GEMM
         return HalfChoice(dtype, False, False, f"{unit} GEMM does not run here ({str(exc).splitlines()[0][:160]})")
     use, why = _speed_verdict(speedup, f"{unit} GEMM")
-    return HalfChoice(dtype, use, fp32_output, f"{known}; {why}")
+    return HalfChoice(dtype, use, fp32_output, f"{known}; {why}", min_rows)
 
 
 def _decide_int8(facts: DeviceFacts, probe: Probe, mode: str, measured: dict[str, float]) -> Int8Choice:

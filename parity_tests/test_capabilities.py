@@ -40,8 +40,10 @@ class FakeProbe:
         exact: dict[str, bool] | None = None,
         int8: dict[str, float] | None = None,
         residual_exact: bool = True,
+        min_rows: int = 1,
     ) -> None:
         self.half, self._fp32_output, self._residual_exact = half or {}, fp32_output, residual_exact
+        self._min_rows = min_rows
         self.exact, self.int8 = exact or {}, int8 or {}
         self.asked: list[str] = []
 
@@ -56,6 +58,10 @@ class FakeProbe:
     def residual_exact(self, dtype: torch.dtype) -> bool:
         self.asked.append(f"residual_exact {dtype}")
         return self._residual_exact
+
+    def residual_min_rows(self, dtype: torch.dtype) -> int:
+        self.asked.append(f"residual_min_rows {dtype}")
+        return self._min_rows
 
     def int8_exact(self, route: int8_gemms.Int8Gemm) -> tuple[bool, str]:
         self.asked.append(f"int8_exact {route.name}")
@@ -98,9 +104,18 @@ def test_a_rounded_result_that_cannot_be_recovered_keeps_the_conservative_path()
         assert "residual_exact torch.bfloat16" in probe.asked
         assert "half_speedup torch.bfloat16" not in probe.asked
     # With an fp32-result GEMM the residual is not needed, and not asked for.
-    probe = FakeProbe(half={torch.bfloat16: 4.0}, fp32_output=True, residual_exact=False)
-    assert decide(_cpu(ZEN5), probe, AUTO).half[torch.bfloat16].use
-    assert "residual_exact torch.bfloat16" not in probe.asked
+    probe = FakeProbe(half={torch.bfloat16: 4.0}, fp32_output=True, residual_exact=False, min_rows=8)
+    bf16 = decide(_cpu(ZEN5), probe, AUTO).half[torch.bfloat16]
+    assert bf16.use and bf16.min_rows == 1
+    assert "residual_exact torch.bfloat16" not in probe.asked and "residual_min_rows torch.bfloat16" not in probe.asked
+
+
+def test_the_residual_path_keeps_fp32_below_the_measured_row_count():
+    """Two passes over the weight cost more than bf16 saves where rows are few: the probe's row count is kept (AUTO),
+    and =1 takes the half path at every row count."""
+    bf16 = decide(_cpu(ZEN5), FakeProbe(half={torch.bfloat16: 4.0}, min_rows=8), AUTO).half[torch.bfloat16]
+    assert bf16.use and bf16.min_rows == 8 and "fp32 below 8 rows" in bf16.path
+    assert decide(_cpu(ZEN5), FakeProbe(min_rows=8), FORCE).half[torch.bfloat16].min_rows == 1
 
 
 def test_the_real_probe_sees_this_cpus_addmm_add_in_fp32_or_refuses() -> None:

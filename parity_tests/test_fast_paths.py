@@ -212,6 +212,16 @@ def test_half_gemm_keeps_fp32_operands_and_results(output: bool) -> None:
             assert rel <= bound, f"{gemm}: relative error {rel:.3g} > {bound:g}"
 
 
+def test_products_with_fewer_rows_than_min_rows_take_the_fp32_gemm() -> None:
+    w = torch.randn(16, 32).bfloat16()
+    gemm = Gemm(torch.bfloat16, fp32_output=False, min_rows=4)
+    for rows, want in ((3, {torch.float32}), (4, {torch.bfloat16})):
+        with _GemmSpy() as spy:
+            gemm.linear(torch.randn(rows, 32).bfloat16(), w)
+            gemm.bmm(torch.randn(2, rows, 32).bfloat16(), w.T.expand(2, 32, 16))
+        assert _operand_dtypes(spy) == want, rows
+
+
 def test_half_gemm_passes_nan_and_inf_through() -> None:
     """inf in an fp32 operand gives the reference's +-inf / NaN, not NaN from the residual's inf - inf."""
     a = torch.tensor([[1.0, 2.0], [float("inf"), 1.0], [float("nan"), 0.0]])

@@ -20,9 +20,11 @@ Two paths, one interface:
     rounding error, and the sum r + r' is the fp32 result to ~2^-16 (the probe checks once per device that the
     GEMM adds in fp32 before it rounds; where it does not, the half path is not used).
   A product that is the op's output (rounded to the activation dtype right after: `output=True`) skips the
-  residual: rounding it once more would change nothing.
-  Everything around the GEMMs (norms, RoPE, softmax statistics, lse) stays fp32. On a CPU a bf16 product costs
-  2-4 bf16 GEMMs this way, still several times faster than one fp32 GEMM on weights converted per call.
+  residual: rounding it once more would change nothing. The parts of an operand are stacked into one GEMM, so a
+  product reads its weight once per pass; below `min_rows` rows (measured by the probe: there the weight's bytes,
+  not the arithmetic, set the time) the second pass costs more than bf16 saves, and the product takes the fp32
+  GEMM instead.
+  Everything around the GEMMs (norms, RoPE, softmax statistics, lse) stays fp32.
 
 `gemm.logits` (products that feed a softmax) is the same path: the results are fp32-accurate on both kinds of device.
 """
@@ -53,10 +55,12 @@ def _parts(t: Tensor, dtype: torch.dtype) -> tuple[Tensor, ...]:
 class Gemm:
     """operand: the dtype GEMM operands are given in (COMPUTE_DTYPE = the fp32 path). fp32_output: the GEMM returns
     its fp32 accumulators (torch.mm / torch.bmm with out_dtype=float32); otherwise its rounded result is corrected
-    by the residual GEMM (see the module docstring)."""
+    by the residual GEMM (see the module docstring). min_rows: products with fewer rows take the fp32 GEMM (the
+    probe measured the residual's second pass over the weight to cost more than it saves there)."""
 
     operand: torch.dtype
     fp32_output: bool = True
+    min_rows: int = 1
 
     @property
     def half(self) -> bool:
@@ -68,28 +72,33 @@ class Gemm:
         return self
 
     def _product(self, a: Tensor, b: Tensor, matmul, matmul_add, output: bool) -> Tensor:
-        """sum over the parts of a and b (lo x lo left out: below fp32's precision) of a_i @ b_j, in fp32."""
+        """a [..., M, K] @ b [..., K, N] in fp32: sum over the parts of a and b of a_i @ b_j (lo x lo left out: below
+        fp32's precision). The parts are stacked (a's along rows, b's along columns) so that each pass reads the
+        weight once: one GEMM, plus the residual GEMM where the result comes back rounded."""
         a_parts, b_parts = _parts(a, self.operand), _parts(b, self.operand)
-        pairs = [(x, y) for i, x in enumerate(a_parts) for j, y in enumerate(b_parts) if i + j < 2]
+        rows, cols = a.shape[-2], b.shape[-1]
+        # (a single part is used as it is: torch.cat would copy it, and a transposed weight element by element)
+        stacked_a = a_parts[0] if len(a_parts) == 1 else torch.cat(a_parts, dim=-2)
+        stacked_b = b_parts[0] if len(b_parts) == 1 else torch.cat(b_parts, dim=-1)
         if self.fp32_output:
-            total = matmul(*pairs[0], out_dtype=COMPUTE_DTYPE)
-            for x, y in pairs[1:]:
-                total += matmul(x, y, out_dtype=COMPUTE_DTYPE)
-            return total
-        rounded = matmul(*pairs[0])
-        total = rounded.to(COMPUTE_DTYPE)
-        if not output:
-            # The accumulator of addmm(-r, a, b) starts at -r, so it ends at the rounding error of r (exact in fp32).
-            residual = matmul_add(rounded.neg(), *pairs[0]).to(COMPUTE_DTYPE)
-            total = torch.where(torch.isfinite(rounded), total + residual, total)
-        for x, y in pairs[1:]:  # the lo terms: ~2^-8 of the result, so one rounding of theirs is ~2^-17 of it
-            total += matmul(x, y).to(COMPUTE_DTYPE)
+            blocks = matmul(stacked_a, stacked_b, out_dtype=COMPUTE_DTYPE)
+        else:
+            rounded = matmul(stacked_a, stacked_b)
+            blocks = rounded.to(COMPUTE_DTYPE)
+            if not output:
+                # The accumulator of addmm(-r, a, b) starts at -r, so it ends at the rounding error of r.
+                residual = matmul_add(rounded.neg(), stacked_a, stacked_b).to(COMPUTE_DTYPE)
+                blocks = torch.where(torch.isfinite(rounded), blocks + residual, blocks)
+        total = blocks[..., :rows, :cols]
+        for i, j in ((1, 0), (0, 1)):  # hi x lo and lo x hi, where those parts exist
+            if i < len(a_parts) and j < len(b_parts):
+                total = total + blocks[..., i * rows : (i + 1) * rows, j * cols : (j + 1) * cols]
         return total
 
     def bmm(self, a: Tensor, b: Tensor, *, output: bool = False) -> Tensor:
         """a [B, M, K] @ b [B, K, N] -> [B, M, N] fp32 (any float dtypes in; an fp32 operand is not rounded).
         output: the result is the op's output, rounded to the activation dtype right after."""
-        if not self.half:
+        if not self.half or a.shape[1] < self.min_rows:
             return torch.bmm(a.to(COMPUTE_DTYPE), b.to(COMPUTE_DTYPE))
         return self._product(a, b, torch.bmm, torch.baddbmm, output)
 
@@ -100,10 +109,10 @@ class Gemm:
         A weight in another dtype than `operand` (an fp32 weight beside bf16 activations) takes the fp32 path:
         rounding a weight on every call would cost a full copy and lose its precision.
         """
-        if not self.half or weight.dtype != self.operand:
+        flat = x.reshape(-1, x.shape[-1])
+        if not self.half or weight.dtype != self.operand or flat.shape[0] < self.min_rows:
             return linear(x.to(COMPUTE_DTYPE), weight)
-        flat = self._product(x.reshape(-1, x.shape[-1]), weight.T, torch.mm, torch.addmm, output)
-        return flat.view(*x.shape[:-1], weight.shape[0])
+        return self._product(flat, weight.T, torch.mm, torch.addmm, output).view(*x.shape[:-1], weight.shape[0])
 
 
 FP32 = Gemm(COMPUTE_DTYPE)
@@ -115,4 +124,4 @@ def gemm_for(activation: torch.dtype, device: torch.device) -> Gemm:
     choice = capabilities(device).half_choice(activation)
     if choice is None or not choice.use:
         return FP32
-    return Gemm(activation, choice.fp32_output)
+    return Gemm(activation, choice.fp32_output, choice.min_rows)
