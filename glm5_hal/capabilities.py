@@ -8,8 +8,10 @@ a short measurement on the device itself:
   half-precision operands (fp32 accumulation; softmax statistics, norms and lse stay fp32). fp16 additionally
   needs a GEMM that hands back fp32 (`out_dtype=torch.float32`): an fp16 result could overflow where fp32 does not,
   and its rounding (2^-11) is a large part of the fp16 tolerance. A bf16 result has fp32's exponent range; where
-  no fp32-result GEMM exists its rounding (2^-9, well inside the bf16 tolerance) is the price, except for
-  attention logits, which stay fp32 there (backends/torch_eager/gemm.py says why).
+  no fp32-result GEMM exists the rounded result is followed by a residual GEMM that recovers its rounding
+  (backends/torch_eager/gemm.py), if the probe finds that the GEMM adds in fp32 before it rounds; the probe also
+  measures where those extra passes cost more than bf16 saves (few rows; fp32 operands that enter in two parts),
+  and there the products stay fp32.
 - an exact int8 GEMM (int8 x int8 -> int32, glm5_hal.int8_gemms): which route runs here, is it bit-exact at large
   K with extreme codes (checked on the device every time), and is it faster than the fp32 GEMM? Otherwise the
   quantized ops keep their exact chunked-fp32 path.
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import os
 import threading
 import time
@@ -312,9 +315,9 @@ class DeviceProbe:
         b = torch.randn(3, 256, 48, generator=self._gen).to(self.device, dtype)
         want = torch.bmm(a.double(), b.double())
         try:
-            rounded = torch.bmm(a, b)
-            batched = rounded.double() + torch.baddbmm(-rounded, a, b).double()
-            flat = rounded[0].double() + torch.addmm(-rounded[0], a[0], b[0]).double()
+            rounded = torch.bmm(a, b)  # as backends/torch_eager/gemm.py asks for the residual: beta = -1
+            batched = rounded.double() + torch.baddbmm(rounded, a, b, beta=-1).double()
+            flat = rounded[0].double() + torch.addmm(rounded[0], a[0], b[0], beta=-1).double()
         except RUNTIME_ERRORS:
             return False
         # A rounded result is off by ~2^-9 of its size; a recovered one by ~2^-16 (two roundings of the residual).
@@ -329,7 +332,7 @@ class DeviceProbe:
 
             def half_call(a: torch.Tensor = a) -> object:
                 rounded = a @ weight.T
-                return torch.addmm(-rounded, a, weight.T)
+                return torch.addmm(rounded, a, weight.T, beta=-1)
 
             def fp32_call(a: torch.Tensor = a) -> object:
                 # As the conservative path (backends/torch_eager/primitives.linear): 256 weight rows at a time.
@@ -371,6 +374,9 @@ class HalfChoice:
     fp32_output: bool
     reason: str
     min_rows: int = 1  # products with fewer rows keep the fp32 GEMM (the residual's second pass costs more there)
+    # Products whose half-precision GEMMs do more than this many times their own work (the parts of fp32 operands
+    # times the residual's pass) keep the fp32 GEMM: the measured speed ratio over MIN_SPEEDUP (inf: not measured).
+    max_work: float = math.inf
 
     @property
     def path(self) -> str:
@@ -378,6 +384,8 @@ class HalfChoice:
             return "fp32 operands (conservative)"
         result = "fp32 result" if self.fp32_output else f"{_unit(self.dtype)} result + its rounding residual (addmm)"
         rows = f"; fp32 below {self.min_rows} rows" if self.min_rows > 1 else ""
+        if math.isfinite(self.max_work):
+            rows += f"; fp32 for products needing over {self.max_work:.1f}x their work (fp32 operands in 2 parts)"
         return f"{_unit(self.dtype)} operands, fp32 accumulation, {result}{rows}"
 
 
@@ -492,7 +500,9 @@ def _decide_half(
     except RUNTIME_ERRORS as exc:  # an unknown device without such a GEMM
         return HalfChoice(dtype, False, False, f"{unit} GEMM does not run here ({str(exc).splitlines()[0][:160]})")
     use, why = _speed_verdict(speedup, f"{unit} GEMM")
-    return HalfChoice(dtype, use, fp32_output, f"{known}; {why}", min_rows)
+    # A product whose fp32 operand enters as two parts, or whose result needs the residual pass, does that many
+    # times the half-precision work: it must still beat the fp32 GEMM by MIN_SPEEDUP.
+    return HalfChoice(dtype, use, fp32_output, f"{known}; {why}", min_rows, speedup / MIN_SPEEDUP)
 
 
 def _decide_int8(facts: DeviceFacts, probe: Probe, mode: str, measured: dict[str, float]) -> Int8Choice:

@@ -118,6 +118,19 @@ def test_the_residual_path_keeps_fp32_below_the_measured_row_count():
     assert decide(_cpu(ZEN5), FakeProbe(min_rows=8), FORCE).half[torch.bfloat16].min_rows == 1
 
 
+def test_products_whose_extra_work_outweighs_the_measured_speedup_keep_fp32():
+    """The measured bf16 / fp32 ratio over MIN_SPEEDUP bounds the work a product may take on the half path (parts of
+    fp32 operands times the residual's pass); =1 and devices trusted without timing have no bound."""
+    bf16 = decide(_cpu(ZEN5), FakeProbe(half={torch.bfloat16: 4.0}), AUTO).half[torch.bfloat16]
+    assert bf16.use and bf16.max_work == pytest.approx(4.0 / caps.MIN_SPEEDUP) and "3.2x their work" in bf16.path
+    assert decide(_cpu(ZEN5), FakeProbe(), FORCE).half[torch.bfloat16].max_work == float("inf")
+    cuda = caps.DeviceFacts(
+        "cuda", "CUDA sm_90", {u: True for u in caps.UNITS}, {u: "sm_90" for u in caps.UNITS}, False
+    )
+    trusted = decide(cuda, FakeProbe(fp32_output=True), AUTO).half[torch.bfloat16]
+    assert trusted.use and trusted.max_work == float("inf") and "their work" not in trusted.path
+
+
 def test_the_real_probe_sees_this_cpus_addmm_add_in_fp32_or_refuses() -> None:
     """DeviceProbe.residual_exact on this machine agrees with a direct measurement of the recovered product."""
     probe = DeviceProbe(torch.device("cpu"))

@@ -222,6 +222,23 @@ def test_products_with_fewer_rows_than_min_rows_take_the_fp32_gemm() -> None:
         assert _operand_dtypes(spy) == want, rows
 
 
+def test_products_past_max_work_take_the_fp32_gemm() -> None:
+    """max_work 3 (a measured 3.75x over the 1.25x margin): bf16 x bf16 with the residual (2x) and an fp32 operand as
+    the op's output (2 parts, no residual: 2x) stay half; an fp32 operand with the residual (4x) takes fp32."""
+    w = torch.randn(16, 32).bfloat16()
+    gemm = Gemm(torch.bfloat16, fp32_output=False, max_work=3.0)
+    for x, output, want in (
+        (torch.randn(4, 32).bfloat16(), False, {torch.bfloat16}),
+        (torch.randn(4, 32), True, {torch.bfloat16}),
+        (torch.randn(4, 32), False, {torch.float32}),
+    ):
+        with _GemmSpy() as spy:
+            gemm.linear(x, w, output=output)
+            gemm.bmm(x[None], w.T[None], output=output)
+        assert _operand_dtypes(spy) == want, (x.dtype, output)
+    assert Gemm(torch.bfloat16, fp32_output=True, max_work=3.0).takes_half(x, w, 4, output=False)  # 2 parts, 1 pass
+
+
 def test_half_gemm_passes_nan_and_inf_through() -> None:
     """inf in an fp32 operand gives the reference's +-inf / NaN, not NaN from the residual's inf - inf."""
     a = torch.tensor([[1.0, 2.0], [float("inf"), 1.0], [float("nan"), 0.0]])

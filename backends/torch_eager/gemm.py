@@ -23,7 +23,9 @@ Two paths, one interface:
   residual: rounding it once more would change nothing. The parts of an operand are stacked into one GEMM, so a
   product reads its weight once per pass; below `min_rows` rows (measured by the probe: there the weight's bytes,
   not the arithmetic, set the time) the second pass costs more than bf16 saves, and the product takes the fp32
-  GEMM instead.
+  GEMM instead. The same holds for a product whose parts and passes multiply its half-precision work past
+  `max_work` (the probe's measured half / fp32 speed ratio over the required margin): on a CPU that returns bf16
+  only, an fp32 operand times a bf16 one is four GEMMs' work (two parts, two passes), no faster than one fp32 GEMM.
   Everything around the GEMMs (norms, RoPE, softmax statistics, lse) stays fp32.
 
 `gemm.logits` (products that feed a softmax) is the same path: the results are fp32-accurate on both kinds of device.
@@ -31,6 +33,7 @@ Two paths, one interface:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -56,11 +59,14 @@ class Gemm:
     """operand: the dtype GEMM operands are given in (COMPUTE_DTYPE = the fp32 path). fp32_output: the GEMM returns
     its fp32 accumulators (torch.mm / torch.bmm with out_dtype=float32); otherwise its rounded result is corrected
     by the residual GEMM (see the module docstring). min_rows: products with fewer rows take the fp32 GEMM (the
-    probe measured the residual's second pass over the weight to cost more than it saves there)."""
+    probe measured the residual's second pass over the weight to cost more than it saves there). max_work: products
+    whose half-precision GEMMs would do more than this many times the product's own work (parts of fp32 operands
+    times passes) take the fp32 GEMM."""
 
     operand: torch.dtype
     fp32_output: bool = True
     min_rows: int = 1
+    max_work: float = math.inf
 
     @property
     def half(self) -> bool:
@@ -70,6 +76,14 @@ class Gemm:
     def logits(self) -> Gemm:
         """The path for products that feed a softmax: this one (its results are fp32-accurate either way)."""
         return self
+
+    def takes_half(self, a: Tensor, b: Tensor, rows: int, output: bool) -> bool:
+        """Whether a product of a and b (any float dtypes) with `rows` rows runs on the half-precision path."""
+        if not self.half or rows < self.min_rows:
+            return False
+        parts = (1 if a.dtype == self.operand else 2) * (1 if b.dtype == self.operand else 2)
+        passes = 1 if self.fp32_output or output else 2
+        return parts * passes <= self.max_work
 
     def _product(self, a: Tensor, b: Tensor, matmul, matmul_add, output: bool) -> Tensor:
         """a [..., M, K] @ b [..., K, N] in fp32: sum over the parts of a and b of a_i @ b_j (lo x lo left out: below
@@ -86,9 +100,12 @@ class Gemm:
             rounded = matmul(stacked_a, stacked_b)
             blocks = rounded.to(COMPUTE_DTYPE)
             if not output:
-                # The accumulator of addmm(-r, a, b) starts at -r, so it ends at the rounding error of r.
-                residual = matmul_add(rounded.neg(), stacked_a, stacked_b).to(COMPUTE_DTYPE)
-                blocks = torch.where(torch.isfinite(rounded), blocks + residual, blocks)
+                # The accumulator of addmm(r, a, b, beta=-1) starts at -r, so it ends at the rounding error of r.
+                # It is not finite only where r is not (r = +-inf or NaN, whose residual is NaN or inf): there r
+                # alone is the answer, so such a residual counts as 0 (one in-place pass over the bf16 residual;
+                # the fp32 sum then adds the bf16 residual without a converted copy).
+                residual = matmul_add(rounded, stacked_a, stacked_b, beta=-1)
+                blocks.add_(residual.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0))
         total = blocks[..., :rows, :cols]
         for i, j in ((1, 0), (0, 1)):  # hi x lo and lo x hi, where those parts exist
             if i < len(a_parts) and j < len(b_parts):
@@ -98,7 +115,7 @@ class Gemm:
     def bmm(self, a: Tensor, b: Tensor, *, output: bool = False) -> Tensor:
         """a [B, M, K] @ b [B, K, N] -> [B, M, N] fp32 (any float dtypes in; an fp32 operand is not rounded).
         output: the result is the op's output, rounded to the activation dtype right after."""
-        if not self.half or a.shape[1] < self.min_rows:
+        if not self.takes_half(a, b, a.shape[1], output):
             return torch.bmm(a.to(COMPUTE_DTYPE), b.to(COMPUTE_DTYPE))
         return self._product(a, b, torch.bmm, torch.baddbmm, output)
 
@@ -110,7 +127,7 @@ class Gemm:
         rounding a weight on every call would cost a full copy and lose its precision.
         """
         flat = x.reshape(-1, x.shape[-1])
-        if not self.half or weight.dtype != self.operand or flat.shape[0] < self.min_rows:
+        if weight.dtype != self.operand or not self.takes_half(flat, weight, flat.shape[0], output):
             return linear(x.to(COMPUTE_DTYPE), weight)
         return self._product(flat, weight.T, torch.mm, torch.addmm, output).view(*x.shape[:-1], weight.shape[0])
 
@@ -124,4 +141,4 @@ def gemm_for(activation: torch.dtype, device: torch.device) -> Gemm:
     choice = capabilities(device).half_choice(activation)
     if choice is None or not choice.use:
         return FP32
-    return Gemm(activation, choice.fp32_output, choice.min_rows)
+    return Gemm(activation, choice.fp32_output, choice.min_rows, choice.max_work)
