@@ -225,7 +225,7 @@ class Probe(Protocol):
 
     def residual_exact(self, dtype: torch.dtype) -> bool:
         """Whether addmm / baddbmm with `dtype` operands add their input matrix to the fp32 accumulator before they
-        round, so that r + addmm(-r, a, b), r = a @ b rounded, recovers the fp32 product (backends/torch_eager/gemm.py).
+        round, so that r + addmm(r, a, b, beta=-1), r = a @ b rounded, recovers the fp32 product (gemm.py).
         """
 
     def residual_min_rows(self, dtype: torch.dtype) -> int:

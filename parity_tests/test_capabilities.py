@@ -136,7 +136,7 @@ def test_the_real_probe_sees_this_cpus_addmm_add_in_fp32_or_refuses() -> None:
     probe = DeviceProbe(torch.device("cpu"))
     a, b = torch.randn(8, 512).bfloat16(), torch.randn(512, 32).bfloat16()
     rounded = a @ b
-    recovered = rounded.double() + torch.addmm(-rounded, a, b).double()
+    recovered = rounded.double() + torch.addmm(rounded, a, b, beta=-1).double()
     want = a.double() @ b.double()
     measured = bool((recovered - want).abs().amax() <= 2.0**-13 * want.abs().amax())
     assert probe.residual_exact(torch.bfloat16) == measured

@@ -16,7 +16,7 @@ Two paths, one interface:
   * an fp32 operand (an intermediate: q_norm, the SwiGLU activation, softmax probabilities, decoded cache rows)
     enters as the sum of two parts in the operand dtype, hi = round(x) and lo = round(x - hi) (x to ~2^-16);
   * the result comes back in fp32 where the device's GEMM can return it (out_dtype); elsewhere (CPUs: bf16 results
-    only) the rounded result r is followed by r' = addmm(-r, a, b), whose fp32 accumulator holds exactly the
+    only) the rounded result r is followed by r' = addmm(r, a, b, beta=-1), whose fp32 accumulator holds exactly the
     rounding error, and the sum r + r' is the fp32 result to ~2^-16 (the probe checks once per device that the
     GEMM adds in fp32 before it rounds; where it does not, the half path is not used).
   A product that is the op's output (rounded to the activation dtype right after: `output=True`) skips the
