@@ -43,15 +43,22 @@ from backends.torch_eager.primitives import COMPUTE_DTYPE, linear
 from glm5_hal.capabilities import capabilities
 
 
-def _parts(t: Tensor, dtype: torch.dtype) -> tuple[Tensor, ...]:
-    """t as a sum of `dtype` tensors: (t,) if it already is `dtype`, else (hi, lo) with hi = t rounded and lo the
-    rounding error rounded (0 where hi is not finite, so inf and NaN pass through hi alone)."""
+def _stacked_parts(t: Tensor, dtype: torch.dtype, dim: int) -> tuple[Tensor, int]:
+    """t as a sum of `dtype` parts stacked along `dim`, and their count: (t, 1) if t already is `dtype`, else
+    ([hi, lo] along dim, 2) with hi = t rounded and lo = the rounding error rounded (0 where hi is not finite, so
+    inf and NaN pass through hi alone). Written into one buffer: no separate copies of the parts to concatenate."""
     if t.dtype == dtype:
-        return (t,)
-    hi = t.to(dtype)
-    exact = t.to(COMPUTE_DTYPE)
-    lo = torch.where(torch.isfinite(hi), exact - hi.to(COMPUTE_DTYPE), 0.0).to(dtype)
-    return hi, lo
+        return t, 1
+    size = t.shape[dim]
+    shape = list(t.shape)
+    shape[dim] = 2 * size
+    stacked = t.new_empty(shape, dtype=dtype)
+    hi = stacked.narrow(dim, 0, size).copy_(t)
+    # t - hi is exact in fp32 where hi is finite, and inf or NaN exactly where hi is not (t = +-inf / NaN, or a
+    # finite t that rounded to inf): nan_to_num zeroes those in the same pass.
+    error = torch.sub(t, hi).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+    stacked.narrow(dim, size, size).copy_(error)
+    return stacked, 2
 
 
 @dataclass(frozen=True)
@@ -89,11 +96,9 @@ class Gemm:
         """a [..., M, K] @ b [..., K, N] in fp32: sum over the parts of a and b of a_i @ b_j (lo x lo left out: below
         fp32's precision). The parts are stacked (a's along rows, b's along columns) so that each pass reads the
         weight once: one GEMM, plus the residual GEMM where the result comes back rounded."""
-        a_parts, b_parts = _parts(a, self.operand), _parts(b, self.operand)
         rows, cols = a.shape[-2], b.shape[-1]
-        # (a single part is used as it is: torch.cat would copy it, and a transposed weight element by element)
-        stacked_a = a_parts[0] if len(a_parts) == 1 else torch.cat(a_parts, dim=-2)
-        stacked_b = b_parts[0] if len(b_parts) == 1 else torch.cat(b_parts, dim=-1)
+        stacked_a, a_parts = _stacked_parts(a, self.operand, -2)  # a's parts along rows
+        stacked_b, b_parts = _stacked_parts(b, self.operand, -1)  # b's along columns
         if self.fp32_output:
             blocks = matmul(stacked_a, stacked_b, out_dtype=COMPUTE_DTYPE)
         else:
@@ -108,7 +113,7 @@ class Gemm:
                 blocks.add_(residual.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0))
         total = blocks[..., :rows, :cols]
         for i, j in ((1, 0), (0, 1)):  # hi x lo and lo x hi, where those parts exist
-            if i < len(a_parts) and j < len(b_parts):
+            if i < a_parts and j < b_parts:
                 total = total + blocks[..., i * rows : (i + 1) * rows, j * cols : (j + 1) * cols]
         return total
 

@@ -60,17 +60,25 @@ def sparse_flash_attention(
         # after decoding, so that neither its address nor its contents (NaN in an unused slot, any bytes of a
         # quantized row) can reach the output.
         slots = torch.where(valid, key_slots(block_table, seqs[tokens], idx, block_size), 0)  # [t, topk]
-        kv = read_rows(gather_rows(rows, slots)).masked_fill_(~valid[..., None], 0.0)  # [t, topk, D], all heads
+        kv = read_rows(gather_rows(rows, slots))  # [t, topk, D], all heads
+        # Invalid keys are rare (short sequences, -1 padding): find them once (one host read of a count) and touch
+        # only their rows; masking every row with a broadcast mask costs more than the gather itself on CPUs.
+        invalid = (~valid).nonzero(as_tuple=True)  # ([n], [n])
+        if invalid[0].numel():
+            kv[invalid] = 0.0
 
         scores = gemm.logits.bmm(q[tokens], kv.transpose(1, 2)).mul_(sm_scale)  # [t, H, topk] fp32
-        scores.masked_fill_(~valid[:, None, :], float("-inf"))
+        if invalid[0].numel():
+            scores.masked_fill_(~valid[:, None, :], float("-inf"))
         peak = scores.amax(dim=-1, keepdim=True)  # [t, H, 1]
         # A row with no valid key has peak -inf; shifting by 0 instead keeps exp() at exactly 0 and avoids nan.
         peak = torch.where(torch.isfinite(peak), peak, torch.zeros_like(peak))
         probs = torch.exp(scores.sub_(peak))  # unnormalised, [t, H, topk]
         total = probs.sum(dim=-1, keepdim=True)  # [t, H, 1]; 0 for an empty row
-        weighted = gemm.bmm(probs, kv[..., :d_v])  # [t, H, d_v] fp32
-        # Empty rows: 0 / tiny = 0 (the contract's out = 0), log(0) = -inf (the contract's lse).
-        out[tokens] = (weighted / total.clamp_min(torch.finfo(COMPUTE_DTYPE).tiny)).to(q.dtype)
+        # Normalising before the value product makes that product the op's output (rounded to q's dtype right
+        # after), so a half-precision path needs no residual pass for it. Empty rows: 0 / tiny = 0 (the contract's
+        # out = 0), log(0) = -inf (the contract's lse).
+        probs.div_(total.clamp_min(torch.finfo(COMPUTE_DTYPE).tiny))
+        out[tokens] = gemm.bmm(probs, kv[..., :d_v], output=True).to(q.dtype)  # [t, H, d_v]
         lse[tokens] = (peak + torch.log(total)).squeeze(-1)
     return out, lse
