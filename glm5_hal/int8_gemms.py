@@ -64,7 +64,8 @@ def _onednn_prepare(w_q: Tensor) -> tuple[Tensor, Tensor, Tensor]:
 
 def _onednn_accumulate(x_q: Tensor, prepared: tuple[Tensor, Tensor, Tensor]) -> Tensor:
     packed, unit_scales, zero_points = prepared
-    x_u8 = (x_q.to(torch.int16) + U8_ZERO_POINT).to(torch.uint8)  # exact: -128..127 -> 0..255
+    # x + 128 as u8, exactly (-128..127 -> 0..255): in two's complement that is the byte with its top bit flipped.
+    x_u8 = x_q.view(torch.uint8) ^ U8_ZERO_POINT
     # Unit activation, weight and output scales, so the fp32 result is the int32 accumulator converted to fp32.
     return torch.ops.onednn.qlinear_pointwise(
         x_u8, 1.0, U8_ZERO_POINT, packed, unit_scales, zero_points, None, 1.0, 0, torch.float32, "none", [], ""

@@ -120,6 +120,9 @@ class Registry:
         self._load_errors: dict[str, str] = {}
         self._availability: dict[str, Availability] = {}
         self._ops: dict[str, Mapping[str, Callable]] = {}
+        # Bumped whenever the set of backends or what is known about them may change, so that callers can cache
+        # answers derived from the registry (selection's auto resolutions) and notice when they go stale.
+        self.generation = 0
 
     def _discover(self) -> dict[str, Backend]:
         with self._lock:
@@ -155,12 +158,14 @@ class Registry:
             if backend.name in backends:
                 raise ValueError(f"backend: a backend named {backend.name!r} is already registered")
             backends[backend.name] = backend
+            self.generation += 1
 
     def unregister(self, name: str) -> None:
         with self._lock:
             self._discover().pop(name, None)
             self._availability.pop(name, None)
             self._ops.pop(name, None)
+            self.generation += 1
 
     def names(self) -> list[str]:
         """Every known backend name, loadable or not."""
@@ -214,6 +219,7 @@ class Registry:
             self._load_errors = {}
             self._availability = {}
             self._ops = {}
+            self.generation += 1
 
 
 @functools.cache

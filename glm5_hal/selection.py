@@ -172,7 +172,25 @@ def _implementation(name: str, op: str) -> Callable | None:
     return registry().ops(name).get(op)
 
 
+# Auto resolutions by (op, device type), with the registry generation they were made at: every op call resolves
+# its backend, and building the answer (probing each backend's state, the reason string) cost ~30-40 us per call,
+# as much as a whole small op. Availability is probed once per registry generation anyway, so the answer can only
+# change when the generation does.
+_auto_resolutions: dict[tuple[str, str], tuple[object, int, Resolution]] = {}
+
+
 def _resolve_auto(op: str, device_type: str) -> Resolution:
+    reg = registry()
+    cached = _auto_resolutions.get((op, device_type))
+    if cached is not None and cached[0] is reg and cached[1] == reg.generation:
+        return cached[2]
+    generation = reg.generation  # read before building: a change while building leaves a stale entry unused
+    resolution = _build_auto_resolution(op, device_type)
+    _auto_resolutions[(op, device_type)] = (reg, generation, resolution)
+    return resolution
+
+
+def _build_auto_resolution(op: str, device_type: str) -> Resolution:
     reg = registry()
     candidates = []
     skipped = []

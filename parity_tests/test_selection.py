@@ -59,6 +59,29 @@ def test_auto_picks_torch_on_cpu_and_says_why():
     assert "reference: only when named explicitly" in res.reason
 
 
+def test_auto_resolution_is_reused_until_the_registry_changes():
+    """auto's answer is cached per (op, device type); registering, unregistering or refreshing invalidates it."""
+    first = glm5_hal.resolve("hadamard_transform", "cpu")
+    assert glm5_hal.resolve("hadamard_transform", "cpu") is first  # built once, not on every op call
+    eager = Backend(
+        name="eager_winner",
+        summary="test backend auto prefers",
+        probe=lambda: Availability(True, "always", (ANY_DEVICE,)),
+        load_ops=lambda: {"hadamard_transform": lambda x, *, scale=None: torch.full_like(x, 3.0)},
+        auto_priority=10_000,
+    )
+    registry().register(eager)
+    try:
+        assert glm5_hal.resolve("hadamard_transform", "cpu").backend == "eager_winner"
+        assert (glm5_hal.hadamard_transform(_x()) == 3.0).all()
+    finally:
+        registry().unregister("eager_winner")
+    assert glm5_hal.resolve("hadamard_transform", "cpu").backend == first.backend
+    registry().refresh()
+    assert glm5_hal.resolve("hadamard_transform", "cpu") is not first  # re-probed, rebuilt
+    assert glm5_hal.resolve("hadamard_transform", "cpu").backend == first.backend
+
+
 def test_env_var_selects_backend(monkeypatch, partial_backend):
     monkeypatch.setenv(selection.ENV_BACKEND, "partial")
     out = glm5_hal.hadamard_transform(_x())

@@ -95,9 +95,10 @@ def quant_matmul(
         acc = route.accumulate(x_q, _prepared(route, w_q))  # fp32 of the exact int32 accumulators
     else:
         acc = int8_matmul(x_q, w_q).to(COMPUTE_DTYPE)
-    y = acc * x_scale[:, None] * w_scale[None, :]
+    # acc is a fresh fp32 tensor on both paths: scale it in place (each pass over [M, N] counts at decode sizes).
+    y = acc.mul_(x_scale[:, None]).mul_(w_scale[None, :])
     if bias is not None:
-        y = y + bias.to(COMPUTE_DTYPE)
+        y.add_(bias.to(COMPUTE_DTYPE))
     return y.to(out_dtype)
 
 
@@ -171,7 +172,7 @@ def w4a8_matmul(
         for g, prepared in enumerate(_int4_groups_prepared(route, w_packed, group)):
             scaled = route.accumulate(x_q[:, g * group : (g + 1) * group], prepared).mul_(group_scales[g])
             y = scaled if y is None else y.add_(scaled)
-        return (y * x_scale[:, None]).to(out_dtype)
+        return y.mul_(x_scale[:, None]).to(out_dtype)
 
     w_q = unpack_int4(w_packed)  # [N, K]
     w_groups = None
