@@ -27,9 +27,12 @@ def linear(x: Tensor, weight: Tensor) -> Tensor:
     # GLM-5 expert's w13), which dominates decode; upcasting cache-sized row blocks moves only the weight's own
     # bytes. The arithmetic per output is unchanged.
     out = x.new_empty(*x.shape[:-1], weight.shape[0])
+    # One fp32 block buffer for all blocks: one allocation per call instead of one multi-MB allocation per block.
+    block = x.new_empty(min(WEIGHT_ROWS_PER_UPCAST, weight.shape[0]), weight.shape[1])
     for start in range(0, weight.shape[0], WEIGHT_ROWS_PER_UPCAST):
         rows = weight[start : start + WEIGHT_ROWS_PER_UPCAST]
-        out[..., start : start + rows.shape[0]] = F.linear(x, rows.to(COMPUTE_DTYPE))
+        upcast = block[: rows.shape[0]].copy_(rows)
+        out[..., start : start + rows.shape[0]] = F.linear(x, upcast)
     return out
 
 
