@@ -312,3 +312,36 @@ def test_int8_fast_path_prepares_each_weight_once_and_sees_in_place_writes(op: s
     assert torch.equal(got, want)
     if op == "quant_matmul":
         _check_quant(got, x_q, x_scale, w_q, w_scale)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_sparse_attention_values_that_cancel_keep_the_probabilities_exact(mode: str) -> None:
+    """Two keys whose value rows cancel in every output element to ~0.3% of the terms they sum: the output must still
+    match float64 within the bf16 tolerance, which a value product over probabilities rounded to bf16 (2^-9 of each
+    term) misses (relative error 5.3e-2 against 1.6e-2, checked by hand). Sparse attention's value product takes
+    the normalised probabilities as hi + lo parts."""
+    gen = torch.Generator().manual_seed(11)
+    heads, width, d_v, block = 4, 576, 512, 16
+    q = torch.zeros(1, heads, width)
+    q[..., d_v:] = torch.randn(width - d_v, generator=gen)  # the same query in every head, on the rope dims only
+    rows = torch.zeros(2, width)
+    rows[:, d_v:] = torch.randn(2, width - d_v, generator=gen)  # the logits (and so p1 / p2) come from these
+    q, rows = q.bfloat16(), rows.bfloat16()
+    logits = (q[0, 0].double() @ rows.double().T) * 0.1
+    p = torch.softmax(logits, dim=0)  # [2], the same in every head
+    v1 = torch.randn(d_v, generator=gen, dtype=torch.float64) * 8
+    rows[0, :d_v] = v1.bfloat16()
+    rows[1, :d_v] = (-rows[0, :d_v].double() * p[0] / p[1] * 1.003).bfloat16()  # p1 v1 + p2 v2 ~ 0.3% of p1 v1
+    values = rows[:, :d_v].double()
+    want = (p[:, None] * values).sum(0)  # [d_v]
+    assert (p[0] * values[0].abs() > 100 * want.abs()).all(), "the values do not cancel: the test would be void"
+    cache = torch.zeros(1, block, width, dtype=torch.bfloat16)
+    cache[0, :2] = rows
+    indices = torch.tensor([[0, 1]], dtype=torch.int32)
+    block_table, seq_lens_k = torch.zeros(1, 1, dtype=torch.int32), torch.tensor([2], dtype=torch.int32)
+    cu_seqlens_q = torch.tensor([0, 1], dtype=torch.int32)
+    with fast_paths(mode):
+        out, _ = OPS["sparse_flash_attention"](q, cache, indices, block_table, seq_lens_k, cu_seqlens_q, 0.1, d_v)
+    reference = want[None, None, :].expand(1, heads, d_v).numpy()
+    verdict = compare_float("out", out, reference, torch.bfloat16)
+    assert verdict.passed, verdict.detail

@@ -20,12 +20,16 @@ Two paths, one interface:
     rounding error, and the sum r + r' is the fp32 result to ~2^-16 (the probe checks once per device that the
     GEMM adds in fp32 before it rounds; where it does not, the half path is not used).
   A product that is the op's output (rounded to the activation dtype right after: `output=True`) skips the
-  residual: rounding it once more would change nothing. The parts of an operand are stacked into one GEMM, so a
-  product reads its weight once per pass; below `min_rows` rows (measured by the probe: there the weight's bytes,
-  not the arithmetic, set the time) the second pass costs more than bf16 saves, and the product takes the fp32
-  GEMM instead. The same holds for a product whose parts and passes multiply its half-precision work past
-  `max_work` (the probe's measured half / fp32 speed ratio over the required margin): on a CPU that returns bf16
-  only, an fp32 operand times a bf16 one is four GEMMs' work (two parts, two passes), no faster than one fp32 GEMM.
+  residual: its result is rounded anyway. With an fp32 operand's two parts, each part's product is rounded before
+  their fp32 sum, which adds at most one more rounding of the output's own size (2^-9 |out|, plus 2^-18 of the
+  magnitudes summed): unlike a rounded operand, cancellation inside the product does not amplify it. Sparse
+  attention normalises its probabilities first so that its value product is such an output. The parts of an
+  operand are stacked into one GEMM, so a product reads its weight once per pass; below `min_rows` rows
+  (measured by the probe: there the weight's bytes, not the arithmetic, set the time) the second pass costs more
+  than bf16 saves, and the product takes the fp32 GEMM instead. The same holds for a product whose parts and
+  passes multiply its half-precision work past `max_work` (the probe's measured half / fp32 speed ratio over the
+  required margin): on a CPU that returns bf16 only, an fp32 operand times a bf16 one is four GEMMs' work (two
+  parts, two passes), no faster than one fp32 GEMM.
   Everything around the GEMMs (norms, RoPE, softmax statistics, lse) stays fp32.
 
 `gemm.logits` (products that feed a softmax) is the same path: the results are fp32-accurate on both kinds of device.
