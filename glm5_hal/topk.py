@@ -24,6 +24,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from glm5_hal.host_reads import host_reads_allowed
+
 _LOW_BITS = 1 << 32  # columns below 2^32: a row of up to 4G keys
 _NAN_KEY = 0x7FC00000  # the bits of +NaN: above +inf's 0x7F800000
 
@@ -47,19 +49,12 @@ def _composite_topk(scores: Tensor, k: int) -> tuple[Tensor, Tensor]:
     return scores.gather(-1, columns), columns
 
 
-def _may_read_back(scores: Tensor) -> bool:
-    """Whether a per-row flag may be read back to the host here (not while capturing or tracing a graph)."""
-    if torch.compiler.is_compiling():
-        return False
-    return not (scores.is_cuda and torch.cuda.is_current_stream_capturing())
-
-
 def topk_lower_position_ties(scores: Tensor, k: int) -> tuple[Tensor, Tensor]:
     """The top-k columns of each row of scores [N, S] fp32 (k <= S), best first; equal scores by lower column.
 
     Returns (values [N, k] fp32, columns [N, k] int64): the same for every call, device and row layout.
     """
-    if not _may_read_back(scores):
+    if not host_reads_allowed(scores):
         return _composite_topk(scores, k)
     probe = min(k + 1, scores.shape[-1])
     values, columns = torch.topk(scores, probe, dim=-1, sorted=True)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import time
 import zlib
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -330,3 +331,26 @@ def test_cache_write_on_a_strided_cache(gen: torch.Generator) -> None:
     assert torch.equal(cache, torch.from_numpy(want).to(torch.float32))
     # The columns around the view are not the cache's: they stay as they were.
     assert torch.equal(storage[:, :, :8], original[:, :, :8]) and torch.equal(storage[:, :, 32:], original[:, :, 32:])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sparse_attention_invalid_keys_without_host_reads(dtype: torch.dtype) -> None:
+    """Where a host read is not allowed (graph capture, tracing), sparse attention masks every gathered row instead
+    of zeroing the invalid keys' rows by index: the same output, bit for bit, and NaN in the slot that invalid keys
+    read (slot 0, an unused block here) reaches neither."""
+    gen = torch.Generator().manual_seed(5)
+    block, width, heads = 16, 576, 4
+    cache = randn((3, block, width), gen, dtype=dtype)
+    cache[0] = float("nan")  # block 0 belongs to no sequence
+    block_table = torch.tensor([[2, 1]], dtype=torch.int32)
+    seq_lens_k = torch.tensor([20], dtype=torch.int32)
+    cu_seqlens_q = torch.tensor([0, 2], dtype=torch.int32)
+    q = randn((2, heads, width), gen, dtype=dtype)
+    # valid positions, -1 padding and positions past the sequence (20, 25): the last two kinds are invalid keys
+    indices = torch.tensor([[3, 0, 18, -1, 25, 19], [19, 4, -1, 20, 7, 1]], dtype=torch.int32)
+    args = (q, cache, indices, block_table, seq_lens_k, cu_seqlens_q, 0.05, 512)
+    out, lse = OPS["sparse_flash_attention"](*args)
+    with mock.patch("backends.torch_eager.sparse_attention.host_reads_allowed", return_value=False):
+        traced_out, traced_lse = OPS["sparse_flash_attention"](*args)
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+    assert torch.equal(out, traced_out) and torch.equal(lse, traced_lse)

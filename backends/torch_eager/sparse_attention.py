@@ -14,6 +14,7 @@ from backends.torch_eager.gemm import gemm_for
 from backends.torch_eager.paged import gather_rows, slot_rows
 from backends.torch_eager.primitives import COMPUTE_DTYPE, rows_per_tile
 from backends.torch_eager.quantized_cache import row_reader
+from glm5_hal.host_reads import host_reads_allowed
 from glm5_hal.kv_formats import AUTO
 from glm5_hal.paged import key_slots, token_sequences
 
@@ -61,14 +62,19 @@ def sparse_flash_attention(
         # quantized row) can reach the output.
         slots = torch.where(valid, key_slots(block_table, seqs[tokens], idx, block_size), 0)  # [t, topk]
         kv = read_rows(gather_rows(rows, slots))  # [t, topk, D], all heads
-        # Invalid keys are rare (short sequences, -1 padding): find them once (one host read of a count) and touch
-        # only their rows; masking every row with a broadcast mask costs more than the gather itself on CPUs.
-        invalid = (~valid).nonzero(as_tuple=True)  # ([n], [n])
-        if invalid[0].numel():
+        # Invalid keys are rare (short sequences, -1 padding): where a host read is allowed, find them once (a
+        # count) and touch only their rows; masking every row with a broadcast mask costs more than the gather
+        # itself on CPUs. Where it is not (graph capture, tracing), mask every row.
+        any_invalid = True
+        if host_reads_allowed(valid):
+            invalid = (~valid).nonzero(as_tuple=True)  # ([n], [n])
+            any_invalid = invalid[0].numel() > 0
             kv[invalid] = 0.0
+        else:
+            kv.masked_fill_(~valid[..., None], 0.0)
 
         scores = gemm.logits.bmm(q[tokens], kv.transpose(1, 2)).mul_(sm_scale)  # [t, H, topk] fp32
-        if invalid[0].numel():
+        if any_invalid:
             scores.masked_fill_(~valid[:, None, :], float("-inf"))
         peak = scores.amax(dim=-1, keepdim=True)  # [t, H, 1]
         # A row with no valid key has peak -inf; shifting by 0 instead keeps exp() at exactly 0 and avoids nan.
