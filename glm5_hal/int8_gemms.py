@@ -6,6 +6,8 @@ fp32 (acc.to(float32), the conversion every quantized op applies before scaling)
     prepared = route.prepare(w_q)          # once per weight: it may copy the weight into the kernel's layout
     acc = route.accumulate(x_q, prepared)  # [M, N] fp32 == fp32(int64 math), bit for bit
 
+The accumulator is always a new tensor (never the weight, a cache or an input), so callers scale it in place.
+
 Routes (fastest first where both run; glm5_hal.capabilities measures which one wins on a device):
 - ONEDNN_U8S8: oneDNN's quantized linear (torch.ops.onednn, the kernels behind torch.compile's x86 int8 path), on
   CPUs. The weight is reordered once into oneDNN's blocked layout (`prepare`, slow: cache it); activations go in as

@@ -95,7 +95,8 @@ def quant_matmul(
         acc = route.accumulate(x_q, _prepared(route, w_q))  # fp32 of the exact int32 accumulators
     else:
         acc = int8_matmul(x_q, w_q).to(COMPUTE_DTYPE)
-    # acc is a fresh fp32 tensor on both paths: scale it in place (each pass over [M, N] counts at decode sizes).
+    # acc is a new fp32 tensor on both paths (int8_gemms' contract): scale it in place (each pass over [M, N]
+    # counts at decode sizes).
     y = acc.mul_(x_scale[:, None]).mul_(w_scale[None, :])
     if bias is not None:
         y.add_(bias.to(COMPUTE_DTYPE))
