@@ -8,7 +8,9 @@ a short measurement on the device itself:
   half-precision operands (fp32 accumulation; softmax statistics, norms and lse stay fp32). fp16 additionally
   needs a GEMM that hands back fp32 (`out_dtype=torch.float32`): an fp16 result could overflow where fp32 does not,
   and its rounding (2^-11) is a large part of the fp16 tolerance. A bf16 result has fp32's exponent range; where
-  no fp32-result GEMM exists the rounded result is followed by a residual GEMM that recovers its rounding
+  torch has no fp32-result GEMM, glm5_hal.native's bf16 kernels give one on CPUs with AVX-512 BF16 (checked for
+  exactness on the device, GLM5_HAL_NATIVE=0 turns them off); elsewhere the rounded result is followed by a
+  residual GEMM that recovers its rounding
   (backends/torch_eager/gemm.py), if the probe finds that the GEMM adds in fp32 before it rounds; the probe also
   measures where those extra passes cost more than bf16 saves (few rows; fp32 operands that enter in two parts),
   and there the products stay fp32.
@@ -39,13 +41,14 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Protocol
 
 import torch
 
 from glm5_hal import int8_gemms
 from glm5_hal.checks import check
+from glm5_hal.cpu_flags import parse_cpuinfo, this_cpu
+from glm5_hal.native import bf16_gemm, build
 
 ENV_FAST_PATHS = "GLM5_HAL_FAST_PATHS"
 AUTO, OFF, FORCE = "auto", "off", "force"
@@ -145,25 +148,9 @@ class DeviceFacts:
     measure_speed: bool
 
 
-def _cpu_model_and_flags(cpuinfo: str) -> tuple[str, frozenset[str] | None]:
-    """(model name with its family, the ISA flags or None) from the first processor of /proc/cpuinfo's text."""
-    fields: dict[str, str] = {}
-    for line in cpuinfo.splitlines():
-        key, _, value = line.partition(":")
-        fields.setdefault(key.strip().lower(), value.strip())
-    model = fields.get("model name") or fields.get("hardware") or "CPU"
-    if "cpu family" in fields:
-        model += f" (family {fields['cpu family']}, model {fields.get('model', '?')})"
-    flags = fields.get("flags", fields.get("features"))
-    return model, None if flags is None else frozenset(flags.split())
-
-
 def cpu_facts(cpuinfo: str | None = None) -> DeviceFacts:
     """Facts of the CPU from its ISA flags (`cpuinfo`: the text of /proc/cpuinfo; read when None)."""
-    if cpuinfo is None:
-        path = Path("/proc/cpuinfo")
-        cpuinfo = path.read_text(errors="replace") if path.exists() else ""
-    model, flags = _cpu_model_and_flags(cpuinfo)
+    model, flags = this_cpu() if cpuinfo is None else parse_cpuinfo(cpuinfo)
     description = f"{model}, {torch.get_num_threads()} torch threads, ATen {_cpu_capability()} kernels"
     if flags is None:
         return DeviceFacts("cpu", description, dict.fromkeys(UNITS), dict.fromkeys(UNITS, "no CPU flags here"), True)
@@ -222,6 +209,13 @@ class Probe(Protocol):
 
     def fp32_output(self, dtype: torch.dtype) -> bool:
         """Whether a GEMM of `dtype` operands can hand back fp32 (torch.mm(..., out_dtype=torch.float32))."""
+
+    def native_gemm(self, dtype: torch.dtype) -> tuple[bool, str]:
+        """Whether glm5_hal.native's `dtype` x `dtype` -> fp32 GEMM runs here and is exact (fp32 sums of the exact
+        products), and what runs or why not: the fp32 result torch's own GEMM lacks on CPUs."""
+
+    def native_speedup(self, dtype: torch.dtype) -> float:
+        """Time of the fp32 GEMM / time of the native `dtype` GEMM, at PROBE_SHAPE."""
 
     def residual_exact(self, dtype: torch.dtype) -> bool:
         """Whether addmm / baddbmm with `dtype` operands add their input matrix to the fp32 accumulator before they
@@ -310,6 +304,17 @@ class DeviceProbe:
         except RUNTIME_ERRORS:
             return False  # no such overload in this torch, or no kernel for this device
 
+    def native_gemm(self, dtype: torch.dtype) -> tuple[bool, str]:
+        if self.device.type != "cpu" or dtype != torch.bfloat16:
+            return False, "the native kernel is a CPU bf16 GEMM"
+        ok, why = bf16_gemm.availability()
+        return bf16_gemm.is_exact(self._gen) if ok else (False, why)
+
+    def native_speedup(self, dtype: torch.dtype) -> float:
+        a, b = self._operands(dtype)
+        b_t = b.T.contiguous()[None]  # the [N, K] layout of a weight
+        return self._speedup_over_fp32(lambda: bf16_gemm.bmm_nt(a[None], b_t))
+
     def residual_exact(self, dtype: torch.dtype) -> bool:
         a = torch.randn(3, 16, 256, generator=self._gen).to(self.device, dtype)
         b = torch.randn(3, 256, 48, generator=self._gen).to(self.device, dtype)
@@ -367,7 +372,8 @@ class DeviceProbe:
 class HalfChoice:
     """Whether ops with `dtype` activations give their GEMMs `dtype` operands (fp32 accumulation), and how the
     result comes back: fp32_output = the GEMM returns its fp32 accumulators, else its `dtype` result plus the residual
-    GEMM that recovers its rounding (backends/torch_eager/gemm.py)."""
+    GEMM that recovers its rounding (backends/torch_eager/gemm.py). native: the fp32 results come from
+    glm5_hal.native's kernel (torch's GEMM here returns `dtype` only)."""
 
     dtype: torch.dtype
     use: bool
@@ -377,12 +383,18 @@ class HalfChoice:
     # Products whose half-precision GEMMs do more than this many times their own work (the parts of fp32 operands
     # times the residual's pass) keep the fp32 GEMM: the measured speed ratio over MIN_SPEEDUP (inf: not measured).
     max_work: float = math.inf
+    native: bool = False
 
     @property
     def path(self) -> str:
         if not self.use:
             return "fp32 operands (conservative)"
-        result = "fp32 result" if self.fp32_output else f"{_unit(self.dtype)} result + its rounding residual (addmm)"
+        if self.native:
+            result = f"fp32 result from the native kernel (op outputs: torch's {_unit(self.dtype)} result)"
+        elif self.fp32_output:
+            result = "fp32 result"
+        else:
+            result = f"{_unit(self.dtype)} result + its rounding residual (addmm)"
         rows = f"; fp32 below {self.min_rows} rows" if self.min_rows > 1 else ""
         if math.isfinite(self.max_work):
             rows += f"; fp32 for products needing over {self.max_work:.1f}x their work (fp32 operands in 2 parts)"
@@ -472,6 +484,9 @@ def _decide_half(
     if mode == AUTO and facts.units[unit] is False:
         return HalfChoice(dtype, False, False, f"no {unit} units: {facts.evidence[unit]}")
     fp32_output = probe.fp32_output(dtype)
+    native, native_why = False, ""
+    if not fp32_output and dtype == torch.bfloat16:
+        native, native_why = probe.native_gemm(dtype)
     if dtype == torch.float16 and not fp32_output:
         return HalfChoice(
             dtype,
@@ -479,30 +494,38 @@ def _decide_half(
             False,
             "fp16 GEMMs here return fp16 only (no out_dtype=float32): products that fit fp32 could overflow fp16",
         )
-    if not fp32_output and not probe.residual_exact(dtype):
+    if not fp32_output and not native and not probe.residual_exact(dtype):
         return HalfChoice(
             dtype,
             False,
             False,
             f"{unit} GEMMs here return {unit} only and addmm rounds before it adds: the rounding of every intermediate"
-            " could not be recovered",
+            f" could not be recovered; native kernel: {native_why}",
         )
+    # What gives the fp32 result where torch's GEMM does not: the native kernel, else the residual GEMM.
+    via = f"; native kernel: {native_why}" if native_why else ""
+    fp32_output = fp32_output or native
     if mode == FORCE:
-        return HalfChoice(dtype, True, fp32_output, f"{ENV_FAST_PATHS}=1")
+        return HalfChoice(dtype, True, fp32_output, f"{ENV_FAST_PATHS}=1{via}", native=native)
     # Without an fp32 result every product takes two passes over its weight: where rows are few (weight-bound)
     # the fp32 GEMM's single pass wins, so measure from how many rows on the half path pays.
     min_rows = 1 if fp32_output else probe.residual_min_rows(dtype)
     known = f"{unit} units: {facts.evidence[unit]}" if facts.units[unit] else f"{unit} units unknown here"
     if not facts.measure_speed:
-        return HalfChoice(dtype, True, fp32_output, known, min_rows)
+        return HalfChoice(dtype, True, fp32_output, f"{known}{via}", min_rows, native=native)
     try:
-        speedup = measured[f"{unit} GEMM"] = probe.half_speedup(dtype)
+        if native:  # the kernel the products that must come back in fp32 run on
+            speedup = measured[f"{unit} native GEMM"] = probe.native_speedup(dtype)
+        else:
+            speedup = measured[f"{unit} GEMM"] = probe.half_speedup(dtype)
     except RUNTIME_ERRORS as exc:  # an unknown device without such a GEMM
         return HalfChoice(dtype, False, False, f"{unit} GEMM does not run here ({str(exc).splitlines()[0][:160]})")
-    use, why = _speed_verdict(speedup, f"{unit} GEMM")
+    use, why = _speed_verdict(speedup, f"{unit} native GEMM" if native else f"{unit} GEMM")
     # A product whose fp32 operand enters as two parts, or whose result needs the residual pass, does that many
     # times the half-precision work: it must still beat the fp32 GEMM by MIN_SPEEDUP.
-    return HalfChoice(dtype, use, fp32_output, f"{known}; {why}", min_rows, speedup / MIN_SPEEDUP)
+    return HalfChoice(
+        dtype, use, fp32_output, f"{known}{via}; {why}", min_rows, speedup / MIN_SPEEDUP, native=native and use
+    )
 
 
 def _decide_int8(facts: DeviceFacts, probe: Probe, mode: str, measured: dict[str, float]) -> Int8Choice:
@@ -547,7 +570,7 @@ def decide(facts: DeviceFacts, probe: Probe, mode: str) -> Capabilities:
 
 # ------------------------------------------------------------------------------------------------ the cache
 
-_cache: dict[tuple[str, str], Capabilities] = {}
+_cache: dict[tuple[str, str, bool], Capabilities] = {}
 _lock = threading.Lock()
 
 
@@ -566,7 +589,7 @@ def capabilities(device: torch.device | str, mode: str | None = None) -> Capabil
     device = _device_key(device)
     if mode == OFF:
         return _conservative(str(device))
-    key = (str(device), mode)
+    key = (str(device), mode, build.native_enabled())
     found = _cache.get(key)
     if found is None:
         with _lock:  # one probe per device even if several threads ask at once

@@ -41,9 +41,12 @@ class FakeProbe:
         int8: dict[str, float] | None = None,
         residual_exact: bool = True,
         min_rows: int = 1,
+        native: tuple[bool, str] = (False, "no native kernel in this fake"),
+        native_speedup: float = 0.0,
     ) -> None:
         self.half, self._fp32_output, self._residual_exact = half or {}, fp32_output, residual_exact
         self._min_rows = min_rows
+        self._native, self._native_speedup = native, native_speedup
         self.exact, self.int8 = exact or {}, int8 or {}
         self.asked: list[str] = []
 
@@ -54,6 +57,14 @@ class FakeProbe:
     def fp32_output(self, dtype: torch.dtype) -> bool:
         self.asked.append(f"fp32_output {dtype}")
         return self._fp32_output
+
+    def native_gemm(self, dtype: torch.dtype) -> tuple[bool, str]:
+        self.asked.append(f"native_gemm {dtype}")
+        return self._native
+
+    def native_speedup(self, dtype: torch.dtype) -> float:
+        self.asked.append(f"native_speedup {dtype}")
+        return self._native_speedup
 
     def residual_exact(self, dtype: torch.dtype) -> bool:
         self.asked.append(f"residual_exact {dtype}")
@@ -129,6 +140,54 @@ def test_products_whose_extra_work_outweighs_the_measured_speedup_keep_fp32():
     )
     trusted = decide(cuda, FakeProbe(fp32_output=True), AUTO).half[torch.bfloat16]
     assert trusted.use and trusted.max_work == float("inf") and "their work" not in trusted.path
+
+
+NATIVE_OK = (True, "bf16_gemm_avx512_bf16, fp32 sums of exact bf16 products")
+
+
+def test_a_native_fp32_result_gemm_replaces_the_residual():
+    """Where torch's bf16 GEMM returns bf16 only but the native kernel runs and is exact, products come back in fp32
+    in one pass: no residual, no row threshold, and the speed that bounds their work is the native kernel's."""
+    probe = FakeProbe(half={torch.bfloat16: 4.0}, native=NATIVE_OK, native_speedup=3.0, min_rows=8)
+    got = decide(_cpu(ZEN5), probe, AUTO)
+    bf16 = got.half[torch.bfloat16]
+    assert bf16.use and bf16.native and bf16.fp32_output and bf16.min_rows == 1
+    assert bf16.max_work == pytest.approx(3.0 / caps.MIN_SPEEDUP)
+    assert "native kernel" in bf16.path and "bf16_gemm_avx512_bf16" in bf16.reason and "3.00x" in bf16.reason
+    assert got.measured["bfloat16 native GEMM"] == 3.0
+    for unasked in ("residual_exact", "residual_min_rows", "half_speedup"):
+        assert f"{unasked} torch.bfloat16" not in probe.asked
+    # =1 takes it untimed; fp16 never asks for it (the kernel is bf16 only).
+    forced = FakeProbe(native=NATIVE_OK)
+    assert decide(_cpu(ZEN5), forced, FORCE).half[torch.bfloat16].native
+    assert "native_speedup torch.bfloat16" not in forced.asked and "native_gemm torch.float16" not in forced.asked
+
+
+def test_a_native_kernel_that_is_slow_or_missing_is_not_used():
+    slow = decide(_cpu(ZEN5), FakeProbe(native=NATIVE_OK, native_speedup=1.1), AUTO).half[torch.bfloat16]
+    assert not slow.use and not slow.native and "native GEMM measured 1.10x" in slow.reason
+    why = "bf16_gemm_avx512_bf16 needs CPU flags avx512_bf16, which this CPU does not list"
+    missing = decide(_cpu(ZEN5), FakeProbe(half={torch.bfloat16: 4.0}, native=(False, why)), AUTO)
+    bf16 = missing.half[torch.bfloat16]
+    assert bf16.use and not bf16.native and not bf16.fp32_output and why in bf16.reason
+    # A GEMM that hands back fp32 itself (CUDA's out_dtype) needs no native kernel: it is not even asked.
+    probe = FakeProbe(half={torch.bfloat16: 4.0}, fp32_output=True, native=NATIVE_OK)
+    assert not decide(_cpu(ZEN5), probe, AUTO).half[torch.bfloat16].native
+    assert "native_gemm torch.bfloat16" not in probe.asked
+
+
+def test_glm5_hal_native_0_turns_the_native_kernel_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The escape hatch for the native kernels: the real probe reports it as the reason, and the per-process cache
+    answers per setting (a choice made with the kernel on is not reused with it off)."""
+    monkeypatch.setenv("GLM5_HAL_NATIVE", "0")
+    ok, why = DeviceProbe(torch.device("cpu")).native_gemm(torch.bfloat16)
+    assert not ok and why == "GLM5_HAL_NATIVE=0"
+    off = caps.capabilities("cpu", FORCE).half[torch.bfloat16]
+    assert not off.native and "GLM5_HAL_NATIVE=0" in off.reason
+    monkeypatch.delenv("GLM5_HAL_NATIVE")
+    on = caps.capabilities("cpu", FORCE).half[torch.bfloat16]
+    assert on.native == (on.fp32_output and not DeviceProbe(torch.device("cpu")).fp32_output(torch.bfloat16))
+    assert on.native == DeviceProbe(torch.device("cpu")).native_gemm(torch.bfloat16)[0]
 
 
 def test_the_real_probe_sees_this_cpus_addmm_add_in_fp32_or_refuses() -> None:

@@ -25,17 +25,26 @@ from backends.torch_eager.gemm import FP32, Gemm, gemm_for
 from conftest import parity_backends
 from glm5_hal.capabilities import DeviceProbe, capabilities, fast_paths
 from glm5_hal.kv_formats import FORMATS
+from glm5_hal.native import bf16_gemm, indexer_scores
+from glm5_hal.native import sparse_attention as native_attention
 from glm5_hal.parity import CASES, run_case
 from glm5_hal.parity.compare import compare_float, to_numpy
 from glm5_hal.parity.inputs import SeqSpec, paged_batch, randn, random_topk_indices
 from glm5_hal.parity.quantized_cache import encode_cache
 
 MODES = {"1": "fast paths forced", "0": "conservative fp32 paths"}
+# Parity runs the forced fast paths with and without glm5_hal.native's kernels (where they run, GLM5_HAL_NATIVE=0 is
+# the only way to reach the residual GEMM path on this machine).
+NATIVE = {"native": "1", "no-native": "0"}
 GEMM_OPS = {
     torch.ops.aten.mm.default,
     torch.ops.aten.bmm.default,
     torch.ops.aten.addmm.default,
     torch.ops.aten.baddbmm.default,
+    torch.ops.glm5_hal.native_bf16_bmm_nt.default,  # glm5_hal.native's bf16 GEMM with fp32 results (CPU)
+    torch.ops.glm5_hal.native_indexer_scores.default,  # its fused indexer scores (products, ReLU, head sum)
+    torch.ops.glm5_hal.native_sparse_scores.default,  # its sparse attention products, rows read in place
+    torch.ops.glm5_hal.native_sparse_values.default,
 }
 
 
@@ -44,23 +53,30 @@ def _params():
         if case.slow:
             continue
         for dtype in case.dtypes:
-            for mode in MODES:
-                yield pytest.param(case, dtype, mode, id=f"{case.id}-{str(dtype).removeprefix('torch.')}-fast{mode}")
+            for mode, native in (("1", "native"), ("1", "no-native"), ("0", "native")):
+                name = f"{case.id}-{str(dtype).removeprefix('torch.')}-fast{mode}" + (
+                    "-no-native" * (native != "native")
+                )
+                yield pytest.param(case, dtype, mode, native, id=name)
 
 
 @pytest.mark.skipif("torch" not in parity_backends(), reason="GLM5_HAL_BACKEND selects another backend")
-@pytest.mark.parametrize(("case", "dtype", "mode"), list(_params()))
-def test_torch_backend_parity_on_both_paths(case, dtype: torch.dtype, mode: str) -> None:
+@pytest.mark.parametrize(("case", "dtype", "mode", "native"), list(_params()))
+def test_torch_backend_parity_on_both_paths(
+    case, dtype: torch.dtype, mode: str, native: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("GLM5_HAL_NATIVE", NATIVE[native])
     with fast_paths(mode):
         result = run_case(case, "torch", dtype)
-    assert result.passed, f"{MODES[mode]}: {result.status}: {result.detail} (worst rel err {result.rel_err:.3g})"
+    status = f"{MODES[mode]}, {native}: {result.status}: {result.detail}"
+    assert result.passed, f"{status} (worst rel err {result.rel_err:.3g})"
 
 
 # ------------------------------------------------------------------------------------------------ wiring
 
 
 class _GemmSpy(TorchDispatchMode):
-    """Records the operand dtypes of every aten GEMM."""
+    """Records the operand dtypes of every GEMM (aten's, and glm5_hal.native's custom op)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -111,7 +127,13 @@ def test_sparse_attention_gemm_operands(mode: str) -> None:
     fast = _bf16_gemm(mode)
     with fast_paths(mode), _GemmSpy() as spy:
         OPS["sparse_flash_attention"](*_sparse_attention_inputs(torch.bfloat16))
-    assert _operand_dtypes(spy) == {fast.operand}
+    if fast.native and native_attention.availability()[0]:
+        # The native kernels: bf16 q and rows for the scores; the fp32 probabilities (split into bf16 parts inside)
+        # and the rows for the values; int64 slots.
+        bf16, fp32, slots = torch.bfloat16, torch.float32, torch.int64
+        assert spy.operands == [(bf16, bf16, slots), (fp32, bf16, slots)]
+    else:
+        assert _operand_dtypes(spy) == {fast.operand}
     with fast_paths(mode), _GemmSpy() as fp32_spy:
         OPS["sparse_flash_attention"](*_sparse_attention_inputs(torch.float32))
     assert all(dtypes == (torch.float32, torch.float32) for dtypes in fp32_spy.operands)
@@ -160,6 +182,10 @@ def test_indexer_keys_feed_the_path_gemm_and_the_head_reduction_stays_fp32(mode:
         OPS["indexer_logits"](
             q, weights, cache, batch.block_table, batch.seq_lens_k, batch.cu_seqlens_q, kv_cache_dtype=kv_cache_dtype
         )
+    if fast.native and kv_cache_dtype == "auto" and indexer_scores.availability()[0]:
+        (fused,) = spy.operands  # one native call: q, the fp32 head weights, the bf16 cache read in place, ...
+        assert fused[:3] == (torch.bfloat16, torch.float32, torch.bfloat16)
+        return
     *dots, head_reduction = spy.operands  # one key chunk: the q . k GEMMs, then the fp32 sum over heads
     assert dots and {d for dtypes in dots for d in dtypes} == {fast.operand}
     assert head_reduction == (torch.float32, torch.float32)
@@ -169,12 +195,15 @@ def test_indexer_keys_feed_the_path_gemm_and_the_head_reduction_stays_fp32(mode:
 
 
 def _half_gemms() -> list[Gemm]:
-    """The half-precision paths this device can run: fp32 results (out_dtype), and rounded results with the residual
-    GEMM where addmm adds in fp32 (the probe's check; where it fails the backend never takes that path)."""
+    """The half-precision paths this device can run: fp32 results (out_dtype, or glm5_hal.native's kernel where it
+    runs), and rounded results with the residual GEMM where addmm adds in fp32 (the probe's check; where it fails
+    the backend never takes that path)."""
     cpu, probe = torch.device("cpu"), DeviceProbe(torch.device("cpu"))
     paths = [Gemm(torch.bfloat16, fp32_output=False)] if probe.residual_exact(torch.bfloat16) else []
     if probe.fp32_output(torch.bfloat16):
         paths.append(Gemm(torch.bfloat16, fp32_output=True))
+    if bf16_gemm.availability()[0]:
+        paths.append(Gemm(torch.bfloat16, fp32_output=True, native=True))
     assert paths or not capabilities(cpu).half_choice(torch.bfloat16).use
     return paths
 

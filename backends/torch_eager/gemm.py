@@ -15,8 +15,9 @@ Two paths, one interface:
   amplified many times past the bf16 tolerance; the fuzz suite finds such inputs at small widths):
   * an fp32 operand (an intermediate: q_norm, the SwiGLU activation, softmax probabilities, decoded cache rows)
     enters as the sum of two parts in the operand dtype, hi = round(x) and lo = round(x - hi) (x to ~2^-16);
-  * the result comes back in fp32 where the device's GEMM can return it (out_dtype); elsewhere (CPUs: bf16 results
-    only) the rounded result r is followed by r' = addmm(r, a, b, beta=-1), whose fp32 accumulator holds exactly the
+  * the result comes back in fp32 where the device's GEMM can return it (out_dtype), or where glm5_hal.native's
+    bf16 x bf16 -> fp32 kernel runs (CPUs with AVX-512 BF16: `native`); elsewhere (other CPUs: bf16 results only)
+    the rounded result r is followed by r' = addmm(r, a, b, beta=-1), whose fp32 accumulator holds exactly the
     rounding error, and the sum r + r' is the fp32 result to ~2^-16 (the probe checks once per device that the
     GEMM adds in fp32 before it rounds; where it does not, the half path is not used).
   A product that is the op's output (rounded to the activation dtype right after: `output=True`) skips the
@@ -45,6 +46,7 @@ from torch import Tensor
 
 from backends.torch_eager.primitives import COMPUTE_DTYPE, linear
 from glm5_hal.capabilities import capabilities
+from glm5_hal.native import bf16_gemm
 
 
 def _stacked_parts(t: Tensor, dtype: torch.dtype, dim: int) -> tuple[Tensor, int]:
@@ -72,12 +74,16 @@ class Gemm:
     by the residual GEMM (see the module docstring). min_rows: products with fewer rows take the fp32 GEMM (the
     probe measured the residual's second pass over the weight to cost more than it saves there). max_work: products
     whose half-precision GEMMs would do more than this many times the product's own work (parts of fp32 operands
-    times passes) take the fp32 GEMM."""
+    times passes) take the fp32 GEMM. native: the fp32 results come from glm5_hal.native.bf16_gemm (a CPU kernel
+    torch lacks; fp32_output is then True); a product that is the op's output still takes torch's GEMM, whose
+    rounded result is all it needs, and which is the faster one where the arithmetic, not the weight, sets the time.
+    """
 
     operand: torch.dtype
     fp32_output: bool = True
     min_rows: int = 1
     max_work: float = math.inf
+    native: bool = False
 
     @property
     def half(self) -> bool:
@@ -102,19 +108,27 @@ class Gemm:
         weight once: one GEMM, plus the residual GEMM where the result comes back rounded."""
         rows, cols = a.shape[-2], b.shape[-1]
         stacked_a, a_parts = _stacked_parts(a, self.operand, -2)  # a's parts along rows
-        stacked_b, b_parts = _stacked_parts(b, self.operand, -1)  # b's along columns
-        if self.fp32_output:
-            blocks = matmul(stacked_a, stacked_b, out_dtype=COMPUTE_DTYPE)
+        if self.native and not output:
+            # b's parts along its columns, i.e. along the rows of b^T: the K-contiguous [N, K] the kernel reads.
+            stacked_bt, b_parts = _stacked_parts(b.mT, self.operand, -2)
+            if stacked_a.dim() == 2:
+                blocks = bf16_gemm.bmm_nt(stacked_a[None], stacked_bt[None])[0]
+            else:
+                blocks = bf16_gemm.bmm_nt(stacked_a, stacked_bt)
         else:
-            rounded = matmul(stacked_a, stacked_b)
-            blocks = rounded.to(COMPUTE_DTYPE)
-            if not output:
-                # The accumulator of addmm(r, a, b, beta=-1) starts at -r, so it ends at the rounding error of r.
-                # It is not finite only where r is not (r = +-inf or NaN, whose residual is NaN or inf): there r
-                # alone is the answer, so such a residual counts as 0 (one in-place pass over the bf16 residual;
-                # the fp32 sum then adds the bf16 residual without a converted copy).
-                residual = matmul_add(rounded, stacked_a, stacked_b, beta=-1)
-                blocks.add_(residual.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0))
+            stacked_b, b_parts = _stacked_parts(b, self.operand, -1)  # b's along columns
+            if self.fp32_output and not self.native:
+                blocks = matmul(stacked_a, stacked_b, out_dtype=COMPUTE_DTYPE)
+            else:
+                rounded = matmul(stacked_a, stacked_b)
+                blocks = rounded.to(COMPUTE_DTYPE)
+                if not output:
+                    # The accumulator of addmm(r, a, b, beta=-1) starts at -r, so it ends at the rounding error of
+                    # r. It is not finite only where r is not (r = +-inf or NaN, whose residual is NaN or inf): there
+                    # r alone is the answer, so such a residual counts as 0 (one in-place pass over the bf16
+                    # residual; the fp32 sum then adds the bf16 residual without a converted copy).
+                    residual = matmul_add(rounded, stacked_a, stacked_b, beta=-1)
+                    blocks.add_(residual.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0))
         total = blocks[..., :rows, :cols]
         for i, j in ((1, 0), (0, 1)):  # hi x lo and lo x hi, where those parts exist
             if i < a_parts and j < b_parts:
@@ -150,4 +164,4 @@ def gemm_for(activation: torch.dtype, device: torch.device) -> Gemm:
     choice = capabilities(device).half_choice(activation)
     if choice is None or not choice.use:
         return FP32
-    return Gemm(activation, choice.fp32_output, choice.min_rows, choice.max_work)
+    return Gemm(activation, choice.fp32_output, choice.min_rows, choice.max_work, choice.native)

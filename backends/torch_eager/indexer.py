@@ -2,7 +2,10 @@
 per token I[t, s] = sum_j w[t, j] * ReLU(q[t, j] . k[s]) over the visible keys (the logits), then top-k.
 
 The scores are computed tile by tile: a tile of tokens against a chunk of key positions, with the head
-reduction done inside the tile, so the [T, HI, S] product never exists (only [tokens, HI, chunk]).
+reduction done inside the tile, so the [T, HI, S] product never exists (only [tokens, HI, chunk]). Where the GEMM
+path is glm5_hal.native's (bf16 on a CPU with AVX-512 BF16) and the cache holds bf16 rows, one native kernel does a
+token tile's products, ReLU and head reduction with the keys read in place from the cache (same fp32 arithmetic,
+no gathered copy and no [tokens, HI, chunk] intermediate).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from backends.torch_eager.paged import gather_rows
 from backends.torch_eager.primitives import COMPUTE_DTYPE, layer_norm, linear, rope_leading, rows_per_tile
 from backends.torch_eager.quantized_cache import row_reader, write_rows
 from glm5_hal.kv_formats import AUTO
+from glm5_hal.native import indexer_scores as native_scores
 from glm5_hal.paged import token_positions, token_sequences
 from glm5_hal.topk import topk_lower_position_ties
 
@@ -79,6 +83,14 @@ class _ScoringBatch:
         self.gemm = gemm_for(q_idx.dtype, q_idx.device)  # q . k products; the head reduction stays fp32
         # Keys reach the q . k GEMM in its operand dtype, decoded first where the cache holds a quantized format.
         self.read_rows = row_reader(kv_cache_dtype, self.gemm.operand)
+        # One native kernel for products, ReLU and head reduction: bf16 queries and a bf16 cache on the native path.
+        self.fused = (
+            self.gemm.native
+            and kv_cache_dtype == AUTO
+            and index_k_cache.dtype == q_idx.dtype == torch.bfloat16
+            and index_k_cache.stride(-1) == 1  # the kernel reads rows contiguous in DI (others gather, as before)
+            and native_scores.availability()[0]
+        )
         self.q = q_idx  # converted per tile, so a bf16 batch never exists whole in fp32
         self.weights = weights.to(COMPUTE_DTYPE)  # [T, HI]
         self.cache = index_k_cache  # [num_blocks, block_size, DI]
@@ -101,10 +113,16 @@ class _ScoringBatch:
     def row_logits(self, start: int, out: Tensor) -> None:
         """Fill out [tile, width] fp32 with the logits of tokens start : start + tile (-inf where not visible)."""
         tokens = slice(start, start + out.shape[0])
-        q = self.q[tokens].to(self.gemm.operand)  # [t, HI, DI]
-        head_weights = self.weights[tokens].unsqueeze(1)  # [t, 1, HI]
         seqs, positions = self.seqs[tokens], self.positions[tokens]
         last_block = self.cache.shape[0] - 1
+        if self.fused:
+            # Table entries past a sequence's blocks may hold anything: clamped, and past positions[t] anyway.
+            tables = self.block_table[seqs].clamp(0, last_block)
+            limits = positions + 1  # key positions <= the token's own are visible
+            native_scores.scores(self.q[tokens], self.weights[tokens], self.cache, tables, limits, self.width, out=out)
+            return
+        q = self.q[tokens].to(self.gemm.operand)  # [t, HI, DI]
+        head_weights = self.weights[tokens].unsqueeze(1)  # [t, 1, HI]
         for first_block in range(0, self.block_table.shape[1], self.blocks_per_chunk):
             # Table entries past a sequence's blocks may hold anything: clamp them; their keys are masked below.
             block_ids = self.block_table[seqs, first_block : first_block + self.blocks_per_chunk].long()  # [t, nb]

@@ -2,7 +2,9 @@
 attends over them: [gather -> scores [tile, H, topk] -> masked softmax -> @ V].
 
 Tokens are processed in tiles sized to bound the working set; no tensor ever spans the whole context, only the
-topk selected rows of each token.
+topk selected rows of each token. Where the GEMM path is glm5_hal.native's (bf16 on a CPU with AVX-512 BF16) and the
+cache holds bf16 rows, the two products are native kernels that read the selected rows in place (no gather, no
+copy of V) with the same fp32 arithmetic; the softmax between them is the same torch code.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from backends.torch_eager.primitives import COMPUTE_DTYPE, rows_per_tile
 from backends.torch_eager.quantized_cache import row_reader
 from glm5_hal.host_reads import host_reads_allowed
 from glm5_hal.kv_formats import AUTO
+from glm5_hal.native import sparse_attention as native_attention
 from glm5_hal.paged import key_slots, token_sequences
 
 
@@ -51,12 +54,26 @@ def sparse_flash_attention(
 
     out = torch.empty(num_tokens, num_heads, d_v, dtype=q.dtype, device=q.device)
     lse = torch.empty(num_tokens, num_heads, dtype=COMPUTE_DTYPE, device=q.device)
+    native = (
+        gemm.native
+        and kv_cache_dtype == AUTO
+        and kv_cache.dtype == q.dtype == torch.bfloat16
+        and rows.stride(1) == 1  # the kernels read rows contiguous in D (any other layout gathers, as before)
+        and native_attention.availability()[0]
+    )
     # Per token of a tile: its gathered rows (topk x D) and its scores (H x topk), in fp32.
     token_tile = rows_per_tile(topk * (width + num_heads))
     for start in range(0, num_tokens, token_tile):  # tiles of tokens bound memory; tokens are not looped
         tokens = slice(start, start + token_tile)
         idx = indices[tokens].to(torch.int64)  # [t, topk]
         valid = (idx >= 0) & (idx < key_limit[tokens, None])  # [t, topk]
+        if native:
+            # Invalid keys get slot -1: the kernels never read their rows (padding in the table, NaN in the slot).
+            slots = torch.where(valid, key_slots(block_table, seqs[tokens], idx, block_size), -1)  # [t, topk]
+            scores = native_attention.scores(q[tokens], rows, slots, sm_scale)  # [t, topk, H] fp32, -inf if invalid
+            probs, lse[tokens] = _softmax(scores, dim=1)
+            out[tokens] = native_attention.values(probs, rows, slots, d_v).to(q.dtype)  # [t, H, d_v]
+            continue
         # An invalid key's table entry may be padding (any value): read slot 0 for it instead, and zero its row
         # after decoding, so that neither its address nor its contents (NaN in an unused slot, any bytes of a
         # quantized row) can reach the output.
@@ -76,15 +93,20 @@ def sparse_flash_attention(
         scores = gemm.logits.bmm(q[tokens], kv.transpose(1, 2)).mul_(sm_scale)  # [t, H, topk] fp32
         if any_invalid:
             scores.masked_fill_(~valid[:, None, :], float("-inf"))
-        peak = scores.amax(dim=-1, keepdim=True)  # [t, H, 1]
-        # A row with no valid key has peak -inf; shifting by 0 instead keeps exp() at exactly 0 and avoids nan.
-        peak = torch.where(torch.isfinite(peak), peak, torch.zeros_like(peak))
-        probs = torch.exp(scores.sub_(peak))  # unnormalised, [t, H, topk]
-        total = probs.sum(dim=-1, keepdim=True)  # [t, H, 1]; 0 for an empty row
-        # Normalising before the value product makes that product the op's output (rounded to q's dtype right
-        # after), so a half-precision path needs no residual pass for it. Empty rows: 0 / tiny = 0 (the contract's
-        # out = 0), log(0) = -inf (the contract's lse).
-        probs.div_(total.clamp_min(torch.finfo(COMPUTE_DTYPE).tiny))
+        probs, lse[tokens] = _softmax(scores, dim=2)
         out[tokens] = gemm.bmm(probs, kv[..., :d_v], output=True).to(q.dtype)  # [t, H, d_v]
-        lse[tokens] = (peak + torch.log(total)).squeeze(-1)
     return out, lse
+
+
+def _softmax(scores: Tensor, dim: int) -> tuple[Tensor, Tensor]:
+    """(probabilities, lse) of fp32 scores over the keys' dim (-inf: not a key), in place: the probabilities are
+    normalised before the value product, which makes that product the op's output (rounded to q's dtype right after),
+    so a half-precision path needs no residual pass for it. A row without keys gives probabilities 0 (the contract's
+    out = 0) and lse -inf (log(0))."""
+    peak = scores.amax(dim=dim, keepdim=True)
+    # A row with no valid key has peak -inf; shifting by 0 instead keeps exp() at exactly 0 and avoids nan.
+    peak = torch.where(torch.isfinite(peak), peak, torch.zeros_like(peak))
+    probs = torch.exp(scores.sub_(peak))  # unnormalised
+    total = probs.sum(dim=dim, keepdim=True)  # 0 for an empty row
+    probs.div_(total.clamp_min(torch.finfo(COMPUTE_DTYPE).tiny))
+    return probs, (peak + torch.log(total)).squeeze(dim)

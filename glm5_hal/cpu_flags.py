@@ -1,0 +1,35 @@
+"""The CPU's model name and ISA flags, from /proc/cpuinfo (Linux): what the capability probe and the native kernels
+read before they use an instruction set (running an instruction the CPU lacks kills the process, it raises nothing).
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+CPUINFO = Path("/proc/cpuinfo")
+
+
+def parse_cpuinfo(cpuinfo: str) -> tuple[str, frozenset[str] | None]:
+    """(model name with its family, the ISA flags or None where the text has none) from the first processor of
+    /proc/cpuinfo's text (x86 `flags`, Arm `Features`)."""
+    fields: dict[str, str] = {}
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip().lower(), value.strip())
+    model = fields.get("model name") or fields.get("hardware") or "CPU"
+    if "cpu family" in fields:
+        model += f" (family {fields['cpu family']}, model {fields.get('model', '?')})"
+    flags = fields.get("flags", fields.get("features"))
+    return model, None if flags is None else frozenset(flags.split())
+
+
+def read_cpuinfo() -> str:
+    """/proc/cpuinfo's text, or "" where there is none (not Linux)."""
+    return CPUINFO.read_text(errors="replace") if CPUINFO.exists() else ""
+
+
+@functools.cache
+def this_cpu() -> tuple[str, frozenset[str] | None]:
+    """parse_cpuinfo of this machine, read once per process."""
+    return parse_cpuinfo(read_cpuinfo())

@@ -1,0 +1,133 @@
+/* The lightning indexer's scores straight from a paged bf16 key cache, on CPUs:
+ *
+ *   score[t][s] = sum_h w[t][h] * relu(sum_d q[t][h][d] * key_t(s)[d])     for s < limit[t], else -inf
+ *   key_t(s)    = cache[table[t][s / block_size]][s % block_size][:]       (bf16 rows, read in place)
+ *
+ * Heads are the vector lanes (q packed as [D / 2][Hp][2]: for each pair of dims, every head's two values, the
+ * layout VDPBF16PS multiplies against one broadcast pair of a key), keys the independent accumulators: a tile is
+ * KEYS keys x 32 heads. The products are exact in fp32 and every sum is an fp32 add, as in the fp32 path; relu
+ * keeps NaN (max(0, x) returns x when x is NaN), and heads past H contribute nothing, even where a key holds inf
+ * or NaN (their lanes are zeroed by mask, not multiplied by a zero weight). glm5_hal/native/indexer_scores.py has
+ * the Python side; built with and without AVX-512 BF16 like bf16_gemm.c.
+ */
+#include <math.h>
+
+#include "bf16.h"
+
+#define KEYS 8         /* keys per tile: 8 x 2 head vectors = 16 accumulators */
+#define CHUNK 256      /* key positions per chunk: a chunk's rows (64 KiB at D = 128) stay in L2 across tokens */
+#define HEAD_GROUP 32  /* heads per pass over a key: two 16-lane vectors */
+#define PREFETCH_KEYS 16 /* prefetch the rows of the tile this many keys ahead (two tiles) */
+
+static inline const uint16_t *key_row(const uint16_t *cache, long block_stride, long row_stride, long block_size,
+                                      const int32_t *table, long s) {
+    return cache + (long)table[s / block_size] * block_stride + (s % block_size) * row_stride;
+}
+
+#ifndef GLM5_PORTABLE
+#include <immintrin.h>
+
+/* Ask for a key row's cache lines ahead of use: rows come from blocks scattered over the cache, and a tile reads
+   its rows 4 bytes at a time, too slowly for the hardware prefetchers to run ahead (cold keys took 2x as long). */
+static inline void prefetch_row(const uint16_t *row, long dims) {
+    for (long d = 0; d < dims; d += 32) _mm_prefetch((const char *)(row + d), _MM_HINT_T0);
+}
+#else
+static inline void prefetch_row(const uint16_t *row, long dims) {
+    (void)row;
+    (void)dims;
+}
+#endif
+
+#ifndef GLM5_PORTABLE
+
+/* out[j] += sum over heads h0 .. h0 + heads - 1 of w[h] relu(q_h . key_j), for KEYS keys; nv: 16-lane head vectors. */
+static inline void tile(const uint16_t *keys[KEYS], const uint16_t *q, long pairs, long odd, long hp, long h0,
+                        int nv, const __mmask16 live[2], const float *w, float out[KEYS]) {
+    __m512 acc[KEYS][2];
+    for (int j = 0; j < KEYS; j++) acc[j][0] = acc[j][1] = _mm512_setzero_ps();
+    for (long p = 0; p < pairs + odd; p++) {
+        const uint16_t *qp = q + (p * hp + h0) * 2;
+        __m512bh qv0 = (__m512bh)_mm512_loadu_si512(qp);
+        __m512bh qv1 = nv > 1 ? (__m512bh)_mm512_loadu_si512(qp + 32) : qv0;
+        for (int j = 0; j < KEYS; j++) {
+            uint32_t pair;
+            if (p < pairs) {
+                memcpy(&pair, keys[j] + 2 * p, sizeof pair); /* dims 2p (low half) and 2p + 1 (high half) */
+            } else {
+                pair = keys[j][2 * p]; /* odd D: the last dim alone (q's packed partner is 0) */
+            }
+            __m512bh kv = (__m512bh)_mm512_set1_epi32((int)pair);
+            acc[j][0] = _mm512_dpbf16_ps(acc[j][0], qv0, kv);
+            if (nv > 1) acc[j][1] = _mm512_dpbf16_ps(acc[j][1], qv1, kv);
+        }
+    }
+    const __m512 zero = _mm512_setzero_ps();
+    __m512 w0 = _mm512_maskz_loadu_ps(live[0], w + h0), w1 = _mm512_maskz_loadu_ps(live[1], w + h0 + 16);
+    for (int j = 0; j < KEYS; j++) {
+        __m512 v = _mm512_maskz_mul_ps(live[0], _mm512_max_ps(zero, acc[j][0]), w0);
+        if (nv > 1) v = _mm512_add_ps(v, _mm512_maskz_mul_ps(live[1], _mm512_max_ps(zero, acc[j][1]), w1));
+        out[j] += _mm512_reduce_add_ps(v);
+    }
+}
+#else
+static inline void tile(const uint16_t *keys[KEYS], const uint16_t *q, long pairs, long odd, long hp, long h0,
+                        int nv, const unsigned live[2], const float *w, float out[KEYS]) {
+    for (int j = 0; j < KEYS; j++)
+        for (int h = h0; h < h0 + 16 * nv; h++) {
+            if (!((live[(h - h0) / 16] >> ((h - h0) % 16)) & 1u)) continue;
+            float dot = 0.0f;
+            for (long p = 0; p < pairs + odd; p++) {
+                const uint16_t *qp = q + (p * hp + h) * 2;
+                dot += bf16_to_float(qp[0]) * bf16_to_float(keys[j][2 * p]);
+                if (p < pairs) dot += bf16_to_float(qp[1]) * bf16_to_float(keys[j][2 * p + 1]);
+            }
+            out[j] += w[h] * (dot > 0.0f || dot != dot ? dot : 0.0f); /* relu that keeps NaN */
+        }
+}
+#endif
+
+/* Scores of tokens [t_begin, t_end) at key positions [s_begin, s_end): one thread's share.
+ * q: [T][pairs + odd][hp][2] bf16 (hp: H rounded up to 16, zero-padded); w: [T][hp] fp32; table: [T][table_width]
+ * int32 (each token's block table row, every entry a valid block); limit: [T] (positions >= limit get -inf);
+ * scores: [T][score_row] fp32. */
+void glm5_indexer_scores(long heads, long dims, const uint16_t *q, const float *w, const uint16_t *cache,
+                         long block_stride, long row_stride, long block_size, const int32_t *table, long table_width,
+                         const int64_t *limit, float *scores, long score_row, long t_begin, long t_end, long s_begin,
+                         long s_end) {
+    long pairs = dims / 2, odd = dims % 2, hp = (heads + 15) / 16 * 16;
+    for (long c0 = s_begin; c0 < s_end; c0 += CHUNK) {
+        long c1 = c0 + CHUNK < s_end ? c0 + CHUNK : s_end;
+        for (long t = t_begin; t < t_end; t++) {
+            const uint16_t *qt = q + t * (pairs + odd) * hp * 2;
+            const float *wt = w + t * hp;
+            const int32_t *tt = table + t * table_width;
+            float *st = scores + t * score_row;
+            long visible_end = limit[t] < c1 ? (limit[t] > c0 ? limit[t] : c0) : c1;
+            for (long s = visible_end; s < c1; s++) st[s] = -INFINITY;
+            for (long s = c0; s < visible_end; s += KEYS) {
+                int n = visible_end - s < KEYS ? (int)(visible_end - s) : KEYS;
+                const uint16_t *keys[KEYS];
+                for (int j = 0; j < KEYS; j++)
+                    keys[j] = key_row(cache, block_stride, row_stride, block_size, tt, s + (j < n ? j : 0));
+                for (long ahead = s + PREFETCH_KEYS; ahead < s + PREFETCH_KEYS + KEYS && ahead < visible_end; ahead++)
+                    prefetch_row(key_row(cache, block_stride, row_stride, block_size, tt, ahead), dims);
+                float out[KEYS] = {0};
+                for (long h0 = 0; h0 < hp; h0 += HEAD_GROUP) {
+                    int nv = hp - h0 > 16 ? 2 : 1;
+#ifndef GLM5_PORTABLE
+                    __mmask16 live[2];
+#else
+                    unsigned live[2];
+#endif
+                    for (int v = 0; v < 2; v++) {
+                        long left = heads - h0 - 16 * v;
+                        live[v] = left >= 16 ? 0xFFFFu : left > 0 ? (1u << left) - 1u : 0u;
+                    }
+                    tile(keys, qt, pairs, odd, hp, h0, nv, live, wt, out);
+                }
+                for (int j = 0; j < n; j++) st[s + j] = out[j];
+            }
+        }
+    }
+}

@@ -1,0 +1,165 @@
+"""The lightning indexer's scores from a paged bf16 key cache in one pass, on CPUs (indexer_scores.c): the q . k
+products of every head, their relu, and the weighted sum over heads, with the keys read in place from the cache
+(no gathered copy) and every sum in fp32, as in the fp32 path.
+
+    s = scores(q, weights, cache, tables, limits, width)
+    # q [T, H, D] bf16; weights [T, H] fp32; cache [num_blocks, block_size, D] bf16;
+    # tables [T, >= width / block_size] int32: each token's block table row, every entry a valid block index;
+    # limits [T] int64: key positions >= limits[t] are not visible to token t (they get -inf)
+    # s [T, width] fp32: s[t, p] = sum_h weights[t, h] * relu(q[t, h] . key(t, p)) for p < limits[t], else -inf
+
+On torch's intra-op thread count, split by tokens or by key ranges. The custom op torch.ops.glm5_hal.
+native_indexer_scores is what aten-level spies, FakeTensor and torch.compile see.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+from torch import Tensor
+
+from glm5_hal.checks import check
+from glm5_hal.native import build
+from glm5_hal.native import threads as threads_
+from glm5_hal.native.packing import HEAD_LANES, head_pairs
+
+FAST = "avx512_bf16"
+PORTABLE = "portable"
+KEY_CHUNK = 256  # CHUNK in indexer_scores.c: a thread's share of key positions is a multiple of it
+
+_C_LONG, _PTR = ctypes.c_long, ctypes.c_void_p
+_ARGTYPES = [_C_LONG, _C_LONG, _PTR, _PTR, _PTR, _C_LONG, _C_LONG, _C_LONG, _PTR, _C_LONG, _PTR, _PTR, _C_LONG]
+_ARGTYPES += [_C_LONG] * 4
+
+
+def _kernel(isa: str):
+    return build.function("indexer_scores", isa, "glm5_indexer_scores", _ARGTYPES)
+
+
+def availability(isa: str = FAST) -> tuple[bool, str]:
+    """(True, what runs) or (False, why not) for the kernel built for `isa` here (built on first use)."""
+    return build.availability("indexer_scores", isa)
+
+
+def _padded_weights(weights: Tensor) -> Tensor:
+    """weights [T, H] as [T, Hp] fp32, zero past H (Hp as in packing.head_pairs)."""
+    tokens, heads = weights.shape
+    w = weights.new_zeros(tokens, -(-heads // HEAD_LANES) * HEAD_LANES, dtype=torch.float32)
+    w[:, :heads] = weights
+    return w
+
+
+def _run(
+    q: Tensor,
+    weights: Tensor,
+    cache: Tensor,
+    tables: Tensor,
+    limits: Tensor,
+    out: Tensor,
+    isa: str,
+    threads: int | None,
+) -> Tensor:
+    tokens, heads, dims = q.shape
+    width = out.shape[1]
+    if out.numel() == 0:
+        return out
+    packed, w = head_pairs(q), _padded_weights(weights)
+    tables = tables.to(torch.int32).contiguous()
+    limits = limits.to(torch.int64).clamp(0, width).contiguous()
+    check(
+        cache.stride(-1) == 1, ValueError, lambda: f"cache: expected rows contiguous in D, got strides {cache.stride()}"
+    )
+    args = (
+        heads,
+        dims,
+        packed.data_ptr(),
+        w.data_ptr(),
+        cache.data_ptr(),
+        cache.stride(0),
+        cache.stride(1),
+        cache.shape[1],
+        tables.data_ptr(),
+        tables.stride(0),
+        limits.data_ptr(),
+        out.data_ptr(),
+        out.stride(0),
+    )
+    parts = threads_.thread_count(2 * tokens * heads * dims * width, threads)
+    if tokens >= parts:  # whole tokens per thread, else ranges of key positions
+        shares = [(t0, t1, 0, width) for t0, t1 in threads_.split(tokens, parts)]
+    else:
+        shares = [(0, tokens, s0, s1) for s0, s1 in threads_.split(width, parts, KEY_CHUNK)]
+    threads_.run_shares(_kernel(isa), args, shares)
+    return out
+
+
+def scores(
+    q: Tensor,
+    weights: Tensor,
+    cache: Tensor,
+    tables: Tensor,
+    limits: Tensor,
+    width: int,
+    *,
+    out: Tensor | None = None,
+    isa: str = FAST,
+    threads: int | None = None,
+) -> Tensor:
+    """The scores described in the module docstring, written into `out` ([T, width] fp32, rows contiguous) if
+    given. isa: the build (glm5_hal.native.build.ISAS). threads: default torch's."""
+    tokens = q.shape[0]
+    check(
+        q.dim() == 3 and q.dtype == torch.bfloat16,
+        TypeError,
+        lambda: f"q: expected [T, H, D] bf16, got {tuple(q.shape)} {q.dtype}",
+    )
+    check(
+        cache.dim() == 3 and cache.dtype == torch.bfloat16 and cache.shape[2] == q.shape[2],
+        TypeError,
+        lambda: f"cache: expected [blocks, block_size, {q.shape[2]}] bf16, got {tuple(cache.shape)} {cache.dtype}",
+    )
+    check(
+        tuple(weights.shape) == tuple(q.shape[:2]),
+        ValueError,
+        lambda: f"weights: expected {tuple(q.shape[:2])}, got {tuple(weights.shape)}",
+    )
+    check(
+        tables.dim() == 2 and tables.shape[0] == tokens and tables.shape[1] * cache.shape[1] >= width,
+        ValueError,
+        lambda: f"tables: expected [{tokens}, >= {width} / {cache.shape[1]}], got {tuple(tables.shape)}",
+    )
+    check(
+        tuple(limits.shape) == (tokens,), ValueError, lambda: f"limits: expected [{tokens}], got {tuple(limits.shape)}"
+    )
+    for name, t in (("q", q), ("weights", weights), ("cache", cache), ("tables", tables), ("limits", limits)):
+        check(t.device.type == "cpu", ValueError, lambda t=t, n=name: f"{n}: expected a CPU tensor, got {t.device}")
+    if out is None:
+        out = torch.empty(tokens, width, dtype=torch.float32)
+    check(
+        tuple(out.shape) == (tokens, width) and out.dtype == torch.float32 and (out.stride(1) == 1 or width <= 1),
+        ValueError,
+        lambda: f"out: expected [{tokens}, {width}] fp32 with contiguous rows, got {tuple(out.shape)}",
+    )
+    if isa == FAST and threads is None:
+        torch.ops.glm5_hal.native_indexer_scores(q, weights, cache, tables, limits, out)
+        return out
+    return _run(q, weights, cache, tables, limits, out, isa, threads)
+
+
+_LIBRARY = torch.library.Library("glm5_hal", "FRAGMENT")
+_LIBRARY.define(
+    "native_indexer_scores(Tensor q, Tensor weights, Tensor cache, Tensor tables, Tensor limits, Tensor(a!) out) -> ()"
+)
+
+
+def _cpu_op(q: Tensor, weights: Tensor, cache: Tensor, tables: Tensor, limits: Tensor, out: Tensor) -> None:
+    _run(q, weights, cache, tables, limits, out, FAST, None)
+
+
+_LIBRARY.impl("native_indexer_scores", _cpu_op, "CPU")
+
+
+@torch.library.register_fake("glm5_hal::native_indexer_scores")
+def _fake(q: Tensor, weights: Tensor, cache: Tensor, tables: Tensor, limits: Tensor, out: Tensor) -> None:
+    return None

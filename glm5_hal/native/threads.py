@@ -1,0 +1,49 @@
+"""Running a native kernel on torch's intra-op thread count: the kernels take a share of the work as index ranges,
+and Python threads run the shares (a ctypes call releases the GIL, so they run at once)."""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+# Below ~2 MFLOP per thread, handing a share to the pool (tens of microseconds) costs more than it saves.
+MIN_FLOPS_PER_THREAD = 1 << 21
+
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def _executor(threads: int) -> ThreadPoolExecutor:
+    global _pool
+    with _pool_lock:
+        if _pool is None or _pool._max_workers < threads:
+            _pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="glm5_hal-native")
+        return _pool
+
+
+def thread_count(flops: int, threads: int | None) -> int:
+    """How many threads a call of `flops` uses: torch's count (or `threads`), fewer where shares would be tiny."""
+    threads = torch.get_num_threads() if threads is None else threads
+    return max(1, min(threads, flops // MIN_FLOPS_PER_THREAD))
+
+
+def split(extent: int, parts: int, align: int = 1) -> list[tuple[int, int]]:
+    """[begin, end) ranges covering range(extent) in `parts` near-equal pieces whose edges are multiples of `align`
+    (the last one ends at extent); empty pieces are left out."""
+    units = math.ceil(extent / align)
+    edges = [min(extent, align * (units * i // parts)) for i in range(parts + 1)]
+    return [(edges[i], edges[i + 1]) for i in range(parts) if edges[i] < edges[i + 1]]
+
+
+def run_shares(kernel: Callable[..., None], args: Sequence[object], shares: Sequence[tuple[int, ...]]) -> None:
+    """kernel(*args, *share) for every share, on the pool where there are several. The caller keeps the tensors
+    behind `args` alive until this returns (it waits for every share)."""
+    if len(shares) == 1:
+        kernel(*args, *shares[0])
+        return
+    for done in [_executor(len(shares)).submit(kernel, *args, *share) for share in shares]:
+        done.result()

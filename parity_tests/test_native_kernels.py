@@ -1,0 +1,277 @@
+"""glm5_hal.native: the CPU kernels built on first use with the machine's C compiler.
+
+- Each kernel against a float64 computation of its own contract, on random shapes (hypothesis) that cross its
+  tile, block and vector edges, with NaN / inf, unused (-1) slots, odd widths and strided operands, for every build
+  that runs here: the AVX-512 BF16 one where the CPU has it, and the portable one (the same loops around scalar
+  arithmetic) on any CPU with a compiler, so the blocking is checked on every machine.
+- A result does not depend on how the work is split over threads (bit for bit).
+- The builder: GLM5_HAL_NATIVE=0, a CPU without the flags, a failing compiler and a missing one are reasons, never
+  crashes; the build cache is keyed by the source.
+- Bad arguments name the argument, what was expected and what came.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from glm5_hal.native import bf16_gemm, build, indexer_scores
+from glm5_hal.native import sparse_attention as native_attention
+
+ISAS = ("avx512_bf16", "portable")
+SETTINGS = settings(max_examples=30, deadline=None, derandomize=True)
+FP32_SUM = 2.0**-24  # the unit roundoff of fp32 sums: a sum of n terms is within n * FP32_SUM * sum |terms|
+
+
+def _runs(module, isa: str) -> None:
+    ok, why = module.availability(isa)
+    if not ok:
+        pytest.skip(f"{isa} build does not run here: {why}")
+
+
+def _bf16(gen: torch.Generator, *shape: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=gen).bfloat16()
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit-for-bit equality of fp32 tensors (torch.equal says NaN != NaN)."""
+    return a.shape == b.shape and torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+
+def _assert_within_fp32_sums(got: torch.Tensor, want: torch.Tensor, magnitude: torch.Tensor, terms: int) -> None:
+    """got (fp32) equals the float64 `want` up to fp32 summation of `terms` terms whose |sum| is `magnitude`;
+    NaN and infinities exactly where want has them."""
+    got = got.double()
+    assert torch.equal(got.isnan(), want.isnan())
+    finite = want.isfinite()
+    assert torch.equal(got[~finite & ~want.isnan()], want[~finite & ~want.isnan()])
+    bound = (terms + 2) * FP32_SUM * magnitude[finite] + 1e-30
+    error = (got[finite] - want[finite]).abs()
+    assert (error <= bound).all(), f"worst error {float((error / bound).max()):.3g}x the fp32 summation bound"
+
+
+# ------------------------------------------------------------------------------------------------ bf16_gemm
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@SETTINGS
+@given(
+    batch=st.integers(1, 3),
+    rows=st.integers(0, 11),
+    cols=st.integers(0, 13),
+    depth=st.sampled_from([0, 1, 31, 32, 33, 100, 1024, 1025, 2100]),
+    strided=st.booleans(),
+    special=st.booleans(),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_bf16_gemm_is_the_fp32_gemm_of_the_bf16_operands(isa, batch, rows, cols, depth, strided, special, seed):
+    _runs(bf16_gemm, isa)
+    gen = torch.Generator().manual_seed(seed)
+    a, b = _bf16(gen, batch, rows, depth), _bf16(gen, batch, cols, depth + 3 * strided)
+    b = b[..., :depth]  # strided: rows of b 3 apart wider than K
+    if special and rows and depth:
+        a[0, 0, 0] = float("nan")
+        a[-1, -1, -1] = float("inf")
+    want = torch.bmm(a.double(), b.double().mT)
+    got = bf16_gemm.bmm_nt(a, b, isa=isa, threads=1)
+    assert got.dtype == torch.float32 and got.shape == (batch, rows, cols)
+    _assert_within_fp32_sums(got, want, torch.bmm(a.double().abs(), b.double().abs().mT), depth)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_bf16_gemm_takes_transposed_and_expanded_operands_and_any_thread_count(isa):
+    _runs(bf16_gemm, isa)
+    gen = torch.Generator().manual_seed(5)
+    a = _bf16(gen, 40, 3, 2).permute(1, 2, 0)  # [3, 2, 40], K not contiguous: copied into the kernel's layout
+    b = _bf16(gen, 1, 70, 40).expand(3, 70, 40)  # batch stride 0
+    one = bf16_gemm.bmm_nt(a, b, isa=isa, threads=1)
+    assert torch.allclose(one.double(), torch.bmm(a.double(), b.double().mT), rtol=1e-5, atol=1e-5)
+    for threads in (2, 3, 7):
+        assert _same_bits(bf16_gemm.bmm_nt(a, b, isa=isa, threads=threads), one)
+        assert _same_bits(bf16_gemm.bmm_nt(a[:1], b[:1], isa=isa, threads=threads), one[:1])  # split by columns
+
+
+def test_bf16_gemm_rejects_bad_operands():
+    a = torch.zeros(2, 3, 8, dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match=r"b: expected bfloat16, got torch.float32"):
+        bf16_gemm.bmm_nt(a, torch.zeros(2, 4, 8))
+    with pytest.raises(ValueError, match=r"b: expected \[2, N, 8\] to match a \(2, 3, 8\), got \(2, 4, 7\)"):
+        bf16_gemm.bmm_nt(a, torch.zeros(2, 4, 7, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match=r"a: expected \[B, rows, K\], got shape \(3, 8\)"):
+        bf16_gemm.bmm_nt(a[0], a[0])
+
+
+# ------------------------------------------------------------------------------------------------ indexer scores
+
+
+def _indexer_want(q, weights, cache, tables, limits, width) -> tuple[torch.Tensor, torch.Tensor]:
+    """float64 scores and sum_h |w_h| sum_d |q k| over the heads with a finite dot (the magnitude the fp32 sums are
+    judged by; a head whose dot is -inf adds exactly 0 after the ReLU)."""
+    block_size = cache.shape[1]
+    positions = torch.arange(width)
+    keys = cache[tables[:, positions // block_size].long(), positions % block_size].double()  # [T, width, D]
+    dots = torch.einsum("thd,tsd->tsh", q.double(), keys)
+    scores = (weights.double()[:, None, :] * dots.clamp_min(0).where(~dots.isnan(), dots)).sum(-1)
+    per_head = torch.einsum("th,thd,tsd->tsh", weights.double().abs(), q.double().abs(), keys.abs())
+    magnitude = per_head.where(dots.isfinite(), 0.0).sum(-1)
+    visible = positions[None, :] < limits[:, None]
+    return scores.where(visible, float("-inf")), magnitude.where(visible, 0.0)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@SETTINGS
+@given(
+    tokens=st.integers(1, 3),
+    heads=st.integers(1, 40),
+    dims=st.sampled_from([1, 2, 7, 64, 128, 129]),
+    block_size=st.sampled_from([1, 4, 16]),
+    width=st.integers(0, 300),
+    special=st.booleans(),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_indexer_scores_are_the_fp32_scores_over_the_keys_in_place(
+    isa, tokens, heads, dims, block_size, width, special, seed
+):
+    _runs(indexer_scores, isa)
+    gen = torch.Generator().manual_seed(seed)
+    blocks = -(-max(width, 1) // block_size)
+    cache = _bf16(gen, blocks + 2, block_size, dims)
+    q, weights = _bf16(gen, tokens, heads, dims), torch.randn(tokens, heads, generator=gen)
+    tables = torch.randint(0, blocks + 2, (tokens, blocks), generator=gen, dtype=torch.int32)
+    limits = torch.randint(0, width + 2, (tokens,), generator=gen)
+    if special:
+        cache.view(-1, dims)[torch.randint(0, cache.shape[0] * block_size, (3,), generator=gen)] = float("nan")
+        q[0, -1, 0] = float("inf")
+    want, magnitude = _indexer_want(q, weights, cache, tables, limits, width)
+    got = indexer_scores.scores(q, weights, cache, tables, limits, width, isa=isa, threads=1)
+    _assert_within_fp32_sums(got, want, magnitude, heads * dims)
+    assert _same_bits(indexer_scores.scores(q, weights, cache, tables, limits, width, isa=isa, threads=3), got)
+
+
+def test_indexer_scores_reject_bad_arguments():
+    q, w = torch.zeros(2, 4, 8, dtype=torch.bfloat16), torch.zeros(2, 4)
+    cache = torch.zeros(3, 4, 8, dtype=torch.bfloat16)
+    tables, limits = torch.zeros(2, 2, dtype=torch.int32), torch.zeros(2, dtype=torch.int64)
+    with pytest.raises(ValueError, match=r"tables: expected \[2, >= 9 / 4\], got \(2, 2\)"):
+        indexer_scores.scores(q, w, cache, tables, limits, 9)
+    with pytest.raises(TypeError, match=r"cache: expected \[blocks, block_size, 8\] bf16"):
+        indexer_scores.scores(q, w, cache.float(), tables, limits, 8)
+    with pytest.raises(ValueError, match=r"weights: expected \(2, 4\), got \(2, 3\)"):
+        indexer_scores.scores(q, w[:, :3], cache, tables, limits, 8)
+
+
+# ------------------------------------------------------------------------------------------------ sparse attention
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@SETTINGS
+@given(
+    tokens=st.integers(1, 3),
+    heads=st.integers(1, 70),
+    dims=st.sampled_from([1, 8, 33, 576]),
+    topk=st.integers(0, 70),
+    d_v=st.sampled_from([0, 1, 17, 32, 48]),
+    invalid=st.floats(0.0, 1.0),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_sparse_attention_products_read_only_the_selected_rows(isa, tokens, heads, dims, topk, d_v, invalid, seed):
+    """Both products against float64, with unused slots (-1) and NaN in every row no valid key selects: it must
+    reach no result."""
+    _runs(native_attention, isa)
+    d_v = min(d_v, dims)
+    gen = torch.Generator().manual_seed(seed)
+    rows = _bf16(gen, 2 * topk + 4, dims)
+    slots = torch.randint(1, rows.shape[0], (tokens, topk), generator=gen)
+    slots[torch.rand(tokens, topk, generator=gen) < invalid] = -1
+    unused = torch.ones(rows.shape[0], dtype=torch.bool)
+    unused[slots[slots >= 0]] = False
+    rows[unused] = float("nan")
+    q = _bf16(gen, tokens, heads, dims)
+    selected = rows[slots.clamp_min(0)].double().where(slots[..., None] >= 0, 0.0)  # [T, topk, D]
+    want = torch.einsum("thd,tnd->tnh", q.double(), selected) * 0.125
+    want = want.where(slots[..., None] >= 0, float("-inf"))
+    magnitude = torch.einsum("thd,tnd->tnh", q.double().abs(), selected.abs()) * 0.125
+    got = native_attention.scores(q, rows, slots, 0.125, isa=isa, threads=1)
+    _assert_within_fp32_sums(got, want, magnitude, dims)
+    assert _same_bits(native_attention.scores(q, rows, slots, 0.125, isa=isa, threads=2), got)
+
+    p = torch.rand(tokens, topk, heads, generator=gen).where(slots[..., None] >= 0, 0.0)
+    want_o = torch.einsum("tnh,tnd->thd", p.double(), selected[..., :d_v])
+    got_o = native_attention.values(p, rows, slots, d_v, isa=isa, threads=1)
+    assert got_o.shape == (tokens, heads, d_v) and not got_o.isnan().any()
+    # p enters as hi + lo bf16 parts (~2^-16 of each term), then exact products summed in fp32.
+    bound = 2.0**-15 * torch.einsum("tnh,tnd->thd", p.double(), selected[..., :d_v].abs()) + 1e-30
+    assert ((got_o.double() - want_o).abs() <= bound).all()
+    assert _same_bits(native_attention.values(p, rows, slots, d_v, isa=isa, threads=2), got_o)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_sparse_attention_values_pass_nan_and_inf_probabilities_through(isa):
+    _runs(native_attention, isa)
+    rows = torch.ones(4, 32, dtype=torch.bfloat16)
+    slots = torch.tensor([[0, 1, 2]])
+    p = torch.tensor([[[0.5, float("nan")], [0.25, 0.0], [float("inf"), 0.0]]])  # [1, 3, 2]
+    got = native_attention.values(p, rows, slots, 32, isa=isa, threads=1)
+    assert got[0, 0].isinf().all() and got[0, 1].isnan().all()
+
+
+def test_sparse_attention_kernels_reject_bad_arguments():
+    q, rows = torch.zeros(2, 4, 8, dtype=torch.bfloat16), torch.zeros(5, 8, dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match=r"slots: expected \[2, 3\] int64, got \(2, 3\) torch.int32"):
+        native_attention.scores(q, rows, torch.zeros(2, 3, dtype=torch.int32), 1.0)
+    with pytest.raises(ValueError, match=r"d_v: expected 0 .. 8, got 9"):
+        native_attention.values(torch.zeros(2, 3, 4), rows, torch.zeros(2, 3, dtype=torch.int64), 9)
+    with pytest.raises(TypeError, match=r"rows: expected \[num_slots, D\] bf16 with contiguous rows"):
+        native_attention.scores(q, rows.T.contiguous().T, torch.zeros(2, 3, dtype=torch.int64), 1.0)
+
+
+# ------------------------------------------------------------------------------------------------ the builder
+
+
+@pytest.fixture
+def fresh_builds(monkeypatch: pytest.MonkeyPatch, tmp_path):
+    """Builds into an empty cache, with load()'s memory cleared before and after."""
+    monkeypatch.setenv(build.ENV_CACHE_DIR, str(tmp_path))
+    build.forget()
+    yield tmp_path
+    build.forget()
+
+
+def test_glm5_hal_native_0_is_a_reason_not_a_build(fresh_builds, monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setenv(build.ENV_NATIVE, "0")
+    assert bf16_gemm.availability("portable") == (False, "GLM5_HAL_NATIVE=0")
+    assert not list(fresh_builds.iterdir())
+
+
+def test_a_cpu_without_the_flags_is_a_reason(fresh_builds, monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setattr(build, "this_cpu", lambda: ("AVX2 EPYC", frozenset({"avx2", "fma"})))
+    ok, why = indexer_scores.availability("avx512_bf16")
+    assert not ok and "needs CPU flags avx512f, avx512bw, avx512vl, avx512_bf16" in why
+
+
+def test_a_failing_or_missing_compiler_is_a_reason_asked_once(fresh_builds, monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setenv("CC", "false")  # a compiler that exits 1
+    calls = []
+    real_run = build.subprocess.run
+    monkeypatch.setattr(build.subprocess, "run", lambda *a, **k: calls.append(a) or real_run(*a, **k))
+    for _ in range(2):
+        ok, why = bf16_gemm.availability("portable")
+        assert not ok and why.startswith("false failed to build bf16_gemm_portable (exit 1)")
+    assert len(calls) == 1  # the failure is remembered for the process
+    build.forget()
+    monkeypatch.setattr(build.shutil, "which", lambda name: None)
+    assert bf16_gemm.availability("portable") == (False, "no C compiler (set CC, or install gcc / clang)")
+
+
+def test_builds_are_cached_by_source(fresh_builds):
+    ok, why = bf16_gemm.availability("portable")
+    if not ok:
+        pytest.skip(f"no portable build here: {why}")
+    (library,) = fresh_builds.glob("bf16_gemm_portable-*.so")
+    build.forget()
+    assert bf16_gemm.availability("portable")[0]
+    assert list(fresh_builds.glob("bf16_gemm_portable-*.so")) == [library]  # reused, not rebuilt
+    with pytest.raises(ValueError, match=r"native kernel: expected one of .* got 'nope', 'portable'"):
+        build.load("nope", "portable")
