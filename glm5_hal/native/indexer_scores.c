@@ -24,6 +24,19 @@ static inline const uint16_t *key_row(const uint16_t *cache, long block_stride, 
     return cache + (long)table[s / block_size] * block_stride + (s % block_size) * row_stride;
 }
 
+/* The rows of keys s .. s + n - 1 (rows past n repeat row s). A tile of KEYS keys usually lies in one block: then
+   one division finds the block and the rows follow it (a division per key cost a quarter of a tile's time). */
+static inline void tile_rows(const uint16_t *cache, long block_stride, long row_stride, long block_size,
+                             const int32_t *table, long s, int n, const uint16_t *rows[KEYS]) {
+    long offset = s % block_size;
+    if (offset + n <= block_size) {
+        const uint16_t *first = cache + (long)table[s / block_size] * block_stride + offset * row_stride;
+        for (int j = 0; j < KEYS; j++) rows[j] = first + (j < n ? j : 0) * row_stride;
+        return;
+    }
+    for (int j = 0; j < KEYS; j++) rows[j] = key_row(cache, block_stride, row_stride, block_size, table, s + (j < n ? j : 0));
+}
+
 #ifndef GLM5_PORTABLE
 #include <immintrin.h>
 
@@ -108,8 +121,7 @@ void glm5_indexer_scores(long heads, long dims, const uint16_t *q, const float *
             for (long s = c0; s < visible_end; s += KEYS) {
                 int n = visible_end - s < KEYS ? (int)(visible_end - s) : KEYS;
                 const uint16_t *keys[KEYS];
-                for (int j = 0; j < KEYS; j++)
-                    keys[j] = key_row(cache, block_stride, row_stride, block_size, tt, s + (j < n ? j : 0));
+                tile_rows(cache, block_stride, row_stride, block_size, tt, s, n, keys);
                 for (long ahead = s + PREFETCH_KEYS; ahead < s + PREFETCH_KEYS + KEYS && ahead < visible_end; ahead++)
                     prefetch_row(key_row(cache, block_stride, row_stride, block_size, tt, ahead), dims);
                 float out[KEYS] = {0};

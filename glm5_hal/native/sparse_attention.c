@@ -14,7 +14,7 @@
 
 #include "bf16.h"
 
-#define KEYS 4        /* scores: keys per tile (x 4 head vectors = 16 accumulators) */
+#define KEYS 6        /* scores: keys per tile (x 4 head vectors = 24 accumulators) */
 #define HEAD_GROUP 64 /* scores: heads per pass over a key */
 #define VALUE_HEADS 8 /* values: heads per tile (P and O are padded to a multiple of it) */
 #define VALUE_DIMS 32 /* values: dims per tile (two 16-lane vectors) */
@@ -66,19 +66,35 @@ static inline void key_pairs(const uint16_t *row0, const uint16_t *row1, int ful
     *high = (__m512bh)_mm512_unpackhi_epi16(a, b);
 }
 
-/* acc[i][0 / 1] += P[k][h0 + i] * row_k[d0 ..] for the valid keys, P as hi + lo bf16 parts packed in key pairs:
-   pp[pair][h][part][2] (part 0: hi, 1: lo), so one broadcast dword is (P[k], P[k + 1]) of one part. */
-static inline void value_steps(const uint16_t *const *rows, long n_valid, const uint16_t *pp, long hp, long h0,
-                               long d0, int full, __mmask32 mask, __m512 acc[][2]) {
+/* The selected rows' slice d0 .. d0 + 31 as key pairs, one after another: vp[pair] = (low, high) of key_pairs,
+   64 bf16. Read from the scattered rows once per slice; every head block then streams it from L2. */
+static void pack_slice(const uint16_t *const *rows, long n_valid, long d0, long dv, uint16_t *vp) {
+    long left = dv - d0;
+    __mmask32 mask = left >= 32 ? 0xFFFFFFFFu : (__mmask32)((1u << left) - 1u);
     for (long k = 0; k < n_valid; k += 2) {
-        const uint16_t *second = k + 1 < n_valid ? rows[k + 1] + d0 : 0;
         if (k + PREFETCH_KEYS + 1 < n_valid) {
             prefetch(rows[k + PREFETCH_KEYS] + d0, VALUE_DIMS);
             prefetch(rows[k + PREFETCH_KEYS + 1] + d0, VALUE_DIMS);
         }
         __m512bh low, high;
-        key_pairs(rows[k] + d0, second, full, mask, &low, &high);
-        const uint32_t *weights = (const uint32_t *)(pp + ((k / 2) * hp + h0) * 4);
+        key_pairs(rows[k] + d0, k + 1 < n_valid ? rows[k + 1] + d0 : 0, left >= 32, mask, &low, &high);
+        _mm512_storeu_si512(vp + (k / 2) * 64, (__m512i)low);
+        _mm512_storeu_si512(vp + (k / 2) * 64 + 32, (__m512i)high);
+    }
+}
+
+/* O[h0 + i][d0 .. d0 + 31] = sum over the valid keys of P[k][h0 + i] * row_k[d0 ..], from the packed slice vp and
+   P as hi + lo bf16 parts packed in key pairs: pp[pair][h][part][2] (part 0: hi, 1: lo), so one broadcast dword is
+   (P[k], P[k + 1]) of one part. */
+static void value_tile(const uint16_t *const *rows, const uint16_t *vp, long n_valid, const uint16_t *pp, long hp,
+                       long h0, long d0, long dv, float *o, long o_head) {
+    (void)rows;
+    __m512 acc[VALUE_HEADS][2];
+    for (int i = 0; i < VALUE_HEADS; i++) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+    for (long pair = 0; pair < (n_valid + 1) / 2; pair++) {
+        __m512bh low = (__m512bh)_mm512_loadu_si512(vp + pair * 64);
+        __m512bh high = (__m512bh)_mm512_loadu_si512(vp + pair * 64 + 32);
+        const uint32_t *weights = (const uint32_t *)(pp + (pair * hp + h0) * 4);
         for (int i = 0; i < VALUE_HEADS; i++)
             for (int part = 0; part < 2; part++) {
                 __m512bh w = (__m512bh)_mm512_set1_epi32((int)weights[2 * i + part]);
@@ -86,18 +102,8 @@ static inline void value_steps(const uint16_t *const *rows, long n_valid, const 
                 acc[i][1] = _mm512_dpbf16_ps(acc[i][1], w, high);
             }
     }
-}
-
-static void value_tile(const uint16_t *const *rows, long n_valid, const uint16_t *pp, long hp, long h0, long d0,
-                       long dv, float *o, long o_head) {
-    __m512 acc[VALUE_HEADS][2];
-    for (int i = 0; i < VALUE_HEADS; i++) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
     long left = dv - d0;
     __mmask32 mask = left >= 32 ? 0xFFFFFFFFu : (__mmask32)((1u << left) - 1u);
-    if (left >= 32) /* two copies of the loop, each with its loads fixed */
-        value_steps(rows, n_valid, pp, hp, h0, d0, 1, mask, acc);
-    else
-        value_steps(rows, n_valid, pp, hp, h0, d0, 0, mask, acc);
     const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
     const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
     for (int i = 0; i < VALUE_HEADS; i++) {
@@ -131,8 +137,13 @@ static void score_tile(const uint16_t *keys[KEYS], int n_keys, const uint16_t *q
         }
 }
 
-static void value_tile(const uint16_t *const *rows, long n_valid, const uint16_t *pp, long hp, long h0, long d0,
-                       long dv, float *o, long o_head) {
+static void pack_slice(const uint16_t *const *rows, long n_valid, long d0, long dv, uint16_t *vp) {
+    (void)rows, (void)n_valid, (void)d0, (void)dv, (void)vp; /* the scalar tile reads the rows themselves */
+}
+
+static void value_tile(const uint16_t *const *rows, const uint16_t *vp, long n_valid, const uint16_t *pp, long hp,
+                       long h0, long d0, long dv, float *o, long o_head) {
+    (void)vp;
     for (int i = 0; i < VALUE_HEADS; i++)
         for (long d = d0; d < d0 + VALUE_DIMS && d < dv; d++) {
             float sum = 0.0f;
@@ -168,7 +179,7 @@ void glm5_sparse_scores(long heads, long dims, long topk, const uint16_t *q, con
                 if (st[n0 + j] >= 0) some_row = rows + st[n0 + j] * row_stride;
             for (int j = 0; j < KEYS; j++) /* an invalid key reads a valid key's row; its scores are -inf below */
                 keys[j] = j < n_keys && st[n0 + j] >= 0 ? rows + st[n0 + j] * row_stride : some_row;
-            for (long ahead = n0 + PREFETCH_KEYS; ahead < n0 + PREFETCH_KEYS + KEYS && ahead < topk; ahead++)
+            for (long ahead = n0 + 2 * KEYS; ahead < n0 + 3 * KEYS && ahead < topk; ahead++) /* two tiles ahead */
                 if (st[ahead] >= 0) prefetch(rows + st[ahead] * row_stride, dims);
             if (some_row) {
                 for (long h0 = 0; h0 < hp; h0 += HEAD_GROUP) {
@@ -202,9 +213,11 @@ int glm5_sparse_values(long heads, long dv, long topk, const float *p, long p_to
     long hp = (heads + VALUE_HEADS - 1) / VALUE_HEADS * VALUE_HEADS, pairs = (topk + 1) / 2;
     const uint16_t **valid_rows = malloc(sizeof *valid_rows * (topk > 0 ? topk : 1));
     uint16_t *pp = malloc(sizeof *pp * (pairs > 0 ? pairs : 1) * hp * 4);
-    if (!valid_rows || !pp) {
+    uint16_t *vp = malloc(sizeof *vp * (pairs > 0 ? pairs : 1) * 2 * VALUE_DIMS);
+    if (!valid_rows || !pp || !vp) {
         free(valid_rows);
         free(pp);
+        free(vp);
         return -1;
     }
     for (long t = t_begin; t < t_end; t++) {
@@ -226,13 +239,16 @@ int glm5_sparse_values(long heads, long dv, long topk, const float *p, long p_to
         }
         if (n_valid % 2) /* the last key's partner: zero weights (its row is never read) */
             for (long h = 0; h < hp; h++) pp[(n_valid / 2) * hp * 4 + h * 4 + 1] = pp[(n_valid / 2) * hp * 4 + h * 4 + 3] = 0;
-        /* Heads outer: a head block's packed probabilities (64 KiB at topk 2048) stay in L1 / L2 for every dim slice
-           (measured faster than dims outer, which keeps a dim slice of the rows in L2 instead). */
-        for (long h0 = 0; h0 < hp; h0 += VALUE_HEADS)
-            for (long d0 = 0; d0 < dv; d0 += VALUE_DIMS)
-                value_tile(valid_rows, n_valid, pp, hp, h0, d0, dv, o + t * o_token, o_head);
+        /* Dims outer: each 32-dim slice of the selected rows is gathered and paired once (128 KiB at topk 2048, in
+           L2), then every head block streams it. */
+        for (long d0 = 0; d0 < dv; d0 += VALUE_DIMS) {
+            pack_slice(valid_rows, n_valid, d0, dv, vp);
+            for (long h0 = 0; h0 < hp; h0 += VALUE_HEADS)
+                value_tile(valid_rows, vp, n_valid, pp, hp, h0, d0, dv, o + t * o_token, o_head);
+        }
     }
     free(valid_rows);
     free(pp);
+    free(vp);
     return 0;
 }

@@ -13,16 +13,17 @@ import torch
 # Below ~2 MFLOP per thread, handing a share to the pool (tens of microseconds) costs more than it saves.
 MIN_FLOPS_PER_THREAD = 1 << 21
 
-_pool: ThreadPoolExecutor | None = None
+_pool: tuple[ThreadPoolExecutor, int] | None = None  # the pool and its size
 _pool_lock = threading.Lock()
 
 
 def _executor(threads: int) -> ThreadPoolExecutor:
+    """A pool of at least `threads` workers (grown, never shrunk: torch's thread count can change at run time)."""
     global _pool
     with _pool_lock:
-        if _pool is None or _pool._max_workers < threads:
-            _pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="glm5_hal-native")
-        return _pool
+        if _pool is None or _pool[1] < threads:
+            _pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="glm5_hal-native"), threads
+        return _pool[0]
 
 
 def thread_count(flops: int, threads: int | None) -> int:
