@@ -81,10 +81,12 @@ class _GemmSpy(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.operands: list[tuple[torch.dtype, ...]] = []
+        self.functions: list[object] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func in GEMM_OPS:
             self.operands.append(tuple(a.dtype for a in args if isinstance(a, torch.Tensor)))
+            self.functions.append(func)
         return func(*args, **(kwargs or {}))
 
 
@@ -266,6 +268,31 @@ def test_products_past_max_work_take_the_fp32_gemm() -> None:
             gemm.bmm(x[None], w.T[None], output=output)
         assert _operand_dtypes(spy) == want, (x.dtype, output)
     assert Gemm(torch.bfloat16, fp32_output=True, max_work=3.0).takes_half(x, w, 4, output=False)  # 2 parts, 1 pass
+
+
+def test_the_native_gemm_takes_bf16_column_operands_and_fp32_rows_only() -> None:
+    """On the native path (max_work 2.75, as measured here): bf16 x bf16 and an fp32 `a` (few rows, split cheaply)
+    take the native kernel; an fp32 `b` (cache rows, split at a cost above the kernel's) takes the residual rule, so
+    here the fp32 GEMM (2 parts x 2 passes); an op's output takes torch's bf16 GEMM."""
+    if not bf16_gemm.availability()[0]:
+        pytest.skip(f"no native kernel here: {bf16_gemm.availability()[1]}")
+    gemm = Gemm(torch.bfloat16, fp32_output=True, max_work=2.75, native=True)
+    native = torch.ops.glm5_hal.native_bf16_bmm_nt.default
+    w = torch.randn(16, 32).bfloat16()
+    for a, b, output, want in (
+        (torch.randn(2, 4, 32).bfloat16(), w.T.expand(2, 32, 16), False, native),
+        (torch.randn(2, 4, 32), w.T.expand(2, 32, 16), False, native),
+        (torch.randn(2, 4, 32).bfloat16(), torch.randn(2, 32, 16), False, torch.ops.aten.bmm.default),
+        (torch.randn(2, 4, 32).bfloat16(), w.T.expand(2, 32, 16), True, torch.ops.aten.bmm.default),
+    ):
+        with _GemmSpy() as spy:
+            got = gemm.bmm(a, b, output=output)
+        assert spy.functions == [want], (a.dtype, b.dtype, output)
+        fp32_b = b.dtype == torch.float32
+        assert (spy.operands[0] == (torch.float32, torch.float32)) == fp32_b  # the fp32 GEMM, as before native
+        want_product = a.double() @ b.double()
+        rel = float((got.double() - want_product).norm() / want_product.norm())
+        assert rel <= (2.0**-8 if output else 2.0**-14), rel  # hi + lo carries ~2^-16 of an fp32 operand
 
 
 def test_half_gemm_passes_nan_and_inf_through() -> None:

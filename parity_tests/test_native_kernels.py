@@ -12,6 +12,8 @@
 
 from __future__ import annotations
 
+import multiprocessing
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -275,3 +277,25 @@ def test_builds_are_cached_by_source(fresh_builds):
     assert list(fresh_builds.glob("bf16_gemm_portable-*.so")) == [library]  # reused, not rebuilt
     with pytest.raises(ValueError, match=r"native kernel: expected one of .* got 'nope', 'portable'"):
         build.load("nope", "portable")
+
+
+def _product_in_child(queue) -> None:
+    a = torch.ones(1, 128, 256, dtype=torch.bfloat16)
+    queue.put(float(bf16_gemm.bmm_nt(a, a, isa="portable", threads=2).sum()))
+
+
+def test_a_forked_child_gets_its_own_thread_pool():
+    """The parent's pool object survives a fork but its threads do not: a child that splits a call over threads
+    must make its own pool, not wait forever on the parent's."""
+    _runs(bf16_gemm, "portable")
+    a = torch.ones(1, 128, 256, dtype=torch.bfloat16)
+    bf16_gemm.bmm_nt(a, a, isa="portable", threads=2)  # the parent's pool exists now
+    context = multiprocessing.get_context("fork")
+    queue = context.Queue()
+    child = context.Process(target=_product_in_child, args=(queue,))
+    child.start()
+    child.join(timeout=60)
+    if child.is_alive():
+        child.kill()
+        pytest.fail("the forked child's threaded product did not finish in 60 s")
+    assert child.exitcode == 0 and queue.get(timeout=5) == 128 * 128 * 256

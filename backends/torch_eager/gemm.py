@@ -94,13 +94,23 @@ class Gemm:
         """The path for products that feed a softmax: this one (its results are fp32-accurate either way)."""
         return self
 
+    def takes_native(self, b: Tensor, output: bool) -> bool:
+        """Whether a product with column operand b runs on glm5_hal.native's kernel: not where it is the op's output
+        (torch's rounded GEMM is enough, and faster where arithmetic sets the time), and not where b is an fp32
+        operand: b is the weight-like one (a weight, the cache rows), and splitting it into parts with torch ops
+        costs more per element (~0.9 ns on this project's CPU) than the kernel spends on it at these row counts.
+        An fp32 `a` (activations: few rows) is split cheaply."""
+        return self.native and not output and b.dtype == self.operand
+
     def takes_half(self, a: Tensor, b: Tensor, rows: int, output: bool) -> bool:
         """Whether a product of a and b (any float dtypes) with `rows` rows runs on the half-precision path."""
         if not self.half or rows < self.min_rows:
             return False
         parts = (1 if a.dtype == self.operand else 2) * (1 if b.dtype == self.operand else 2)
-        passes = 1 if self.fp32_output or output else 2
-        return parts * passes <= self.max_work
+        # One pass where the GEMM returns fp32 (torch's out_dtype, or the native kernel where it takes the product),
+        # or where the result is the op's output; else the residual's second pass.
+        one_pass = output or (self.fp32_output and (not self.native or self.takes_native(b, output)))
+        return parts * (1 if one_pass else 2) <= self.max_work
 
     def _product(self, a: Tensor, b: Tensor, matmul, matmul_add, output: bool) -> Tensor:
         """a [..., M, K] @ b [..., K, N] in fp32: sum over the parts of a and b of a_i @ b_j (lo x lo left out: below
@@ -108,13 +118,13 @@ class Gemm:
         weight once: one GEMM, plus the residual GEMM where the result comes back rounded."""
         rows, cols = a.shape[-2], b.shape[-1]
         stacked_a, a_parts = _stacked_parts(a, self.operand, -2)  # a's parts along rows
-        if self.native and not output:
-            # b's parts along its columns, i.e. along the rows of b^T: the K-contiguous [N, K] the kernel reads.
-            stacked_bt, b_parts = _stacked_parts(b.mT, self.operand, -2)
+        if self.takes_native(b, output):
+            # b is in the operand dtype here (takes_native): one part; b^T is the [N, K] the kernel reads.
+            b_parts = 1
             if stacked_a.dim() == 2:
-                blocks = bf16_gemm.bmm_nt(stacked_a[None], stacked_bt[None])[0]
+                blocks = bf16_gemm.bmm_nt(stacked_a[None], b.mT[None])[0]
             else:
-                blocks = bf16_gemm.bmm_nt(stacked_a, stacked_bt)
+                blocks = bf16_gemm.bmm_nt(stacked_a, b.mT)
         else:
             stacked_b, b_parts = _stacked_parts(b, self.operand, -1)  # b's along columns
             if self.fp32_output and not self.native:

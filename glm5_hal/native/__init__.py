@@ -1,3 +1,11 @@
-"""Native CPU kernels for what torch's CPU kernels lack, built on first use with the machine's C compiler (build.py)
-and used only where glm5_hal.capabilities finds that they run, are exact and are faster (GLM5_HAL_NATIVE=0 turns
-them off). One module per kernel: bf16_gemm (bf16 x bf16 -> fp32 GEMM)."""
+"""Native CPU kernels for what torch's CPU kernels lack, built on first use with the machine's C compiler
+(build.py) and used only where glm5_hal.capabilities chose glm5_hal's native path (the CPU has the instructions, the
+GEMM is exact and faster there; GLM5_HAL_NATIVE=0 turns them off).
+
+One module per kernel, each a C source beside it and a Python wrapper that checks its arguments:
+- bf16_gemm: bf16 x bf16 -> fp32 GEMM (what backends/torch_eager/gemm.py takes for products that must stay fp32);
+- indexer_scores: the lightning indexer's scores from the paged key cache, keys read in place;
+- sparse_attention: sparse attention's scores and value product, the selected rows read in place.
+Shared: build (compile, cache, load), threads (splitting a call over torch's thread count), packing (operand
+layouts), bf16.h (C helpers).
+"""

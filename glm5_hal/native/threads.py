@@ -4,6 +4,7 @@ and Python threads run the shares (a ctypes call releases the GIL, so they run a
 from __future__ import annotations
 
 import math
+import os
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -13,16 +14,18 @@ import torch
 # Below ~2 MFLOP per thread, handing a share to the pool (tens of microseconds) costs more than it saves.
 MIN_FLOPS_PER_THREAD = 1 << 21
 
-_pool: tuple[ThreadPoolExecutor, int] | None = None  # the pool and its size
+_pool: tuple[ThreadPoolExecutor, int, int] | None = None  # the pool, its size, the process that made it
 _pool_lock = threading.Lock()
 
 
 def _executor(threads: int) -> ThreadPoolExecutor:
-    """A pool of at least `threads` workers (grown, never shrunk: torch's thread count can change at run time)."""
+    """A pool of at least `threads` workers (grown, never shrunk: torch's thread count can change at run time). A
+    forked child makes its own: the parent's pool object survives a fork, its threads do not, and work handed to it
+    would never run."""
     global _pool
     with _pool_lock:
-        if _pool is None or _pool[1] < threads:
-            _pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="glm5_hal-native"), threads
+        if _pool is None or _pool[1] < threads or _pool[2] != os.getpid():
+            _pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="glm5_hal-native"), threads, os.getpid()
         return _pool[0]
 
 
