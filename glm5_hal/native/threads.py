@@ -44,10 +44,14 @@ def split(extent: int, parts: int, align: int = 1) -> list[tuple[int, int]]:
 
 
 def run_shares(kernel: Callable[..., None], args: Sequence[object], shares: Sequence[tuple[int, ...]]) -> None:
-    """kernel(*args, *share) for every share, on the pool where there are several. The caller keeps the tensors
-    behind `args` alive until this returns (it waits for every share)."""
-    if len(shares) == 1:
-        kernel(*args, *shares[0])
-        return
-    for done in [_executor(len(shares)).submit(kernel, *args, *share) for share in shares]:
-        done.result()
+    """kernel(*args, *share) for every share: the first on the calling thread, the others on the pool. The caller
+    keeps the tensors behind `args` alive until this returns (it waits for every share, even when one raises)."""
+    first, *rest = shares
+    # The calling thread runs the first share itself: one hand-off fewer, and one thread fewer competing for the
+    # cores with torch's own workers.
+    pending = [_executor(len(rest)).submit(kernel, *args, *share) for share in rest] if rest else []
+    try:
+        kernel(*args, *first)
+    finally:
+        for done in pending:
+            done.result()
