@@ -160,6 +160,9 @@ def test_indexer_scores_reject_bad_arguments():
         indexer_scores.scores(q, w, cache, tables, limits, 9)
     with pytest.raises(TypeError, match=r"cache: expected \[blocks, block_size, 8\] bf16"):
         indexer_scores.scores(q, w, cache.float(), tables, limits, 8)
+    strided = torch.zeros(3, 4, 16, dtype=torch.bfloat16)[..., ::2]
+    with pytest.raises(ValueError, match=r"cache: expected rows contiguous in D, got strides \(64, 16, 2\)"):
+        indexer_scores.scores(q, w, strided, tables, limits, 8)
     with pytest.raises(ValueError, match=r"weights: expected \(2, 4\), got \(2, 3\)"):
         indexer_scores.scores(q, w[:, :3], cache, tables, limits, 8)
 

@@ -12,7 +12,7 @@
  */
 #include <math.h>
 
-#include "bf16.h"
+#include "head_pairs.h"
 
 #define KEYS 8         /* keys per tile: 8 x 2 head vectors = 16 accumulators */
 #define CHUNK 256      /* key positions per chunk: a chunk's rows (64 KiB at D = 128) stay in L2 across tokens */
@@ -38,21 +38,6 @@ static inline void tile_rows(const uint16_t *cache, long block_stride, long row_
 }
 
 #ifndef GLM5_PORTABLE
-#include <immintrin.h>
-
-/* Ask for a key row's cache lines ahead of use: rows come from blocks scattered over the cache, and a tile reads
-   its rows 4 bytes at a time, too slowly for the hardware prefetchers to run ahead (cold keys took 2x as long). */
-static inline void prefetch_row(const uint16_t *row, long dims) {
-    for (long d = 0; d < dims; d += 32) _mm_prefetch((const char *)(row + d), _MM_HINT_T0);
-}
-#else
-static inline void prefetch_row(const uint16_t *row, long dims) {
-    (void)row;
-    (void)dims;
-}
-#endif
-
-#ifndef GLM5_PORTABLE
 
 /* out[j] += sum over heads h0 .. h0 + heads - 1 of w[h] relu(q_h . key_j), for KEYS keys; nv: 16-lane head vectors. */
 static inline void tile(const uint16_t *keys[KEYS], const uint16_t *q, long pairs, long odd, long hp, long h0,
@@ -64,7 +49,8 @@ static inline void tile(const uint16_t *keys[KEYS], const uint16_t *q, long pair
         __m512bh qv0 = (__m512bh)_mm512_loadu_si512(qp);
         __m512bh qv1 = nv > 1 ? (__m512bh)_mm512_loadu_si512(qp + 32) : qv0;
         for (int j = 0; j < KEYS; j++) {
-            uint32_t pair;
+            uint32_t pair; /* the pair's VDPBF16PS partner: written out here, not in head_pairs.h (gcc then keeps
+                              the odd-D test out of this loop; through a helper the tile took 1.3x as long) */
             if (p < pairs) {
                 memcpy(&pair, keys[j] + 2 * p, sizeof pair); /* dims 2p (low half) and 2p + 1 (high half) */
             } else {
@@ -89,12 +75,7 @@ static inline void tile(const uint16_t *keys[KEYS], const uint16_t *q, long pair
     for (int j = 0; j < KEYS; j++)
         for (int h = h0; h < h0 + 16 * nv; h++) {
             if (!((live[(h - h0) / 16] >> ((h - h0) % 16)) & 1u)) continue;
-            float dot = 0.0f;
-            for (long p = 0; p < pairs + odd; p++) {
-                const uint16_t *qp = q + (p * hp + h) * 2;
-                dot += bf16_to_float(qp[0]) * bf16_to_float(keys[j][2 * p]);
-                if (p < pairs) dot += bf16_to_float(qp[1]) * bf16_to_float(keys[j][2 * p + 1]);
-            }
+            float dot = head_dot(q, pairs, odd, hp, h, keys[j]);
             out[j] += w[h] * (dot > 0.0f || dot != dot ? dot : 0.0f); /* relu that keeps NaN */
         }
 }
@@ -123,7 +104,7 @@ void glm5_indexer_scores(long heads, long dims, const uint16_t *q, const float *
                 const uint16_t *keys[KEYS];
                 tile_rows(cache, block_stride, row_stride, block_size, tt, s, n, keys);
                 for (long ahead = s + PREFETCH_KEYS; ahead < s + PREFETCH_KEYS + KEYS && ahead < visible_end; ahead++)
-                    prefetch_row(key_row(cache, block_stride, row_stride, block_size, tt, ahead), dims);
+                    prefetch(key_row(cache, block_stride, row_stride, block_size, tt, ahead), dims);
                 float out[KEYS] = {0};
                 for (long h0 = 0; h0 < hp; h0 += HEAD_GROUP) {
                     int nv = hp - h0 > 16 ? 2 : 1;
@@ -132,10 +113,7 @@ void glm5_indexer_scores(long heads, long dims, const uint16_t *q, const float *
 #else
                     unsigned live[2];
 #endif
-                    for (int v = 0; v < 2; v++) {
-                        long left = heads - h0 - 16 * v;
-                        live[v] = left >= 16 ? 0xFFFFu : left > 0 ? (1u << left) - 1u : 0u;
-                    }
+                    for (int v = 0; v < 2; v++) live[v] = live_lanes(heads, h0 + 16 * v);
                     tile(keys, qt, pairs, odd, hp, h0, nv, live, wt, out);
                 }
                 for (int j = 0; j < n; j++) st[s + j] = out[j];

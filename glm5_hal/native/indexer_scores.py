@@ -67,9 +67,6 @@ def _run(
     packed, w = head_pairs(q), _padded_weights(weights)
     tables = tables.to(torch.int32).contiguous()
     limits = limits.to(torch.int64).clamp(0, width).contiguous()
-    check(
-        cache.stride(-1) == 1, ValueError, lambda: f"cache: expected rows contiguous in D, got strides {cache.stride()}"
-    )
     args = (
         heads,
         dims,
@@ -118,6 +115,9 @@ def scores(
         cache.dim() == 3 and cache.dtype == torch.bfloat16 and cache.shape[2] == q.shape[2],
         TypeError,
         lambda: f"cache: expected [blocks, block_size, {q.shape[2]}] bf16, got {tuple(cache.shape)} {cache.dtype}",
+    )
+    check(
+        cache.stride(-1) == 1, ValueError, lambda: f"cache: expected rows contiguous in D, got strides {cache.stride()}"
     )
     check(
         tuple(weights.shape) == tuple(q.shape[:2]),
