@@ -40,14 +40,14 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import torch
 
 from glm5_hal import int8_gemms
 from glm5_hal.checks import check
-from glm5_hal.cpu_flags import parse_cpuinfo, this_cpu
+from glm5_hal.cpu_flags import largest_cache_bytes, parse_cpuinfo, this_cpu
 from glm5_hal.native import bf16_gemm, build
 
 ENV_FAST_PATHS = "GLM5_HAL_FAST_PATHS"
@@ -65,6 +65,11 @@ PROBE_REPS = 5
 # beat the fp32 GEMM (one pass, the weight upcast in blocks): few rows are weight-bound, many compute-bound.
 ROW_STEPS = (1, 2, 4, 8, 16, 32, 64)
 ROWS_PROBE_WEIGHT = (2048, 2048)  # [N, K]: 8 MiB of bf16, past the caches, like a real projection
+# Row counts tried for where glm5-hal's native int8 GEMM (the weight read in place) beats the general int8 route on a
+# product whose weight comes from memory (decode), and that weight [N, K] (8 MiB of int8).
+STREAMING_ROWS = (1, 2, 4, 8, 16)
+STREAMING_WEIGHT = (2048, 4096)
+FLUSH_FALLBACK_BYTES = 256 * 2**20  # overwritten between timed calls where sysfs lists no cache size
 # Depth of the int8 exactness check: GLM-5's widest projection (o_proj, K = 16384).
 EXACTNESS_DEPTH = 16384
 # What a GEMM that does not exist on a device (or in this torch) raises.
@@ -232,6 +237,11 @@ class Probe(Protocol):
     def int8_speedup(self, route: int8_gemms.Int8Gemm) -> float:
         """Time of the fp32 GEMM / time of the route's accumulate, at PROBE_SHAPE (weight prepared beforehand)."""
 
+    def int8_streaming_rows(self, route: int8_gemms.Int8Gemm, general: int8_gemms.Int8Gemm) -> int:
+        """The most rows r (of STREAMING_ROWS) at which `route` is at least as fast as `general`, both at r and summed
+        over the steps up to r, on a STREAMING_WEIGHT product whose weight comes from memory (the caches overwritten
+        before each call); 0 if there is none."""
+
 
 def _synchronize(device: torch.device) -> None:
     module = getattr(torch, device.type, None) if device.type != "cpu" else None
@@ -364,6 +374,33 @@ class DeviceProbe:
         prepared = route.prepare(w)
         return self._speedup_over_fp32(lambda: route.accumulate(x, prepared))
 
+    def int8_streaming_rows(self, route: int8_gemms.Int8Gemm, general: int8_gemms.Int8Gemm) -> int:
+        n, k = STREAMING_WEIGHT
+        w = torch.randint(-128, 128, (n, k), generator=self._gen, dtype=torch.int8).to(self.device)
+        prepared = {route.name: route.prepare(w), general.name: general.prepare(w)}
+        flush_bytes = 2 * (largest_cache_bytes() or FLUSH_FALLBACK_BYTES // 2) if self.device.type == "cpu" else 0
+        flush = torch.empty(flush_bytes // 4, device=self.device)
+        totals = {route.name: 0.0, general.name: 0.0}  # sums of the best times over the steps so far
+        rows_won = 0
+        for rows in STREAMING_ROWS:
+            x = torch.randint(-128, 128, (rows, k), generator=self._gen, dtype=torch.int8).to(self.device)
+            best = {}
+            for candidate in (general, route):
+                candidate.accumulate(x, prepared[candidate.name])  # warm-up
+                best[candidate.name] = float("inf")
+            for _ in range(PROBE_REPS):  # alternating, the caches overwritten (untimed) before each call
+                for candidate in (general, route):
+                    flush.add_(1.0)
+                    call = functools.partial(candidate.accumulate, x, prepared[candidate.name])
+                    best[candidate.name] = min(best[candidate.name], self._timed(call))
+            for name in totals:
+                totals[name] += best[name]
+            # A win at this step and over all steps so far: one close, noisy step (a single row, where both kernels
+            # only stream the weight) neither decides alone nor hides the steps after it.
+            if best[route.name] <= best[general.name] and totals[route.name] <= totals[general.name]:
+                rows_won = rows
+        return rows_won
+
 
 # ------------------------------------------------------------------------------------------------ decisions
 
@@ -407,10 +444,21 @@ class Int8Choice:
 
     route: str | None
     reason: str
+    # Products of at most this many rows run glm5-hal's native kernel instead of `route` (decode: the weight is
+    # streamed from memory once and read in place); 0: none. The W4A8 kernel then also reads int4 at 4 bits.
+    native_rows: int = 0
+    native_reason: str = ""
 
     @property
     def path(self) -> str:
-        return self.route or "chunked fp32 GEMMs (exact, conservative)"
+        path = self.route or "chunked fp32 GEMMs (exact, conservative)"
+        if self.native_rows and self.route != int8_gemms.NATIVE_VNNI.name:
+            path += f"; {int8_gemms.NATIVE_VNNI.name} up to {self.native_rows} rows"
+        return path
+
+    def takes_native(self, rows: int) -> bool:
+        """Whether a product of `rows` rows runs the native kernel (glm5_hal.native.int8_gemm)."""
+        return self.route == int8_gemms.NATIVE_VNNI.name or 0 < rows <= self.native_rows
 
 
 @dataclass(frozen=True)
@@ -447,7 +495,12 @@ class Capabilities:
             "env": f"{ENV_FAST_PATHS}={os.environ.get(ENV_FAST_PATHS, '')}",
             "facts": facts,
             **{_unit(d): {"path": c.path, "used": c.use, "reason": c.reason} for d, c in self.half.items()},
-            "int8": {"path": self.int8.path, "reason": self.int8.reason},
+            "int8": {
+                "path": self.int8.path,
+                "reason": self.int8.reason,
+                "native_rows": self.int8.native_rows,
+                "native_reason": self.int8.native_reason,
+            },
             "measured_speedup_vs_fp32": self.measured,
             "summary": self.describe(),
         }
@@ -461,6 +514,8 @@ class Capabilities:
         for dtype, c in self.half.items():
             lines.append(f"  {_unit(dtype)} activations: {c.path} ({c.reason})")
         lines.append(f"  int8 GEMM (W8A8 / W4A8): {self.int8.path} ({self.int8.reason})")
+        if self.int8.native_reason:
+            lines.append(f"    few rows: {self.int8.native_reason}")
         return lines
 
 
@@ -553,9 +608,27 @@ def _decide_int8(facts: DeviceFacts, probe: Probe, mode: str, measured: dict[str
             continue
         use, why = _speed_verdict(speedup, route.name)
         if use:
-            return Int8Choice(route.name, f"{exactness}; {why}")
+            return _with_native_rows(Int8Choice(route.name, f"{exactness}; {why}"), route, exact, probe)
         verdicts.append(why)
     return Int8Choice(None, "; ".join(verdicts))
+
+
+def _with_native_rows(choice: Int8Choice, general: int8_gemms.Int8Gemm, exact: list, probe: Probe) -> Int8Choice:
+    """`choice` with the row count up to which the native kernel replaces `general`, where it is exact here and
+    measured at least as fast on a weight streamed from memory (decode)."""
+    native = int8_gemms.NATIVE_VNNI
+    if general is native:
+        return choice
+    if native not in exact:
+        return replace(choice, native_reason=f"{native.name} is not used: not exact or not available here")
+    try:
+        rows = probe.int8_streaming_rows(native, general)
+    except RUNTIME_ERRORS as exc:
+        return replace(choice, native_reason=f"{native.name} failed the streaming check ({str(exc)[:160]})")
+    if not rows:
+        return replace(choice, native_reason=f"{native.name} measured slower than {general.name} at every row count")
+    why = f"{native.name} measured at least as fast as {general.name} up to {rows} rows (weight from memory)"
+    return replace(choice, native_rows=rows, native_reason=why)
 
 
 def decide(facts: DeviceFacts, probe: Probe, mode: str) -> Capabilities:

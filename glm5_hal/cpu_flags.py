@@ -33,3 +33,16 @@ def read_cpuinfo() -> str:
 def this_cpu() -> tuple[str, frozenset[str] | None]:
     """parse_cpuinfo of this machine, read once per process."""
     return parse_cpuinfo(read_cpuinfo())
+
+
+CACHE_SYSFS = Path("/sys/devices/system/cpu/cpu0/cache")
+
+
+def largest_cache_bytes(cache_dir: Path = CACHE_SYSFS) -> int | None:
+    """The size of the largest CPU cache sysfs lists (the last level), or None where it lists none."""
+    sizes = []
+    for path in cache_dir.glob("index*/size"):
+        text = path.read_text().strip()  # e.g. "32768K"
+        scale = {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1:], 1)
+        sizes.append(int(text.rstrip("KMG")) * scale)
+    return max(sizes) if sizes else None

@@ -28,6 +28,7 @@ ZEN5 = (
 SAPPHIRE_RAPIDS = "model name\t: Intel Xeon\nflags\t\t: avx2 avx512f avx512_bf16 avx512_fp16 amx_bf16 amx_int8\n"
 GRAVITON3 = "processor\t: 0\nFeatures\t: fp asimd asimdhp asimddp bf16 i8mm sve\n"
 ONEDNN, INT_MM = int8_gemms.ONEDNN_U8S8.name, int8_gemms.INT_MM.name
+NATIVE_INT8 = int8_gemms.NATIVE_VNNI.name
 
 
 class FakeProbe:
@@ -43,11 +44,13 @@ class FakeProbe:
         min_rows: int = 1,
         native: tuple[bool, str] = (False, "no native kernel in this fake"),
         native_speedup: float = 0.0,
+        streaming_rows: int = 0,
     ) -> None:
         self.half, self._fp32_output, self._residual_exact = half or {}, fp32_output, residual_exact
         self._min_rows = min_rows
         self._native, self._native_speedup = native, native_speedup
         self.exact, self.int8 = exact or {}, int8 or {}
+        self._streaming_rows = streaming_rows
         self.asked: list[str] = []
 
     def half_speedup(self, dtype: torch.dtype) -> float:
@@ -82,6 +85,10 @@ class FakeProbe:
     def int8_speedup(self, route: int8_gemms.Int8Gemm) -> float:
         self.asked.append(f"int8_speedup {route.name}")
         return self.int8[route.name]
+
+    def int8_streaming_rows(self, route: int8_gemms.Int8Gemm, general: int8_gemms.Int8Gemm) -> int:
+        self.asked.append(f"int8_streaming_rows {route.name} vs {general.name}")
+        return self._streaming_rows
 
 
 def _cpu(cpuinfo: str) -> DeviceFacts:
@@ -218,6 +225,33 @@ def test_cpu_flags_without_a_measured_win_keep_the_conservative_path():
     got = decide(_cpu(ZEN5), probe, AUTO)
     assert not got.half[torch.bfloat16].use and "0.90x" in got.half[torch.bfloat16].reason
     assert got.int8.route is None and ">= 1.25x" in got.int8.reason
+
+
+def test_the_native_int8_kernel_takes_the_row_counts_it_measured_faster_for():
+    exact = {ONEDNN: True, NATIVE_INT8: True, INT_MM: True}
+    probe = FakeProbe(half={torch.bfloat16: 4.0}, exact=exact, int8={ONEDNN: 6.0}, streaming_rows=4)
+    got = decide(_cpu(ZEN5), probe, AUTO).int8
+    assert got.route == ONEDNN and got.native_rows == 4
+    assert [got.takes_native(rows) for rows in (0, 1, 4, 5, 64)] == [False, True, True, False, False]
+    assert f"{NATIVE_INT8} up to 4 rows" in got.path and "up to 4 rows (weight from memory)" in got.native_reason
+    assert f"int8_streaming_rows {NATIVE_INT8} vs {ONEDNN}" in probe.asked
+    # Slower at one row already: never used, and the reason says so.
+    slower = decide(_cpu(ZEN5), FakeProbe(half={torch.bfloat16: 4.0}, exact=exact, int8={ONEDNN: 6.0}), AUTO).int8
+    assert slower.native_rows == 0 and not slower.takes_native(1) and "slower" in slower.native_reason
+    # Not exact (or not built here): not measured, not used.
+    inexact = FakeProbe(half={torch.bfloat16: 4.0}, exact={ONEDNN: True}, int8={ONEDNN: 6.0}, streaming_rows=4)
+    got = decide(_cpu(ZEN5), inexact, AUTO).int8
+    assert got.native_rows == 0 and not any("streaming" in asked for asked in inexact.asked)
+    # Forced fast paths measure nothing, so the general route takes every row count.
+    forced = decide(_cpu(ZEN5), FakeProbe(exact=exact, streaming_rows=4), FORCE).int8
+    assert forced.route == ONEDNN and forced.native_rows == 0
+
+
+def test_the_native_int8_kernel_as_the_general_route_takes_every_row_count():
+    probe = FakeProbe(half={torch.bfloat16: 4.0}, exact={NATIVE_INT8: True}, int8={NATIVE_INT8: 5.0})
+    got = decide(_cpu(ZEN5), probe, AUTO).int8
+    assert got.route == NATIVE_INT8 and got.takes_native(1) and got.takes_native(4096)
+    assert not any("streaming" in asked for asked in probe.asked)
 
 
 def test_an_inexact_int8_route_is_never_used():

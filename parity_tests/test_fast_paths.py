@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 
 import pytest
@@ -21,11 +22,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import ops_reference as ref
 from backends.torch_eager import OPS, weight_cache
+from backends.torch_eager import quant as quant_backend
 from backends.torch_eager.gemm import FP32, Gemm, gemm_for
 from conftest import parity_backends
 from glm5_hal.capabilities import DeviceProbe, capabilities, fast_paths
 from glm5_hal.kv_formats import FORMATS
-from glm5_hal.native import bf16_gemm, indexer_scores
+from glm5_hal.native import bf16_gemm, indexer_scores, int8_gemm
 from glm5_hal.native import sparse_attention as native_attention
 from glm5_hal.parity import CASES, run_case
 from glm5_hal.parity.compare import compare_float, to_numpy
@@ -368,6 +370,46 @@ def test_int8_fast_path_prepares_each_weight_once_and_sees_in_place_writes(op: s
     assert torch.equal(got, want)
     if op == "quant_matmul":
         _check_quant(got, x_q, x_scale, w_q, w_scale)
+
+
+@pytest.mark.parametrize(("op", "group_size"), [("quant_matmul", None), ("w4a8_matmul", None), ("w4a8_matmul", 128)])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_native_int8_kernel_takes_the_rows_the_probe_chose_with_the_routes_results(
+    op: str, group_size: int | None, out_dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if not int8_gemm.availability()[0]:
+        pytest.skip(f"the native int8 kernel does not run here: {int8_gemm.availability()[1]}")
+    with fast_paths("1"):
+        chosen = capabilities("cpu")
+    if chosen.int8.route is None:
+        pytest.skip(f"no exact int8 route here ({chosen.int8.reason})")
+    # Native up to 4 rows, whatever this machine's probe measured.
+    with_native = dataclasses.replace(chosen, int8=dataclasses.replace(chosen.int8, native_rows=4))
+    monkeypatch.setattr(quant_backend, "capabilities", lambda device: with_native)
+    ran = []
+    for name in ("_w8a8", "_w4a8"):
+        real = getattr(int8_gemm, name)
+        monkeypatch.setattr(int8_gemm, name, lambda *a, real=real, name=name: ran.append(name) or real(*a))
+    gen = torch.Generator().manual_seed(4)
+    for rows in (1, 4, 5):
+        x_q, x_scale, w_q, w_scale = _quant(rows, 21, 512, gen)
+        bias = torch.randn(21, generator=gen)
+        if op == "quant_matmul":
+            args = (x_q, x_scale, w_q, w_scale, bias, out_dtype)
+        else:
+            weight = torch.from_numpy(ref.pack_int4(torch.randint(-8, 8, (21, 512), generator=gen).numpy()))
+            scales = w_scale if group_size is None else torch.rand(21, 512 // group_size, generator=gen) * 0.01
+            args = (x_q, x_scale, weight, scales, group_size, out_dtype)
+        ran.clear()
+        got = OPS[op](*args)
+        assert ran == ([f"_w{4 if op == 'w4a8_matmul' else 8}a8"] if rows <= 4 else [])
+        with fast_paths("0"):
+            want = OPS[op](*args)  # the conservative path: exact accumulators, its own order of the group sums
+        if op == "quant_matmul":  # one order of operations on both paths: the same bits
+            assert torch.equal(got, want)
+        else:
+            verdict = compare_float("y", got, want.double().numpy(), out_dtype)
+            assert verdict.passed, verdict.detail
 
 
 @pytest.mark.parametrize("mode", MODES)

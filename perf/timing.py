@@ -16,10 +16,11 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from types import ModuleType
 
 import torch
+
+from glm5_hal.cpu_flags import largest_cache_bytes
 
 
 @dataclass(frozen=True)
@@ -62,12 +63,8 @@ def cache_flush_bytes(device: torch.device) -> int:
     (256 MiB where it lists none), 256 MiB on an accelerator."""
     if device.type != "cpu":
         return DEVICE_FLUSH_BYTES
-    sizes = []
-    for path in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
-        text = path.read_text().strip()  # e.g. "32768K"
-        scale = {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1:], 1)
-        sizes.append(int(text.rstrip("KMG")) * scale)
-    return 2 * max(sizes) if sizes else CPU_FLUSH_FALLBACK_BYTES
+    largest = largest_cache_bytes()
+    return 2 * largest if largest else CPU_FLUSH_FALLBACK_BYTES
 
 
 def _event_timer(device: torch.device) -> Callable[[Callable[[], object]], float] | None:

@@ -3,6 +3,9 @@
 Where glm5_hal.capabilities found an exact int8 GEMM that beats fp32 on the device (glm5_hal.int8_gemms: oneDNN's
 u8 x s8 kernels on CPUs with VNNI / AMX, torch._int_mm on CUDA), the accumulators come from it; what it derives
 from a weight (a prepacked copy, unpacked int4 codes) is made once per weight (backends.torch_eager.weight_cache).
+Products with as few rows as the probe found glm5-hal's native VNNI kernel faster for (decode) run it instead: the
+weight in the kernel's tiles (copied once per weight; W4A8 read at 4 bits), the scaling fused, the same bits
+(glm5_hal.native.int8_gemm).
 Otherwise, and with GLM5_HAL_FAST_PATHS=0, they come from the conservative path below.
 
 Exactness without an integer GEMM: fp32 holds every integer of magnitude <= 2^24 exactly, and every partial sum of
@@ -20,7 +23,8 @@ from torch import Tensor
 from backends.torch_eager.primitives import COMPUTE_DTYPE, rows_per_tile
 from backends.torch_eager.weight_cache import derived
 from glm5_hal.capabilities import capabilities
-from glm5_hal.int8_gemms import Int8Gemm
+from glm5_hal.int8_gemms import NATIVE_VNNI, Int8Gemm
+from glm5_hal.native import int8_gemm
 
 FP32_EXACT_INTEGER = 2**24
 INT8_MAX_PRODUCT = 128 * 128  # int8 x int8, -128 included
@@ -62,6 +66,16 @@ def int8_matmul(a: Tensor, b: Tensor) -> Tensor:
     return chunked_fp32_int_matmul(a, b, INT8_MAX_PRODUCT)
 
 
+def _native_rows(x_q: Tensor) -> bool:
+    """Whether the probe chose glm5-hal's native int8 kernel for a product with x_q's rows (glm5_hal.native)."""
+    return x_q.device.type == "cpu" and capabilities(x_q.device).int8.takes_native(x_q.shape[0])
+
+
+def _native_out(out_dtype: torch.dtype) -> torch.dtype:
+    """What the native kernel writes for out_dtype: bf16 or fp32 directly, fp32 to be converted otherwise."""
+    return out_dtype if out_dtype in int8_gemm.OUT_DTYPES else COMPUTE_DTYPE
+
+
 def _fast_route(device: torch.device, m: int, k: int, n: int) -> Int8Gemm | None:
     """The probe's exact int8 GEMM for `device` if it takes [M, K] x [N, K]^T, else None (the conservative path)."""
     route = capabilities(device).int8_route()
@@ -90,6 +104,14 @@ def quant_matmul(
     x_q: [M, K] int8; x_scale: [M] fp32; w_q: [N, K] int8; w_scale: [N] fp32; bias: [N] or None.
     Returns y [M, N] out_dtype = int32(x_q @ w_q^T) * x_scale[:, None] * w_scale[None, :] (+ bias), scaled in fp32.
     """
+    if _native_rows(x_q):
+        # One pass: the int8 weight read in place, scales, bias and the rounding to out_dtype in the kernel, in the
+        # order of the lines below (the same bits).
+        tiled, n = derived(w_q, NATIVE_VNNI.name, NATIVE_VNNI.prepare)  # the weight in the kernel's tiles, once
+        bias32 = None if bias is None else bias.to(COMPUTE_DTYPE)
+        # The kernel's wrapper, not its custom op: this op is the custom op callers trace (and a dispatch less).
+        y = int8_gemm.run_w8a8(x_q, tiled, n, x_scale, w_scale, bias32, _native_out(out_dtype))
+        return y.to(out_dtype)
     route = _fast_route(x_q.device, *x_q.shape, w_q.shape[0])
     if route is not None:
         acc = route.accumulate(x_q, _prepared(route, w_q))  # fp32 of the exact int32 accumulators
@@ -164,6 +186,11 @@ def w4a8_matmul(
     n = w_packed.shape[0]
     group = k if group_size is None else group_size
     num_groups = k // group
+    if k and _native_rows(x_q) and int8_gemm.w4a8_takes(k, group):
+        # The packed int4 weight read at 4 bits, nibbles split in registers; the torch route's arithmetic below.
+        tiled = derived(w_packed, (NATIVE_VNNI.name, "int4 tiles"), int8_gemm.tile_weight)  # once per weight
+        scales = w_scale.reshape(n, num_groups)
+        return int8_gemm.run_w4a8(x_q, tiled, scales, group, x_scale, _native_out(out_dtype)).to(out_dtype)
     group_scales = w_scale.to(COMPUTE_DTYPE).reshape(n, num_groups).T  # [G, N]
     route = _fast_route(x_q.device, m, group, n)
     if route is not None:

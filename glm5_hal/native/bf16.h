@@ -10,4 +10,13 @@ static inline float bf16_to_float(uint16_t bits) {
     memcpy(&value, &widened, sizeof value);
     return value;
 }
+
+/* fp32 -> bf16 as torch rounds it (c10::BFloat16): to nearest, ties to even; every NaN becomes 0x7FC0. */
+static inline uint16_t float_to_bf16(float value) {
+    uint32_t bits;
+    memcpy(&bits, &value, sizeof bits);
+    if ((bits & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0;
+    bits += 0x7FFFu + ((bits >> 16) & 1u);
+    return (uint16_t)(bits >> 16);
+}
 #endif

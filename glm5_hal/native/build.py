@@ -30,7 +30,9 @@ ENV_NATIVE = "GLM5_HAL_NATIVE"
 ENV_CACHE_DIR = "GLM5_HAL_CACHE_DIR"
 SOURCE_DIR = Path(__file__).resolve().parent
 BUILD_TIMEOUT_S = 120
-BASE_FLAGS = ("-O3", "-fPIC", "-shared", "-fno-math-errno")
+# -ffp-contract=off: scalar fp32 code rounds each multiply and add as written (gcc fuses them into FMAs by
+# default), so a kernel that follows a torch path's order of operations gives its bits.
+BASE_FLAGS = ("-O3", "-fPIC", "-shared", "-fno-math-errno", "-ffp-contract=off")
 
 
 class NativeUnavailable(RuntimeError):
@@ -55,11 +57,17 @@ ISAS: dict[str, Isa] = {
             ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"),
             ("avx512f", "avx512bw", "avx512vl", "avx512_bf16"),
         ),
+        # VPDPBUSD (u8 x s8 dot products into int32 lanes) on 512-bit registers, with masked byte loads for the edges.
+        Isa(
+            "avx512_vnni",
+            ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"),
+            ("avx512f", "avx512bw", "avx512vl", "avx512_vnni"),
+        ),
         # The same loops around scalar arithmetic: runs on any CPU (the tests check the blocking with it everywhere).
         Isa("portable", ("-DGLM5_PORTABLE",), ()),
     )
 }
-KERNELS = ("bf16_gemm", "indexer_scores", "sparse_attention")  # <name>.c in this folder
+KERNELS = ("bf16_gemm", "indexer_scores", "sparse_attention", "int8_gemm")  # <name>.c in this folder
 
 _lock = threading.Lock()
 

@@ -1,0 +1,183 @@
+"""glm5_hal.native.int8_gemm: the W8A8 and W4A8 kernels against exact integer math, for every build that runs here
+(AVX-512 VNNI where the CPU has it, and the portable one on any CPU with a compiler).
+
+- The integer sums equal float64 (exact for these sizes) products bit for bit, on hypothesis shapes that cross the
+  tile, K-block and vector edges, with extreme codes, for the weight as stored (strided too) and tiled.
+- The fused epilogue (scales, bias, rounding to bf16) gives the bits of the torch route's separate ops.
+- W4A8: per channel (any even K, tails included) and grouped; the groups summed in order as the torch route does.
+- A result does not depend on the thread count; bad arguments name what was expected.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from backends.torch_eager.quant import unpack_int4
+from glm5_hal.native import int8_gemm
+
+ISAS = ("avx512_vnni", "portable")
+SETTINGS = settings(max_examples=30, deadline=None, derandomize=True)
+
+
+def _runs(isa: str) -> None:
+    ok, why = int8_gemm.availability(isa)
+    if not ok:
+        pytest.skip(f"{isa} build does not run here: {why}")
+
+
+def _codes(gen: torch.Generator, rows: int, cols: int, extreme: bool) -> torch.Tensor:
+    if extreme:  # -128 / 127 only: sums past int16 and past fp32's exact integers
+        return torch.tensor([-128, 127], dtype=torch.int8)[torch.randint(0, 2, (rows, cols), generator=gen)]
+    return torch.randint(-128, 128, (rows, cols), generator=gen, dtype=torch.int8)
+
+
+def _exact(x_q: torch.Tensor, w_q: torch.Tensor) -> torch.Tensor:
+    """fp32 of the exact integer product (float64 holds every such sum: |sum| <= 2^14 K < 2^53)."""
+    return (x_q.double() @ w_q.double().T).float()
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal values, NaN where the other has NaN (the payload of a NaN is not compared)."""
+    return (
+        a.shape == b.shape
+        and a.dtype == b.dtype
+        and torch.equal(a.isnan(), b.isnan())
+        and torch.equal(a[~a.isnan()], b[~b.isnan()])
+    )
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@SETTINGS
+@given(
+    rows=st.integers(0, 11),
+    cols=st.integers(0, 13),
+    depth=st.sampled_from([0, 1, 63, 64, 65, 200, 4096, 4097, 8300]),
+    layout=st.sampled_from(["stored", "strided", "tiled"]),
+    extreme=st.booleans(),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_w8a8_sums_are_exact(isa, rows, cols, depth, layout, extreme, seed):
+    _runs(isa)
+    gen = torch.Generator().manual_seed(seed)
+    x_q, w_q = _codes(gen, rows, depth, extreme), _codes(gen, cols, depth + 5, extreme)[:, :depth]
+    w = {"stored": w_q.contiguous(), "strided": w_q, "tiled": int8_gemm.tile_weight(w_q)}[layout]
+    got = int8_gemm.w8a8_mm(x_q, w, cols, isa=isa, threads=1)
+    assert got.dtype == torch.float32 and torch.equal(got, _exact(x_q, w_q))
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 4, 9])
+def test_w8a8_epilogue_gives_the_bits_of_the_torch_route(isa, out_dtype, rows):
+    _runs(isa)
+    gen = torch.Generator().manual_seed(rows)
+    x_q, w_q = _codes(gen, rows, 4100, False), _codes(gen, 37, 4100, False)
+    x_scale, w_scale, bias = torch.rand(rows, generator=gen), torch.rand(37, generator=gen), torch.randn(37)
+    x_scale[-1] = float("nan")  # a row whose activations held NaN (dynamic_quant gives it scale NaN)
+    want = _exact(x_q, w_q).mul_(x_scale[:, None]).mul_(w_scale[None, :]).add_(bias).to(out_dtype)
+    tiled = int8_gemm.tile_weight(w_q)
+    got = int8_gemm.w8a8_mm(x_q, tiled, 37, x_scale, w_scale, bias, out_dtype, isa=isa, threads=1)
+    assert _same(got, want)
+    unbiased = _exact(x_q, w_q).mul_(x_scale[:, None]).mul_(w_scale[None, :]).to(out_dtype)
+    assert _same(int8_gemm.w8a8_mm(x_q, w_q, None, x_scale, w_scale, None, out_dtype, isa=isa, threads=1), unbiased)
+
+
+def _w4a8_reference(x_q, w_packed, scales, group, x_scale):
+    """The torch route's arithmetic: per group the exact sum times its scale, added in order, times x_scale."""
+    w_q = unpack_int4(w_packed)
+    y = None
+    for g in range(scales.shape[1]):
+        cols = slice(g * group, (g + 1) * group)
+        scaled = _exact(x_q[:, cols], w_q[:, cols]).mul_(scales[:, g])
+        y = scaled if y is None else y.add_(scaled)
+    return y if x_scale is None else y.mul_(x_scale[:, None])
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@SETTINGS
+@given(
+    rows=st.integers(1, 9),
+    cols=st.integers(1, 13),
+    shape=st.sampled_from([(2, None), (126, None), (128, None), (300, None), (256, 128), (512, 256), (1024, 128)]),
+    tiled=st.booleans(),
+    scaled=st.booleans(),
+    extreme=st.booleans(),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_w4a8_is_the_torch_routes_arithmetic_on_exact_group_sums(isa, rows, cols, shape, tiled, scaled, extreme, seed):
+    _runs(isa)
+    depth, group = shape
+    group = depth if group is None else group
+    gen = torch.Generator().manual_seed(seed)
+    x_q = _codes(gen, rows, depth, extreme)
+    w_packed = torch.randint(0, 256, (cols, depth // 2), generator=gen, dtype=torch.uint8)
+    if extreme:
+        w_packed.fill_(0x88)  # -8 in both nibbles: the largest products
+    scales = torch.rand(cols, depth // group, generator=gen)
+    x_scale = torch.rand(rows, generator=gen) if scaled else None
+    weight = int8_gemm.tile_weight(w_packed) if tiled else w_packed
+    got = int8_gemm.w4a8_mm(x_q, weight, scales, group, x_scale, isa=isa, threads=1)
+    assert _same(got, _w4a8_reference(x_q, w_packed, scales, group, x_scale))
+    rounded = int8_gemm.w4a8_mm(x_q, weight, scales, group, x_scale, torch.bfloat16, isa=isa, threads=1)
+    assert _same(rounded, _w4a8_reference(x_q, w_packed, scales, group, x_scale).bfloat16())
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_results_do_not_depend_on_the_thread_count(isa):
+    _runs(isa)
+    gen = torch.Generator().manual_seed(3)
+    x_q, w_q = _codes(gen, 5, 700, False), _codes(gen, 70, 700, False)
+    w_packed = torch.randint(0, 256, (70, 350), generator=gen, dtype=torch.uint8)
+    scales = torch.rand(70, 1, generator=gen)
+    one = int8_gemm.w8a8_mm(x_q, w_q, isa=isa, threads=1)
+    one_w4 = int8_gemm.w4a8_mm(x_q, w_packed, scales, 700, isa=isa, threads=1)
+    for threads in (2, 3, 7):
+        assert torch.equal(int8_gemm.w8a8_mm(x_q, w_q, isa=isa, threads=threads), one)
+        assert torch.equal(int8_gemm.w4a8_mm(x_q, w_packed, scales, 700, isa=isa, threads=threads), one_w4)
+
+
+def test_the_custom_ops_are_what_the_defaults_call():
+    ok, why = int8_gemm.availability()
+    if not ok:
+        pytest.skip(f"the AVX-512 VNNI build does not run here: {why}")
+    x_q, w_q = torch.ones(2, 64, dtype=torch.int8), torch.ones(3, 64, dtype=torch.int8)
+    assert torch.equal(
+        torch.ops.glm5_hal.native_w8a8_mm(x_q, w_q, 3, None, None, None, torch.float32), _exact(x_q, w_q)
+    )
+    with torch._subclasses.fake_tensor.FakeTensorMode():  # shape inference without running the kernel
+        fake = torch.ops.glm5_hal.native_w8a8_mm(
+            torch.empty(2, 64, dtype=torch.int8),
+            torch.empty(3, 64, dtype=torch.int8),
+            3,
+            None,
+            None,
+            None,
+            torch.bfloat16,
+        )
+        assert fake.shape == (2, 3) and fake.dtype == torch.bfloat16
+
+
+def test_bad_arguments_name_what_was_expected():
+    x_q, w_q = torch.zeros(2, 64, dtype=torch.int8), torch.zeros(3, 64, dtype=torch.int8)
+    with pytest.raises(TypeError, match=r"w_q: expected torch.int8, got torch.float32"):
+        int8_gemm.w8a8_mm(x_q, w_q.float())
+    with pytest.raises(ValueError, match=r"w_q: expected \(3, 64\), got \(3, 32\)"):
+        int8_gemm.w8a8_mm(x_q, w_q[:, :32], 3)
+    with pytest.raises(ValueError, match=r"w_q: expected \(1, 1, 4, 64\)"):
+        int8_gemm.w8a8_mm(x_q, int8_gemm.tile_weight(w_q)[:, :, :2], 3)
+    with pytest.raises(ValueError, match=r"x_scale, w_scale: expected both or neither"):
+        int8_gemm.w8a8_mm(x_q, w_q, None, torch.ones(2))
+    with pytest.raises(ValueError, match=r"w_scale: expected \[3\], got \(4,\)"):
+        int8_gemm.w8a8_mm(x_q, w_q, None, torch.ones(2), torch.ones(4))
+    with pytest.raises(TypeError, match=r"out_dtype: expected one of"):
+        int8_gemm.w8a8_mm(x_q, w_q, out_dtype=torch.float16)
+    w_packed, scales = torch.zeros(3, 32, dtype=torch.uint8), torch.ones(3, 1)
+    with pytest.raises(ValueError, match=r"group: expected K = 64 or a multiple of 128 dividing it, got 32"):
+        int8_gemm.w4a8_mm(x_q, w_packed, torch.ones(3, 2), 32)
+    with pytest.raises(ValueError, match=r"w_packed: expected \(3, 32\), got \(3, 31\)"):
+        int8_gemm.w4a8_mm(x_q, w_packed[:, :31], scales, 64)
+    with pytest.raises(ValueError, match=r"x_q: expected an even K"):
+        int8_gemm.w4a8_mm(x_q[:, :63], w_packed, scales, 63)
