@@ -47,7 +47,7 @@ import torch
 
 from glm5_hal import int8_gemms
 from glm5_hal.checks import check
-from glm5_hal.cpu_flags import largest_cache_bytes, parse_cpuinfo, this_cpu
+from glm5_hal.cpu_flags import cache_flush_bytes, parse_cpuinfo, this_cpu
 from glm5_hal.native import bf16_gemm, build
 
 ENV_FAST_PATHS = "GLM5_HAL_FAST_PATHS"
@@ -69,7 +69,6 @@ ROWS_PROBE_WEIGHT = (2048, 2048)  # [N, K]: 8 MiB of bf16, past the caches, like
 # product whose weight comes from memory (decode), and that weight [N, K] (8 MiB of int8).
 STREAMING_ROWS = (1, 2, 4, 8, 16)
 STREAMING_WEIGHT = (2048, 4096)
-FLUSH_FALLBACK_BYTES = 256 * 2**20  # overwritten between timed calls where sysfs lists no cache size
 # Depth of the int8 exactness check: GLM-5's widest projection (o_proj, K = 16384).
 EXACTNESS_DEPTH = 16384
 # What a GEMM that does not exist on a device (or in this torch) raises.
@@ -378,8 +377,8 @@ class DeviceProbe:
         n, k = STREAMING_WEIGHT
         w = torch.randint(-128, 128, (n, k), generator=self._gen, dtype=torch.int8).to(self.device)
         prepared = {route.name: route.prepare(w), general.name: general.prepare(w)}
-        flush_bytes = 2 * (largest_cache_bytes() or FLUSH_FALLBACK_BYTES // 2) if self.device.type == "cpu" else 0
-        flush = torch.empty(flush_bytes // 4, device=self.device)
+        # The routes that take part are CPU kernels (int8_gemms.NATIVE_VNNI and its rivals there).
+        flush = torch.empty(cache_flush_bytes() // 4)
         totals = {route.name: 0.0, general.name: 0.0}  # sums of the best times over the steps so far
         rows_won = 0
         for rows in STREAMING_ROWS:

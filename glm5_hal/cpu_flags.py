@@ -36,6 +36,7 @@ def this_cpu() -> tuple[str, frozenset[str] | None]:
 
 
 CACHE_SYSFS = Path("/sys/devices/system/cpu/cpu0/cache")
+FLUSH_FALLBACK_BYTES = 256 * 2**20  # where sysfs lists no cache size
 
 
 def largest_cache_bytes(cache_dir: Path = CACHE_SYSFS) -> int | None:
@@ -46,3 +47,10 @@ def largest_cache_bytes(cache_dir: Path = CACHE_SYSFS) -> int | None:
         scale = {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1:], 1)
         sizes.append(int(text.rstrip("KMG")) * scale)
     return max(sizes) if sizes else None
+
+
+def cache_flush_bytes() -> int:
+    """Bytes to overwrite between timed calls to evict the CPU's last-level cache: twice the largest cache sysfs
+    lists, FLUSH_FALLBACK_BYTES where it lists none (perf.timing, the capability probe's streaming check)."""
+    largest = largest_cache_bytes()
+    return 2 * largest if largest else FLUSH_FALLBACK_BYTES

@@ -20,7 +20,7 @@ from types import ModuleType
 
 import torch
 
-from glm5_hal.cpu_flags import largest_cache_bytes
+from glm5_hal import cpu_flags
 
 
 @dataclass(frozen=True)
@@ -55,7 +55,6 @@ def synchronize(device: torch.device) -> None:
 
 # Accelerator last-level caches are at most ~100 MB today (H100 L2: 50 MB); CPUs report theirs in sysfs.
 DEVICE_FLUSH_BYTES = 256 * 2**20
-CPU_FLUSH_FALLBACK_BYTES = 256 * 2**20
 
 
 def cache_flush_bytes(device: torch.device) -> int:
@@ -63,8 +62,7 @@ def cache_flush_bytes(device: torch.device) -> int:
     (256 MiB where it lists none), 256 MiB on an accelerator."""
     if device.type != "cpu":
         return DEVICE_FLUSH_BYTES
-    largest = largest_cache_bytes()
-    return 2 * largest if largest else CPU_FLUSH_FALLBACK_BYTES
+    return cpu_flags.cache_flush_bytes()
 
 
 def _event_timer(device: torch.device) -> Callable[[Callable[[], object]], float] | None:

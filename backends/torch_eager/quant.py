@@ -66,7 +66,7 @@ def int8_matmul(a: Tensor, b: Tensor) -> Tensor:
     return chunked_fp32_int_matmul(a, b, INT8_MAX_PRODUCT)
 
 
-def _native_rows(x_q: Tensor) -> bool:
+def _takes_native(x_q: Tensor) -> bool:
     """Whether the probe chose glm5-hal's native int8 kernel for a product with x_q's rows (glm5_hal.native)."""
     return x_q.device.type == "cpu" and capabilities(x_q.device).int8.takes_native(x_q.shape[0])
 
@@ -104,7 +104,7 @@ def quant_matmul(
     x_q: [M, K] int8; x_scale: [M] fp32; w_q: [N, K] int8; w_scale: [N] fp32; bias: [N] or None.
     Returns y [M, N] out_dtype = int32(x_q @ w_q^T) * x_scale[:, None] * w_scale[None, :] (+ bias), scaled in fp32.
     """
-    if _native_rows(x_q):
+    if _takes_native(x_q):
         # One pass: the int8 weight read in place, scales, bias and the rounding to out_dtype in the kernel, in the
         # order of the lines below (the same bits).
         tiled, n = derived(w_q, NATIVE_VNNI.name, NATIVE_VNNI.prepare)  # the weight in the kernel's tiles, once
@@ -186,7 +186,7 @@ def w4a8_matmul(
     n = w_packed.shape[0]
     group = k if group_size is None else group_size
     num_groups = k // group
-    if k and _native_rows(x_q) and int8_gemm.w4a8_takes(k, group):
+    if k and _takes_native(x_q) and int8_gemm.w4a8_takes(k, group):
         # The packed int4 weight read at 4 bits, nibbles split in registers; the torch route's arithmetic below.
         tiled = derived(w_packed, (NATIVE_VNNI.name, "int4 tiles"), int8_gemm.tile_weight)  # once per weight
         scales = w_scale.reshape(n, num_groups)
