@@ -125,6 +125,31 @@ def test_w4a8_is_the_torch_routes_arithmetic_on_exact_group_sums(isa, rows, cols
     assert _same(rounded, _w4a8_reference(x_q, w_packed, scales, group, x_scale).bfloat16())
 
 
+def _strided_view(t: torch.Tensor) -> torch.Tensor:
+    """t's values as every other element of a buffer whose gaps hold NaN (read past a stride, they would show)."""
+    buffer = torch.full((2 * t.numel(),), float("nan"))
+    view = buffer[::2]
+    view.copy_(t)
+    return view
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_strided_scale_and_bias_vectors_are_read_by_their_strides(isa):
+    # A regression: the kernels read x_scale / w_scale / bias at unit stride, so a strided view (the fuzz suite's
+    # layouts) gave NaN from the gaps.
+    _runs(isa)
+    gen = torch.Generator().manual_seed(5)
+    x_q, w_q = _codes(gen, 3, 256, False), _codes(gen, 6, 256, False)
+    x_scale, w_scale, bias = torch.rand(3, generator=gen), torch.rand(6, generator=gen), torch.randn(6, generator=gen)
+    want = int8_gemm.w8a8_mm(x_q, w_q, None, x_scale, w_scale, bias, isa=isa, threads=1)
+    strided = (_strided_view(x_scale), _strided_view(w_scale), _strided_view(bias))
+    assert _same(int8_gemm.w8a8_mm(x_q, w_q, None, *strided, isa=isa, threads=1), want)
+    w_packed = torch.randint(0, 256, (6, 128), generator=gen, dtype=torch.uint8)
+    scales = torch.rand(6, 2, generator=gen)
+    want = int8_gemm.w4a8_mm(x_q, w_packed, scales, 128, x_scale, isa=isa, threads=1)
+    assert _same(int8_gemm.w4a8_mm(x_q, w_packed, scales, 128, strided[0], isa=isa, threads=1), want)
+
+
 @pytest.mark.parametrize("isa", ISAS)
 def test_results_do_not_depend_on_the_thread_count(isa):
     _runs(isa)

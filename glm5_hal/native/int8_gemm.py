@@ -93,6 +93,12 @@ def _ptr(t: Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
+def _unit_stride(t: Tensor | None) -> Tensor | None:
+    """A vector the kernels read with unit stride (a strided view copied), or None. The caller keeps the result
+    alive while the kernel runs: a copy made inside an argument list would be freed before the call."""
+    return None if t is None else _rows(t)
+
+
 def _check_cpu(name: str, t: Tensor, dims: int, dtype: torch.dtype) -> None:
     check(t.dim() == dims, ValueError, lambda: f"{name}: expected {dims} dimensions, got shape {tuple(t.shape)}")
     check(t.dtype == dtype, TypeError, lambda: f"{name}: expected {dtype}, got {t.dtype}")
@@ -126,6 +132,7 @@ def _w8a8(
     threads: int | None,
 ) -> Tensor:
     x_q, w_q = _rows(x_q), w_q if w_q.dim() == 4 else _rows(w_q)
+    x_scale, w_scale, bias = _unit_stride(x_scale), _unit_stride(w_scale), _unit_stride(bias)
     rows, depth = x_q.shape
     out = torch.empty(rows, cols, dtype=out_dtype)
     if out.numel() == 0:
@@ -186,7 +193,7 @@ def _w4a8(
     isa: str,
     threads: int | None,
 ) -> Tensor:
-    x_q, scales = _rows(x_q), _rows(scales)
+    x_q, scales, x_scale = _rows(x_q), _rows(scales), _unit_stride(x_scale)
     w_packed = w_packed if w_packed.dim() == 4 else _rows(w_packed)
     rows, depth = x_q.shape
     cols, groups = scales.shape
