@@ -16,7 +16,7 @@ from glm5_hal.checks import (
     check_tensor,
 )
 from glm5_hal.kv_formats import AUTO, INDEX, check_cache, dispatch_kwargs
-from glm5_hal.ops.common import NAMESPACE, check_cache_write, check_paged_batch, dispatch
+from glm5_hal.ops.common import call_op, check_cache_write, check_paged_batch, custom_op, dispatch
 from glm5_hal.ops.mla_prolog import check_rope_tables
 
 # Largest `topk` lightning_indexer takes: 32x the models' 2048. It bounds the [T, topk] outputs, so that a typo
@@ -32,7 +32,7 @@ def _check_head_dim(index_k_cache: Tensor, sizes: dict[str, int]) -> None:
     )
 
 
-@torch.library.custom_op(f"{NAMESPACE}::indexer_prolog", mutates_args=("index_k_cache",))
+@custom_op("indexer_prolog", mutates_args=("index_k_cache",))
 def _indexer_prolog_op(
     x: Tensor,
     q_norm: Tensor,
@@ -182,7 +182,8 @@ def indexer_prolog(
         index_k_cache=index_k_cache,
         slot_mapping=slot_mapping,
     )
-    return _indexer_prolog_op(
+    return call_op(
+        _indexer_prolog_op,
         x,
         q_norm,
         w_iq,
@@ -232,7 +233,7 @@ _SCORING_ARGS_DOC = """
 """
 
 
-@torch.library.custom_op(f"{NAMESPACE}::indexer_logits", mutates_args=())
+@custom_op("indexer_logits")
 def _indexer_logits_op(
     q_idx: Tensor,
     weights: Tensor,
@@ -283,10 +284,12 @@ def indexer_logits(
     Reference: ops_reference/indexer.py
     """
     _check_scoring_inputs(q_idx, weights, index_k_cache, block_table, seq_lens_k, cu_seqlens_q, kv_cache_dtype)
-    return _indexer_logits_op(q_idx, weights, index_k_cache, block_table, seq_lens_k, cu_seqlens_q, kv_cache_dtype)
+    return call_op(
+        _indexer_logits_op, q_idx, weights, index_k_cache, block_table, seq_lens_k, cu_seqlens_q, kv_cache_dtype
+    )
 
 
-@torch.library.custom_op(f"{NAMESPACE}::lightning_indexer", mutates_args=())
+@custom_op("lightning_indexer")
 def _lightning_indexer_op(
     q_idx: Tensor,
     weights: Tensor,
@@ -349,8 +352,16 @@ def lightning_indexer(
     """
     _check_scoring_inputs(q_idx, weights, index_k_cache, block_table, seq_lens_k, cu_seqlens_q, kv_cache_dtype)
     topk = check_positive_int("topk", topk, maximum=MAX_TOPK)
-    indices, scores = _lightning_indexer_op(
-        q_idx, weights, index_k_cache, block_table, seq_lens_k, cu_seqlens_q, topk, kv_cache_dtype
+    indices, scores = call_op(
+        _lightning_indexer_op,
+        q_idx,
+        weights,
+        index_k_cache,
+        block_table,
+        seq_lens_k,
+        cu_seqlens_q,
+        topk,
+        kv_cache_dtype,
     )
     return (indices, scores) if return_scores else indices
 

@@ -14,7 +14,7 @@ from glm5_hal.checks import (
     check_tensor,
 )
 from glm5_hal.kv_formats import AUTO, LATENT, check_cache, dispatch_kwargs
-from glm5_hal.ops.common import NAMESPACE, check_cache_write, dispatch
+from glm5_hal.ops.common import call_op, check_cache_write, custom_op, dispatch
 
 
 def check_rope_tables(
@@ -27,7 +27,7 @@ def check_rope_tables(
     return 2 * sizes["half_rope"]
 
 
-@torch.library.custom_op(f"{NAMESPACE}::mla_prolog", mutates_args=("kv_cache",))
+@custom_op("mla_prolog", mutates_args=("kv_cache",))
 def _mla_prolog_op(
     x: Tensor,
     w_dq: Tensor,
@@ -153,7 +153,8 @@ def mla_prolog(
         kv_cache=kv_cache,
         slot_mapping=slot_mapping,
     )
-    return _mla_prolog_op(
+    return call_op(
+        _mla_prolog_op,
         x,
         w_dq,
         gamma_cq,

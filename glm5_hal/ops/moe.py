@@ -23,12 +23,12 @@ from glm5_hal.checks import (
     check_tensor,
     value_checks_enabled,
 )
-from glm5_hal.ops.common import NAMESPACE, dispatch
+from glm5_hal.ops.common import call_op, custom_op, dispatch
 
 SCORING_FUNCS = ("sigmoid", "softmax")
 
 
-@torch.library.custom_op(f"{NAMESPACE}::moe_gate", mutates_args=())
+@custom_op("moe_gate")
 def _moe_gate_op(
     router_logits: Tensor,
     bias: Tensor | None,
@@ -126,7 +126,9 @@ def moe_gate(
     check(
         isinstance(norm_topk_prob, bool), TypeError, lambda: f"norm_topk_prob: expected a bool, got {norm_topk_prob!r}"
     )
-    return _moe_gate_op(router_logits, bias, top_k, n_group, topk_group, routed_scaling_factor, norm_topk_prob, scoring)
+    return call_op(
+        _moe_gate_op, router_logits, bias, top_k, n_group, topk_group, routed_scaling_factor, norm_topk_prob, scoring
+    )
 
 
 def _check_topk_ids(topk_ids: Tensor, num_experts: int, sizes: dict[str, int]) -> None:
@@ -149,7 +151,7 @@ def _check_expert_offsets(expert_offsets: Tensor, num_rows: int, sizes: dict[str
     )
 
 
-@torch.library.custom_op(f"{NAMESPACE}::moe_dispatch", mutates_args=())
+@custom_op("moe_dispatch")
 def _moe_dispatch_op(x: Tensor, topk_ids: Tensor, num_experts: int) -> tuple[Tensor, Tensor, Tensor]:
     return dispatch("moe_dispatch", x.device, x, topk_ids, num_experts)
 
@@ -186,10 +188,10 @@ def moe_dispatch(x: Tensor, topk_ids: Tensor, num_experts: int) -> tuple[Tensor,
     num_experts = check_positive_int("num_experts", num_experts)
     _check_topk_ids(topk_ids, num_experts, sizes)
     check_same_device(x=x, topk_ids=topk_ids)
-    return _moe_dispatch_op(x, topk_ids, num_experts)
+    return call_op(_moe_dispatch_op, x, topk_ids, num_experts)
 
 
-@torch.library.custom_op(f"{NAMESPACE}::grouped_matmul", mutates_args=())
+@custom_op("grouped_matmul")
 def _grouped_matmul_op(x_sorted: Tensor, w: Tensor, expert_offsets: Tensor) -> Tensor:
     return dispatch("grouped_matmul", x_sorted.device, x_sorted, w, expert_offsets)
 
@@ -218,10 +220,10 @@ def grouped_matmul(x_sorted: Tensor, w: Tensor, expert_offsets: Tensor) -> Tenso
     check_tensor("w", w, ["E", "N", "K"], (x_sorted.dtype,), sizes)
     _check_expert_offsets(expert_offsets, sizes["M"], sizes)
     check_same_device(x_sorted=x_sorted, w=w, expert_offsets=expert_offsets)
-    return _grouped_matmul_op(x_sorted, w, expert_offsets)
+    return call_op(_grouped_matmul_op, x_sorted, w, expert_offsets)
 
 
-@torch.library.custom_op(f"{NAMESPACE}::moe_combine", mutates_args=())
+@custom_op("moe_combine")
 def _moe_combine_op(y_sorted: Tensor, src_index: Tensor, topk_weights: Tensor) -> Tensor:
     return dispatch("moe_combine", y_sorted.device, y_sorted, src_index, topk_weights)
 
@@ -257,10 +259,10 @@ def moe_combine(y_sorted: Tensor, src_index: Tensor, topk_weights: Tensor) -> Te
     check_tensor("src_index", src_index, ["T*k"], (torch.int64,), sizes)
     check_permutation("src_index", src_index, rows)
     check_same_device(y_sorted=y_sorted, src_index=src_index, topk_weights=topk_weights)
-    return _moe_combine_op(y_sorted, src_index, topk_weights)
+    return call_op(_moe_combine_op, y_sorted, src_index, topk_weights)
 
 
-@torch.library.custom_op(f"{NAMESPACE}::fused_moe", mutates_args=())
+@custom_op("fused_moe")
 def _fused_moe_op(x: Tensor, topk_weights: Tensor, topk_ids: Tensor, w13: Tensor, w2: Tensor) -> Tensor:
     return dispatch("fused_moe", x.device, x, topk_weights, topk_ids, w13, w2)
 
@@ -293,4 +295,4 @@ def fused_moe(x: Tensor, topk_weights: Tensor, topk_ids: Tensor, w13: Tensor, w2
     check_accumulation_tensor("topk_weights", topk_weights, ["T", "k"], x.dtype, sizes)
     _check_topk_ids(topk_ids, sizes["E"], sizes)
     check_same_device(x=x, topk_weights=topk_weights, topk_ids=topk_ids, w13=w13, w2=w2)
-    return _fused_moe_op(x, topk_weights, topk_ids, w13, w2)
+    return call_op(_fused_moe_op, x, topk_weights, topk_ids, w13, w2)

@@ -19,7 +19,7 @@ from glm5_hal.checks import (
     check_same_device,
     check_tensor,
 )
-from glm5_hal.ops.common import NAMESPACE, dispatch
+from glm5_hal.ops.common import call_op, custom_op, dispatch
 
 # Last-dim sizes the Hadamard transform supports: K * 2^m for these K (QuaRot's set; the largest K wins).
 HADAMARD_BASE_SIZES = (172, 156, 140, 108, 60, 52, 40, 36, 28, 20, 12, 1)
@@ -42,7 +42,7 @@ def _check_int8_activations(x_q: Tensor, x_scale: Tensor, sizes: dict[str, int])
     check_tensor("x_scale", x_scale, ["M"], (torch.float32,), sizes)
 
 
-@torch.library.custom_op(f"{NAMESPACE}::dynamic_quant", mutates_args=())
+@custom_op("dynamic_quant")
 def _dynamic_quant_op(x: Tensor) -> tuple[Tensor, Tensor]:
     return dispatch("dynamic_quant", x.device, x)
 
@@ -68,10 +68,10 @@ def dynamic_quant(x: Tensor) -> tuple[Tensor, Tensor]:
     check(isinstance(x, Tensor), TypeError, lambda: f"x: expected a torch.Tensor, got {type(x).__name__}")
     check_tensor("x", x, [None] * max(x.dim(), 1), ACTIVATION_DTYPES)
     check(x.shape[-1] > 0, ValueError, lambda: f"x: expected a non-empty last dim, got shape {tuple(x.shape)}")
-    return _dynamic_quant_op(x)
+    return call_op(_dynamic_quant_op, x)
 
 
-@torch.library.custom_op(f"{NAMESPACE}::quant_matmul", mutates_args=())
+@custom_op("quant_matmul")
 def _quant_matmul_op(
     x_q: Tensor, x_scale: Tensor, w_q: Tensor, w_scale: Tensor, bias: Tensor | None, out_dtype: torch.dtype
 ) -> Tensor:
@@ -112,10 +112,10 @@ def quant_matmul(
     out_dtype = _check_out_dtype(out_dtype)
     check_optional_tensor("bias", bias, ["N"], (torch.float32, out_dtype), sizes)
     check_same_device(x_q=x_q, x_scale=x_scale, w_q=w_q, w_scale=w_scale, bias=bias)
-    return _quant_matmul_op(x_q, x_scale, w_q, w_scale, bias, out_dtype)
+    return call_op(_quant_matmul_op, x_q, x_scale, w_q, w_scale, bias, out_dtype)
 
 
-@torch.library.custom_op(f"{NAMESPACE}::w4a8_matmul", mutates_args=())
+@custom_op("w4a8_matmul")
 def _w4a8_matmul_op(
     x_q: Tensor, x_scale: Tensor, w_packed: Tensor, w_scale: Tensor, group_size: int | None, out_dtype: torch.dtype
 ) -> Tensor:
@@ -172,7 +172,7 @@ def w4a8_matmul(
         check_tensor("w_scale", w_scale, ["N", k // group_size], (torch.float32,), sizes)
     out_dtype = _check_out_dtype(out_dtype)
     check_same_device(x_q=x_q, x_scale=x_scale, w_packed=w_packed, w_scale=w_scale)
-    return _w4a8_matmul_op(x_q, x_scale, w_packed, w_scale, group_size, out_dtype)
+    return call_op(_w4a8_matmul_op, x_q, x_scale, w_packed, w_scale, group_size, out_dtype)
 
 
 def hadamard_base_size(n: int) -> int | None:
@@ -185,7 +185,7 @@ def hadamard_base_size(n: int) -> int | None:
     return None
 
 
-@torch.library.custom_op(f"{NAMESPACE}::hadamard_transform", mutates_args=())
+@custom_op("hadamard_transform")
 def _hadamard_transform_op(x: Tensor, scale: float | None) -> Tensor:
     return dispatch("hadamard_transform", x.device, x, scale=scale)
 
@@ -220,4 +220,4 @@ def hadamard_transform(x: Tensor, *, scale: float | None = None) -> Tensor:
         lambda: f"x: expected a last dim n = K * 2^m with K in {sorted(HADAMARD_BASE_SIZES)}, got n = {n}",
     )
     scale = None if scale is None else check_finite_float("scale", scale)
-    return _hadamard_transform_op(x, scale)
+    return call_op(_hadamard_transform_op, x, scale)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
 from glm5_hal.checks import (
@@ -16,10 +15,10 @@ from glm5_hal.checks import (
     check_tensor,
 )
 from glm5_hal.kv_formats import AUTO, LATENT, check_cache, dispatch_kwargs
-from glm5_hal.ops.common import NAMESPACE, check_paged_batch, dispatch
+from glm5_hal.ops.common import call_op, check_paged_batch, custom_op, dispatch
 
 
-@torch.library.custom_op(f"{NAMESPACE}::sparse_flash_attention", mutates_args=())
+@custom_op("sparse_flash_attention")
 def _sparse_flash_attention_op(
     q: Tensor,
     kv_cache: Tensor,
@@ -109,6 +108,15 @@ def sparse_flash_attention(
     check_same_device(q=q, kv_cache=kv_cache, indices=indices)
     check_paged_batch("kv_cache", kv_cache, block_table, seq_lens_k, cu_seqlens_q, sizes["T"], sizes)
     check_index_range("indices", indices, -1, 2**31 - 1, lambda: "-1 or a request-local key position")
-    return _sparse_flash_attention_op(
-        q, kv_cache, indices, block_table, seq_lens_k, cu_seqlens_q, sm_scale, d_v, kv_cache_dtype
+    return call_op(
+        _sparse_flash_attention_op,
+        q,
+        kv_cache,
+        indices,
+        block_table,
+        seq_lens_k,
+        cu_seqlens_q,
+        sm_scale,
+        d_v,
+        kv_cache_dtype,
     )
