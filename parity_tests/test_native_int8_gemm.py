@@ -39,6 +39,11 @@ def _exact(x_q: torch.Tensor, w_q: torch.Tensor) -> torch.Tensor:
     return (x_q.double() @ w_q.double().T).float()
 
 
+def _non_contiguous(tiles: torch.Tensor) -> torch.Tensor:
+    """The same [tiles, chunks, 4, 64] values in another memory order (a view the kernels must not misread)."""
+    return tiles.transpose(1, 2).contiguous().transpose(1, 2)
+
+
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Equal values, NaN where the other has NaN (the payload of a NaN is not compared)."""
     return (
@@ -55,7 +60,7 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     rows=st.integers(0, 11),
     cols=st.integers(0, 13),
     depth=st.sampled_from([0, 1, 63, 64, 65, 200, 4096, 4097, 8300]),
-    layout=st.sampled_from(["stored", "strided", "tiled"]),
+    layout=st.sampled_from(["stored", "strided", "tiled", "tiled view"]),
     extreme=st.booleans(),
     seed=st.integers(0, 2**31 - 1),
 )
@@ -63,7 +68,9 @@ def test_w8a8_sums_are_exact(isa, rows, cols, depth, layout, extreme, seed):
     _runs(isa)
     gen = torch.Generator().manual_seed(seed)
     x_q, w_q = _codes(gen, rows, depth, extreme), _codes(gen, cols, depth + 5, extreme)[:, :depth]
-    w = {"stored": w_q.contiguous(), "strided": w_q, "tiled": int8_gemm.tile_weight(w_q)}[layout]
+    w = {"stored": w_q.contiguous(), "strided": w_q, "tiled": int8_gemm.tile_weight(w_q)}.get(layout)
+    if layout == "tiled view":
+        w = _non_contiguous(int8_gemm.tile_weight(w_q))
     got = int8_gemm.w8a8_mm(x_q, w, cols, isa=isa, threads=1)
     assert got.dtype == torch.float32 and torch.equal(got, _exact(x_q, w_q))
 
@@ -102,12 +109,12 @@ def _w4a8_reference(x_q, w_packed, scales, group, x_scale):
     rows=st.integers(1, 9),
     cols=st.integers(1, 13),
     shape=st.sampled_from([(2, None), (126, None), (128, None), (300, None), (256, 128), (512, 256), (1024, 128)]),
-    tiled=st.booleans(),
+    layout=st.sampled_from(["stored", "tiled", "tiled view"]),
     scaled=st.booleans(),
     extreme=st.booleans(),
     seed=st.integers(0, 2**31 - 1),
 )
-def test_w4a8_is_the_torch_routes_arithmetic_on_exact_group_sums(isa, rows, cols, shape, tiled, scaled, extreme, seed):
+def test_w4a8_is_the_torch_routes_arithmetic_on_exact_group_sums(isa, rows, cols, shape, layout, scaled, extreme, seed):
     _runs(isa)
     depth, group = shape
     group = depth if group is None else group
@@ -118,7 +125,9 @@ def test_w4a8_is_the_torch_routes_arithmetic_on_exact_group_sums(isa, rows, cols
         w_packed.fill_(0x88)  # -8 in both nibbles: the largest products
     scales = torch.rand(cols, depth // group, generator=gen)
     x_scale = torch.rand(rows, generator=gen) if scaled else None
-    weight = int8_gemm.tile_weight(w_packed) if tiled else w_packed
+    weight = {"stored": w_packed, "tiled": int8_gemm.tile_int4_weight(w_packed)}.get(layout)
+    if layout == "tiled view":
+        weight = _non_contiguous(int8_gemm.tile_int4_weight(w_packed))
     got = int8_gemm.w4a8_mm(x_q, weight, scales, group, x_scale, isa=isa, threads=1)
     assert _same(got, _w4a8_reference(x_q, w_packed, scales, group, x_scale))
     rounded = int8_gemm.w4a8_mm(x_q, weight, scales, group, x_scale, torch.bfloat16, isa=isa, threads=1)

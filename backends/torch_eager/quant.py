@@ -188,7 +188,7 @@ def w4a8_matmul(
     num_groups = k // group
     if k and _takes_native(x_q) and int8_gemm.w4a8_takes(k, group):
         # The packed int4 weight read at 4 bits, nibbles split in registers; the torch route's arithmetic below.
-        tiled = derived(w_packed, (NATIVE_VNNI.name, "int4 tiles"), int8_gemm.tile_weight)  # once per weight
+        tiled = derived(w_packed, (NATIVE_VNNI.name, "int4 tiles"), int8_gemm.tile_int4_weight)  # once per weight
         scales = w_scale.reshape(n, num_groups)
         return int8_gemm.run_w4a8(x_q, tiled, scales, group, x_scale, _native_out(out_dtype)).to(out_dtype)
     group_scales = w_scale.to(COMPUTE_DTYPE).reshape(n, num_groups).T  # [G, N]

@@ -10,15 +10,17 @@
  *   a weight-side correction would need a pass over the weight). Wrapping arithmetic makes the difference exact
  *   whenever the true sum fits int32, however large the shifted one is.
  * - W4A8: the weight nibble is w + 8 after flipping its top bit (0..15, unsigned), the activation the signed side:
- *   sum (w + 8) x = sum w x + 8 sum x; the caller passes 8 sum x per row and group (xsum8). The nibbles are split
- *   in registers (low nibbles: even k, high: odd k) from the packed bytes, so the weight is read at 4 bits a value.
- *   The activations come deinterleaved to match: each block of 128 columns as its 64 even then its 64 odd ones.
+ *   sum (w + 8) x = sum w x + 8 sum x; the kernel subtracts 8 sum x per row and group. The nibbles are split in
+ *   registers from the packed bytes, so the weight is read at 4 bits a value. The weight comes repacked once
+ *   (int8_gemm.py's tile_int4_weight) so that byte j of each 128-column block holds columns j (low nibble) and
+ *   64 + j (high nibble): the activations are then read as they are, 64 contiguous bytes per nibble half.
  *
  * Built twice by glm5_hal/native/build.py: with -mavx512vnni (4 x 4 tiles of 512-bit int32 accumulators), and
  * without it (GLM5_PORTABLE: the same loops around a scalar tile, for testing the blocking on any CPU). Both give
  * the exact integer sums; glm5_hal/native/int8_gemm.py has the Python side.
  */
 #include <stdint.h>
+#include <stdlib.h>
 
 #include "bf16.h"
 
@@ -26,7 +28,7 @@
 #define NR 4     /* rows of W (columns of C) per tile */
 #define KC 4096  /* W8A8: K per block; a tile's 8 operand rows (32 KiB) stay in L1 across the block */
 #define MC 128   /* W8A8: rows of X per block: MC x KC bytes (512 KiB) stay in L2 while W streams past */
-#define KB 128   /* W4A8: columns per step (64 packed weight bytes); groups are whole steps */
+#define KB 128   /* W4A8: columns per step (64 packed weight bytes, repacked); groups are whole steps */
 
 #ifndef GLM5_PORTABLE
 #include <immintrin.h>
@@ -109,30 +111,36 @@ __attribute__((noinline)) static void row_w8a8(const int8_t *x, const int8_t *w[
     out[3] = _mm512_reduce_add_epi32(acc3);
 }
 
-/* out[4 * m + n] = sum over the `steps` x KB columns from the start of x / w of (w + 8) x (xd: deinterleaved
-   activations, wp: packed weights), exact modulo 2^32. `tail`: packed bytes in the last step (64 if whole). next:
-   the packed rows of the next tile, prefetched in step (as in tile_w8a8). */
-static void tile_w4a8(const int8_t *xd[MR], const uint8_t *wp[NR], const uint8_t *next[NR], long w_step, long steps,
-                      int tail, int32_t out[MR * NR]) {
+/* The bytes of x's 64-column half starting at column `at` of a row with `cols` columns: masked past the end (0). */
+static inline __mmask64 half_mask(long at, long cols) {
+    long left = cols - at;
+    return left >= 64 ? ~(__mmask64)0 : left <= 0 ? 0 : ((__mmask64)1 << left) - 1;
+}
+
+/* out[4 * m + n] = sum over the first `cols` columns of x / w (steps = ceil(cols / KB) of them) of (w + 8) x, exact
+   modulo 2^32 (x: activation rows as stored, wp: repacked int4 rows, Layout step w_step). Columns past `cols` read
+   as x = 0, so the weight's zero padding there adds nothing. next: the rows of the next tile, prefetched in step
+   (as in tile_w8a8). */
+static void tile_w4a8(const int8_t *x[MR], const uint8_t *wp[NR], const uint8_t *next[NR], long w_step, long cols,
+                      int32_t out[MR * NR]) {
     const __m512i low = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8(0x08);
     __m512i acc[MR * NR];
     for (int i = 0; i < MR * NR; i++) acc[i] = _mm512_setzero_si512();
-    for (long s = 0; s < steps; s++) {
-        __mmask64 valid = s + 1 < steps || tail == 64 ? ~(__mmask64)0 : (((__mmask64)1 << tail) - 1);
-        __m512i x_even[MR], x_odd[MR];
+    for (long s = 0, k = 0; k < cols; s++, k += KB) {
+        __mmask64 lo_valid = half_mask(k, cols), hi_valid = half_mask(k + KB / 2, cols);
+        __m512i x_lo[MR], x_hi[MR];
         for (int m = 0; m < MR; m++) {
-            x_even[m] = _mm512_loadu_si512(xd[m] + s * KB);
-            x_odd[m] = _mm512_loadu_si512(xd[m] + s * KB + 64);
+            x_lo[m] = _mm512_maskz_loadu_epi8(lo_valid, x[m] + k);
+            x_hi[m] = _mm512_maskz_loadu_epi8(hi_valid, x[m] + k + KB / 2);
         }
         for (int n = 0; n < NR; n++) {
-            /* Missing bytes load as 0: nibbles 8 after the flip, times the zero padding of xd. */
             _mm_prefetch((const char *)(next[n] + s * w_step), _MM_HINT_T0);
-            __m512i packed = _mm512_maskz_loadu_epi8(valid, wp[n] + s * w_step);
-            __m512i w_even = _mm512_xor_si512(_mm512_and_si512(packed, low), flip);
-            __m512i w_odd = _mm512_xor_si512(_mm512_and_si512(_mm512_srli_epi16(packed, 4), low), flip);
+            __m512i packed = _mm512_loadu_si512(wp[n] + s * w_step); /* whole 64-byte chunks: the tiles are padded */
+            __m512i w_lo = _mm512_xor_si512(_mm512_and_si512(packed, low), flip);
+            __m512i w_hi = _mm512_xor_si512(_mm512_and_si512(_mm512_srli_epi16(packed, 4), low), flip);
             for (int m = 0; m < MR; m++) {
-                acc[4 * n + m] = _mm512_dpbusd_epi32(acc[4 * n + m], w_even, x_even[m]);
-                acc[4 * n + m] = _mm512_dpbusd_epi32(acc[4 * n + m], w_odd, x_odd[m]);
+                acc[4 * n + m] = _mm512_dpbusd_epi32(acc[4 * n + m], w_lo, x_lo[m]);
+                acc[4 * n + m] = _mm512_dpbusd_epi32(acc[4 * n + m], w_hi, x_hi[m]);
             }
         }
     }
@@ -157,17 +165,18 @@ static void row_w8a8(const int8_t *x, const int8_t *w[NR], const int8_t *next[NR
     tile_w8a8(rows, w, next, w_step, K, out); /* out[0..3]: row 0 */
 }
 
-static void tile_w4a8(const int8_t *xd[MR], const uint8_t *wp[NR], const uint8_t *next[NR], long w_step, long steps,
-                      int tail, int32_t out[MR * NR]) {
+static void tile_w4a8(const int8_t *x[MR], const uint8_t *wp[NR], const uint8_t *next[NR], long w_step, long cols,
+                      int32_t out[MR * NR]) {
     (void)next;
     for (int m = 0; m < MR; m++)
         for (int n = 0; n < NR; n++) {
             uint32_t sum = 0;
-            for (long s = 0; s < steps; s++)
-                for (int j = 0; j < (s + 1 < steps ? 64 : tail); j++) {
+            for (long s = 0, k = 0; k < cols; s++, k += KB)
+                for (int j = 0; j < KB / 2; j++) {
                     uint8_t byte = wp[n][s * w_step + j];
-                    int32_t w_even = (int32_t)((byte & 0x0F) ^ 0x08), w_odd = (int32_t)((byte >> 4) ^ 0x08);
-                    sum += (uint32_t)(w_even * xd[m][s * KB + j] + w_odd * xd[m][s * KB + 64 + j]);
+                    int32_t w_lo = (int32_t)((byte & 0x0F) ^ 0x08), w_hi = (int32_t)((byte >> 4) ^ 0x08);
+                    if (k + j < cols) sum += (uint32_t)(w_lo * x[m][k + j]);
+                    if (k + KB / 2 + j < cols) sum += (uint32_t)(w_hi * x[m][k + KB / 2 + j]);
                 }
             out[MR * m + n] = (int32_t)sum;
         }
@@ -215,8 +224,9 @@ static void zero_point_shares(const int8_t *X, long x_row, long K, long m0, long
 
 /* The W8A8 GEMM for columns [n_begin, n_end), every row: one thread's share. X's rows K-contiguous, W as Layout
    says. Where K takes several blocks (KC) and X several row tiles, the int32 sums wait in `acc` ([M, N],
-   acc_row; may be NULL otherwise); else each tile's sums are final and go straight to the epilogue. */
-void glm5_w8a8_gemm_nt(long M, long K, const int8_t *X, long x_row, const int8_t *W, long w_tile, long w_lane,
+   acc_row; may be NULL otherwise); else each tile's sums are final and go straight to the epilogue. Returns 0 (as
+   glm5_w4a8_gemm_nt does: the callers check both alike). */
+int glm5_w8a8_gemm_nt(long M, long K, const int8_t *X, long x_row, const int8_t *W, long w_tile, long w_lane,
                        long w_step, int32_t *acc,
                        long acc_row, const float *x_scale, const float *w_scale, const float *bias, void *y,
                        long y_row, int bf16, long n_begin, long n_end) {
@@ -270,37 +280,35 @@ void glm5_w8a8_gemm_nt(long M, long K, const int8_t *X, long x_row, const int8_t
             k0 += kc;
         } while (k0 < K);
     }
+    return 0;
 }
 
-/* The W4A8 kernel's activations: Xd[m] = X[m] with each block of KB columns as its even then its odd columns (the
-   low and high nibbles of 64 packed bytes), zero past K; xsum8[m][g] = 8 x the sum of X[m] over group g. */
-void glm5_w4a8_activations(long M, long K, long groups, const int8_t *X, long x_row, int8_t *Xd, long xd_row,
-                           int32_t *xsum8) {
-    long group = K / groups;
-    for (long m = 0; m < M; m++) {
-        const int8_t *x = X + m * x_row;
-        int8_t *xd = Xd + m * xd_row;
-        for (long k = 0; k < xd_row; k++) xd[k] = 0;
-        for (long k = 0; k < K; k++) xd[(k / KB) * KB + (k % 2) * (KB / 2) + (k % KB) / 2] = x[k];
+/* 8 x the sum of each group of `group` columns of each row of X, modulo 2^32: xsum8[m * groups + g] (the weight
+   zero point's share of every group accumulator). */
+static void group_shares(long M, long groups, long group, const int8_t *X, long x_row, uint32_t *xsum8) {
+    for (long m = 0; m < M; m++)
         for (long g = 0; g < groups; g++) {
             int32_t sum = 0;
-            for (long k = g * group; k < (g + 1) * group; k++) sum += x[k];
-            xsum8[m * groups + g] = sum * 8;
+            for (long k = g * group; k < (g + 1) * group; k++) sum += X[m * x_row + k];
+            xsum8[m * groups + g] = (uint32_t)sum * 8u;
         }
-    }
 }
 
 /* The W4A8 GEMM for columns [n_begin, n_end), every row: y[m][n] = (sum over groups g, in order, of
    fp32(exact int32 accumulator of group g) * S[n][g]) [* x_scale[m]], each step an fp32 multiply then an fp32 add
-   (the torch route's order). Xd, xsum8: from glm5_w4a8_activations; Wp: the packed int4 weight (Layout); group_steps: KB
-   steps per group; tail: packed bytes in the last step of each group (64 unless one group covers a K that is not a
-   multiple of KB). */
-void glm5_w4a8_gemm_nt(long M, long groups, long group_steps, int tail, const int8_t *Xd, long x_row,
-                       const uint8_t *Wp, long w_tile, long w_lane, long w_step, const float *S, long s_row, const int32_t *xsum8,
-                       const float *x_scale, void *y, long y_row, int bf16, long n_begin, long n_end) {
+   (the torch route's order). X: [M, K] int8 rows as stored (K-contiguous); Wp: the repacked int4 weight (Layout),
+   groups of K / groups columns, each whole steps of KB unless there is one group. Returns 0, or -1 where the
+   scratch for the group sums could not be allocated (nothing written). */
+int glm5_w4a8_gemm_nt(long M, long K, long groups, const int8_t *X, long x_row, const uint8_t *Wp, long w_tile,
+                      long w_lane, long w_step, const float *S, long s_row, const float *x_scale, void *y, long y_row,
+                      int bf16, long n_begin, long n_end) {
     const Epilogue e = {x_scale, NULL, NULL, y, y_row, bf16};
     const Layout layout = {w_tile, w_lane, w_step};
     const int8_t *W = (const int8_t *)Wp;
+    const long group = K / groups, group_steps = (group + KB - 1) / KB;
+    uint32_t *xsum8 = malloc(sizeof(uint32_t) * (M * groups > 0 ? M * groups : 1));
+    if (!xsum8) return -1;
+    group_shares(M, groups, group, X, x_row, xsum8);
     int32_t out[MR * NR];
     for (long n = n_begin; n < n_end; n += NR) {
         int cols = n_end - n < NR ? (int)(n_end - n) : NR;
@@ -310,16 +318,16 @@ void glm5_w4a8_gemm_nt(long M, long groups, long group_steps, int tail, const in
             for (long g = 0; g < groups; g++) {
                 const int8_t *xp[MR];
                 const uint8_t *wq[NR], *next[NR];
-                for (int i = 0; i < MR; i++) xp[i] = Xd + (m + (i < rows ? i : 0)) * x_row + g * group_steps * KB;
+                for (int i = 0; i < MR; i++) xp[i] = X + (m + (i < rows ? i : 0)) * x_row + g * group;
                 for (int j = 0; j < NR; j++) {
                     wq[j] = (const uint8_t *)chunk(W, layout, n + (j < cols ? j : 0), g * group_steps);
                     long after = m == 0 && n + NR + j < n_end ? n + NR + j : n; /* later row tiles find W cached */
                     next[j] = (const uint8_t *)chunk(W, layout, after, g * group_steps);
                 }
-                tile_w4a8(xp, wq, next, w_step, group_steps, tail, out);
+                tile_w4a8(xp, wq, next, w_step, group, out);
                 for (int i = 0; i < rows; i++)
                     for (int j = 0; j < cols; j++) {
-                        int32_t exact = (int32_t)((uint32_t)out[MR * i + j] - (uint32_t)xsum8[(m + i) * groups + g]);
+                        int32_t exact = (int32_t)((uint32_t)out[MR * i + j] - xsum8[(m + i) * groups + g]);
                         float scaled = (float)exact * S[(n + j) * s_row + g];
                         sums[MR * i + j] = g == 0 ? scaled : sums[MR * i + j] + scaled;
                     }
@@ -329,4 +337,6 @@ void glm5_w4a8_gemm_nt(long M, long groups, long group_steps, int tail, const in
                     store(&e, m + i, n + j, e.x_scale ? sums[MR * i + j] * e.x_scale[m + i] : sums[MR * i + j]);
         }
     }
+    free(xsum8);
+    return 0;
 }

@@ -1,15 +1,16 @@
-"""Exact int8 GEMMs for W8A8 and W4A8 on CPUs with AVX-512 VNNI (int8_gemm.c), reading the weight as it is stored.
+"""Exact int8 GEMMs for W8A8 and W4A8 on CPUs with AVX-512 VNNI (int8_gemm.c).
 
     acc = w8a8_mm(x_q, w_q)                     # x_q [M, K] int8, w_q [N, K] int8 -> [M, N] fp32(exact int32)
     y = w4a8_mm(x_q, w_packed, scales, group)   # w_packed [N, K/2] uint8 int4 pairs, scales [N, G] fp32
                                                 #   -> [M, N] fp32: sum over groups of fp32(exact int32) x scale
     ok, why = availability()
 
-Neither needs a prepared weight: W8A8 reads the int8 rows in place (oneDNN's route reorders the weight into its
-blocked layout once, glm5_hal.int8_gemms), and W4A8 splits the int4 nibbles in registers, so it streams half the
-bytes of W8A8 (torch has no int4 x int8 GEMM; without this kernel the codes are unpacked to int8 once per weight and
-read at 8 bits). The integer sums are exact (int8_gemm.c says how); W4A8's fp32 steps are the torch route's, in its
-order (backends/torch_eager/quant.py), so both give the same bits.
+W8A8 reads the int8 rows as stored or, faster, tile_weight's copy (made once per weight, as oneDNN's route reorders
+the weight into its blocked layout once, glm5_hal.int8_gemms). W4A8 reads tile_int4_weight's copy (a weight as
+stored is repacked on every call) and splits the int4 nibbles in registers, so it streams half the bytes of W8A8
+(torch has no int4 x int8 GEMM; without this kernel the codes are unpacked to int8 once per weight and read at 8
+bits); the activations are read as they are. The integer sums are exact (int8_gemm.c says how); W4A8's fp32 steps
+are the torch route's, in its order (backends/torch_eager/quant.py), so both give the same bits.
 
 The GEMMs are the custom ops torch.ops.glm5_hal.native_w8a8_mm / native_w4a8_mm, split over torch's intra-op thread
 count by columns (a result does not depend on the split).
@@ -38,9 +39,8 @@ _LAYOUT = [_C_LONG] * 3  # tile, lane, step (int8_gemm.c Layout)
 _SHARE = [_C_LONG] * 2  # n_begin, n_end: a thread's share of the columns
 _W8A8_ARGS = [_C_LONG, _C_LONG, _PTR, _C_LONG, _PTR, *_LAYOUT, _PTR, _C_LONG, _PTR, _PTR, _PTR, _PTR, _C_LONG, _C_INT]
 _W8A8_ARGS += _SHARE
-_W4A8_ARGS = [_C_LONG, _C_LONG, _C_LONG, _C_INT, _PTR, _C_LONG, _PTR, *_LAYOUT, _PTR, _C_LONG, _PTR, _PTR, _PTR]
-_W4A8_ARGS += [_C_LONG, _C_INT, *_SHARE]
-_ACTIVATION_ARGS = [_C_LONG, _C_LONG, _C_LONG, _PTR, _C_LONG, _PTR, _C_LONG, _PTR]
+_W4A8_ARGS = [_C_LONG, _C_LONG, _C_LONG, _PTR, _C_LONG, _PTR, *_LAYOUT, _PTR, _C_LONG, _PTR, _PTR, _C_LONG, _C_INT]
+_W4A8_ARGS += _SHARE
 KC = 4096  # int8_gemm.c: W8A8's K per block
 OUT_DTYPES = (torch.float32, torch.bfloat16)  # what the kernels write (others: fp32, converted by the caller)
 
@@ -67,6 +67,20 @@ def tile_weight(w: Tensor) -> Tensor:
     padded = w.new_zeros(tiles * TILE_COLUMNS, chunks * CHUNK)
     padded[:n, :c] = w
     return padded.view(tiles, TILE_COLUMNS, chunks, CHUNK).transpose(1, 2).contiguous()
+
+
+def tile_int4_weight(w_packed: Tensor) -> Tensor:
+    """w_packed [N, K/2] uint8 (int4 pairs, even k in the low nibble) -> the W4A8 kernel's weight, made once per
+    weight: each block of 128 columns repacked so that its byte j holds columns j (low nibble) and 64 + j (high
+    nibble), zero nibbles past K, then tile_weight's tiles. The kernel then multiplies 64 contiguous activations by
+    each nibble half, with no per-call rearrangement of the activations."""
+    n, half = w_packed.shape
+    blocks = -(-half // CHUNK)  # 128 columns, 64 bytes each
+    nibbles = w_packed.new_zeros(n, blocks * 2 * CHUNK)
+    nibbles[:, 0 : 2 * half : 2] = w_packed & 0x0F
+    nibbles[:, 1 : 2 * half : 2] = w_packed >> 4
+    halves = nibbles.view(n, blocks, 2, CHUNK)
+    return tile_weight((halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(n, blocks * CHUNK))
 
 
 def _layout(w: Tensor) -> tuple[int, int, int]:
@@ -117,7 +131,15 @@ def _check_out_dtype(out_dtype: torch.dtype) -> None:
 
 def _run(kernel: str, isa: str, argtypes: list, args: tuple, rows: int, cols: int, depth: int, threads: int | None):
     shares = threads_.split(cols, threads_.thread_count(2 * rows * cols * depth, threads), TILE_COLUMNS)
-    threads_.run_shares(build.function("int8_gemm", isa, kernel, argtypes), args, shares)
+    function = build.function("int8_gemm", isa, kernel, argtypes, ctypes.c_int)
+    failed = []
+
+    def run(*share: int) -> None:
+        if function(*args, *share) != 0:
+            failed.append(share)
+
+    threads_.run_shares(run, (), shares)
+    check(not failed, MemoryError, lambda: f"{kernel}: no memory for its scratch ({rows} rows)")
 
 
 def _w8a8(
@@ -131,7 +153,7 @@ def _w8a8(
     isa: str,
     threads: int | None,
 ) -> Tensor:
-    x_q, w_q = _rows(x_q), w_q if w_q.dim() == 4 else _rows(w_q)
+    x_q, w_q = _rows(x_q), w_q.contiguous() if w_q.dim() == 4 else _rows(w_q)  # tiles: the layout is their strides
     x_scale, w_scale, bias = _unit_stride(x_scale), _unit_stride(w_scale), _unit_stride(bias)
     rows, depth = x_q.shape
     out = torch.empty(rows, cols, dtype=out_dtype)
@@ -194,22 +216,17 @@ def _w4a8(
     threads: int | None,
 ) -> Tensor:
     x_q, scales, x_scale = _rows(x_q), _rows(scales), _unit_stride(x_scale)
-    w_packed = w_packed if w_packed.dim() == 4 else _rows(w_packed)
+    # A weight as stored is repacked on every call (callers that keep a weight pass its tiles); tiles are read by
+    # the strides of a contiguous copy.
+    w_packed = tile_int4_weight(w_packed) if w_packed.dim() == 2 else w_packed.contiguous()
     rows, depth = x_q.shape
     cols, groups = scales.shape
     out = torch.empty(rows, cols, dtype=out_dtype)
     if out.numel() == 0:
         return out
-    steps = -(-depth // STEP)
-    x_blocks = torch.empty(rows, steps * STEP, dtype=torch.int8)
-    xsum8 = torch.empty(rows, groups, dtype=torch.int32)
-    activations = build.function("int8_gemm", isa, "glm5_w4a8_activations", _ACTIVATION_ARGS)
-    activations(rows, depth, groups, x_q.data_ptr(), x_q.stride(0), x_blocks.data_ptr(), steps * STEP, xsum8.data_ptr())
-    group_steps = steps if groups == 1 else group // STEP
-    tail = (depth - (steps - 1) * STEP) // 2 if groups == 1 else STEP // 2
-    args = (rows, groups, group_steps, tail, x_blocks.data_ptr(), steps * STEP, w_packed.data_ptr())
-    args += (*_layout(w_packed), scales.data_ptr(), scales.stride(0), xsum8.data_ptr(), _ptr(x_scale))
-    args += (out.data_ptr(), cols, int(out_dtype == torch.bfloat16))
+    args = (rows, depth, groups, x_q.data_ptr(), x_q.stride(0), w_packed.data_ptr(), *_layout(w_packed))
+    args += (scales.data_ptr(), scales.stride(0), _ptr(x_scale), out.data_ptr(), cols)
+    args += (int(out_dtype == torch.bfloat16),)
     _run("glm5_w4a8_gemm_nt", isa, _W4A8_ARGS, args, rows, cols, depth, threads)
     return out
 
@@ -228,7 +245,7 @@ def w4a8_mm(
     """W4A8 on the CPU, the weight read at 4 bits.
 
     x_q: [M, K] int8, K even. w_packed: [N, K / 2] uint8, int4 in two's complement, even k in the low nibble (any
-    strides, or tile_weight(w_packed)).
+    strides; repacked on every call), or tile_int4_weight(w_packed) (repacked once by the caller).
     scales: [N, G] fp32, G = K / group. group: columns per scale, K (per channel) or a multiple of STEP dividing K
     (w4a8_takes). x_scale: [M] fp32 or None.
     Returns [M, N] out_dtype (fp32 or bf16): the sum over g, in order, of fp32(exact int32 sum of group g) *
