@@ -48,6 +48,7 @@ import torch
 from glm5_hal import int8_gemms
 from glm5_hal.checks import check
 from glm5_hal.cpu_flags import cache_flush_bytes, parse_cpuinfo, this_cpu
+from glm5_hal.environment import setting
 from glm5_hal.native import bf16_gemm, build
 
 ENV_FAST_PATHS = "GLM5_HAL_FAST_PATHS"
@@ -118,7 +119,7 @@ def parse_mode(value: str) -> str:
 
 def fast_paths_mode() -> str:
     """The mode in force: the innermost `fast_paths(...)` block, else GLM5_HAL_FAST_PATHS, else AUTO."""
-    return _override[-1] if _override else parse_mode(os.environ.get(ENV_FAST_PATHS, ""))
+    return _override[-1] if _override else parse_mode(setting(ENV_FAST_PATHS))
 
 
 @contextlib.contextmanager

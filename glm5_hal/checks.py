@@ -13,10 +13,11 @@ Two kinds of checks:
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Callable, Sequence
 
 import torch
+
+from glm5_hal.environment import setting
 
 # Activation dtypes of the quantized ops (dynamic_quant's input, quant_matmul / w4a8_matmul's out_dtype): their
 # int8 / int4 codes and fp32 scales are the contract, so a float64 mode would verify nothing there.
@@ -222,7 +223,7 @@ def check_even(name: str, value: int, what: str) -> None:
 
 def value_checks_enabled(*tensors: torch.Tensor) -> bool:
     """Whether checks that read tensor values may run now (eager, not disabled, real tensors)."""
-    if os.environ.get("GLM5_HAL_CHECK_VALUES", "1") == "0":
+    if setting("GLM5_HAL_CHECK_VALUES", "1") == "0":
         return False
     if torch.compiler.is_compiling():
         return False

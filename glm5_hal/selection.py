@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import os
 import threading
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
+from glm5_hal.environment import setting
 from glm5_hal.registry import ALL_OP_NAMES, registry
 
 ENV_BACKEND = "GLM5_HAL_BACKEND"
@@ -117,7 +117,7 @@ def use_backend(name: str, *, ops: Iterable[str] | None = None, strict: bool | N
 
 
 def _env_per_op() -> dict[str, str]:
-    spec = os.environ.get(ENV_OP_BACKENDS, "").strip()
+    spec = setting(ENV_OP_BACKENDS).strip()
     table: dict[str, str] = {}
     for item in filter(None, (part.strip() for part in spec.split(","))):
         op, sep, name = item.partition("=")
@@ -129,7 +129,7 @@ def _env_per_op() -> dict[str, str]:
 
 
 def _env_flag(name: str) -> bool:
-    return os.environ.get(name, "0").strip().lower() in ("1", "true", "yes", "on")
+    return setting(name, "0").strip().lower() in ("1", "true", "yes", "on")
 
 
 def requested_backend(op: str) -> tuple[str, bool]:
@@ -146,7 +146,7 @@ def requested_backend(op: str) -> tuple[str, bool]:
     per_op = _env_per_op()
     if op in per_op:
         return per_op[op], strict
-    return os.environ.get(ENV_BACKEND, AUTO).strip() or AUTO, strict
+    return setting(ENV_BACKEND, AUTO).strip() or AUTO, strict
 
 
 def _describe_others(exclude: str) -> str:

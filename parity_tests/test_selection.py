@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.metadata
+import os
 import sys
 import types
 import warnings
@@ -266,3 +267,27 @@ def test_importing_glm5_hal_imports_no_vendor_library():
 
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+# --- glm5_hal.environment: the settings reader the ops call on every call ---
+
+
+@pytest.mark.parametrize("value", ["torch", " reference ", "", "é-non-ascii"])
+def test_setting_reads_what_os_environ_holds_after_every_change(monkeypatch: pytest.MonkeyPatch, value: str) -> None:
+    from glm5_hal.environment import setting
+
+    name = "GLM5_HAL_TEST_SETTING"
+    monkeypatch.delenv(name, raising=False)
+    assert setting(name) == "" and setting(name, "auto") == "auto"
+    monkeypatch.setenv(name, value)
+    assert setting(name, "auto") == os.environ.get(name, "auto") == value
+    monkeypatch.delenv(name)
+    assert setting(name, "auto") == "auto"
+
+
+def test_a_backend_set_in_the_environment_applies_to_the_next_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The ops read GLM5_HAL_BACKEND through glm5_hal.environment: a change between two calls must show.
+    monkeypatch.setenv("GLM5_HAL_BACKEND", "reference")
+    assert selection.resolve("moe_gate", "cpu").backend == "reference"
+    monkeypatch.setenv("GLM5_HAL_BACKEND", "torch")
+    assert selection.resolve("moe_gate", "cpu").backend == "torch"

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from glm5_hal.cpu_flags import this_cpu
+from glm5_hal.environment import setting
 
 ENV_NATIVE = "GLM5_HAL_NATIVE"
 ENV_CACHE_DIR = "GLM5_HAL_CACHE_DIR"
@@ -73,7 +74,7 @@ _lock = threading.Lock()
 
 
 def native_enabled() -> bool:
-    return os.environ.get(ENV_NATIVE, "1").strip().lower() not in ("0", "off", "false", "no")
+    return setting(ENV_NATIVE, "1").strip().lower() not in ("0", "off", "false", "no")
 
 
 def cache_dir() -> Path:
