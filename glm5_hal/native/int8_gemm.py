@@ -130,15 +130,19 @@ def _check_out_dtype(out_dtype: torch.dtype) -> None:
 
 
 def _run(kernel: str, isa: str, argtypes: list, args: tuple, rows: int, cols: int, depth: int, threads: int | None):
-    shares = threads_.split(cols, threads_.thread_count(2 * rows * cols * depth, threads), TILE_COLUMNS)
     function = build.function("int8_gemm", isa, kernel, argtypes, ctypes.c_int)
-    failed = []
+    count = threads_.thread_count(2 * rows * cols * depth, threads)
+    if count == 1:  # decode on one thread: no shares to hand out (each layer of Python shows at these sizes)
+        failed = function(*args, 0, cols) != 0
+    else:
+        failures = []
 
-    def run(*share: int) -> None:
-        if function(*args, *share) != 0:
-            failed.append(share)
+        def run(*share: int) -> None:
+            if function(*args, *share) != 0:
+                failures.append(share)
 
-    threads_.run_shares(run, (), shares)
+        threads_.run_shares(run, (), threads_.split(cols, count, TILE_COLUMNS))
+        failed = bool(failures)
     check(not failed, MemoryError, lambda: f"{kernel}: no memory for its scratch ({rows} rows)")
 
 

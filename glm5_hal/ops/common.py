@@ -58,21 +58,32 @@ def call_op(op: CustomOpDef, *args: object) -> object:
     return op(*args)
 
 
+# What _plain_eager asks, bound once: each module attribute chain (torch._C._functorch...) costs dictionary
+# lookups in memory a decode step has evicted from the caches, on every op call.
+_is_compiling = torch.compiler.is_compiling
+_dispatch_modes = torch._C._len_torch_dispatch_stack
+_function_modes = torch._C._len_torch_function_stack
+_functorch_transform = torch._C._functorch.peek_interpreter_stack
+_autocast = torch._C._is_any_autocast_enabled
+_grad_enabled = torch.is_grad_enabled
+_profiler = torch.autograd.profiler  # its _is_profiler_enabled flag changes: read it on every call
+
+
 def _plain_eager(args: tuple[object, ...]) -> bool:
     """True when nothing would intercept the custom op: not compiling, no dispatch / function mode, no functorch
     transform, no autocast, no profiler, and only plain tensors of which none needs grad (the ops define no
     backward: the op, not the body, is what reports that)."""
-    if torch.compiler.is_compiling():  # first: dynamo must not trace the torch._C queries below
+    if _is_compiling():  # first: dynamo must not trace the torch._C queries below
         return False
     if (
-        torch._C._len_torch_dispatch_stack()  # FakeTensorMode, make_fx, functionalization, user modes
-        or torch._C._len_torch_function_stack()  # `with torch.device(...)` and user function modes
-        or torch._C._functorch.peek_interpreter_stack() is not None  # vmap / grad / functionalize
-        or torch._C._is_any_autocast_enabled()
-        or torch.autograd.profiler._is_profiler_enabled
+        _dispatch_modes()  # FakeTensorMode, make_fx, functionalization, user modes
+        or _function_modes()  # `with torch.device(...)` and user function modes
+        or _functorch_transform() is not None  # vmap / grad / functionalize
+        or _autocast()
+        or _profiler._is_profiler_enabled
     ):
         return False
-    grad = torch.is_grad_enabled()
+    grad = _grad_enabled()
     for arg in args:
         if isinstance(arg, torch.Tensor) and (type(arg) not in _PLAIN_TENSOR_TYPES or (grad and arg.requires_grad)):
             return False
