@@ -76,6 +76,20 @@ def test_w8a8_sums_are_exact(isa, rows, cols, depth, layout, extreme, seed):
 
 
 @pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("rows", [5, 31, 33])
+def test_w8a8_sums_are_exact_where_k_is_split_into_blocks(isa, rows):
+    # An X larger than X_WHOLE bytes (and K > KC) takes K in blocks, the sums kept in int32 between them; the
+    # hypothesis shapes above stay below it. 5 rows: one block (a small X); 31 / 33: blocks, ragged row tiles.
+    _runs(isa)
+    gen = torch.Generator().manual_seed(rows)
+    depth = int8_gemm.X_WHOLE // 31 + 1  # > KC; 31 rows cross X_WHOLE
+    assert depth > int8_gemm.KC and 5 * depth <= int8_gemm.X_WHOLE < 31 * depth
+    x_q, w_q = _codes(gen, rows, depth, True), _codes(gen, 9, depth, True)
+    for weight in (w_q, int8_gemm.tile_weight(w_q)):
+        assert torch.equal(int8_gemm.w8a8_mm(x_q, weight, 9, isa=isa, threads=1), _exact(x_q, w_q))
+
+
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 4, 9])
 def test_w8a8_epilogue_gives_the_bits_of_the_torch_route(isa, out_dtype, rows):

@@ -28,6 +28,9 @@
 #define NR 4     /* rows of W (columns of C) per tile */
 #define KC 4096  /* W8A8: K per block; a tile's 8 operand rows (32 KiB) stay in L1 across the block */
 #define MC 128   /* W8A8: rows of X per block: MC x KC bytes (512 KiB) stay in L2 while W streams past */
+/* W8A8: an X of at most this many bytes is not split into K blocks (it stays in L2 whole, and each weight tile is
+   one sequential stream; K blocks would read every tile in KC-wide pieces, 1.5x slower at 8 rows of K = 16384). */
+#define X_WHOLE (256 * 1024)
 #define KB 128   /* W4A8: columns per step (64 packed weight bytes, repacked); groups are whole steps */
 
 #ifndef GLM5_PORTABLE
@@ -223,8 +226,8 @@ static void zero_point_shares(const int8_t *X, long x_row, long K, long m0, long
 }
 
 /* The W8A8 GEMM for columns [n_begin, n_end), every row: one thread's share. X's rows K-contiguous, W as Layout
-   says. Where K takes several blocks (KC) and X several row tiles, the int32 sums wait in `acc` ([M, N],
-   acc_row; may be NULL otherwise); else each tile's sums are final and go straight to the epilogue. Returns 0 (as
+   says. Where K takes several blocks (KC; not for one row tile or an X of at most X_WHOLE bytes), the int32 sums
+   wait in `acc` ([M, N], acc_row; may be NULL otherwise); else each tile's sums are final and go straight to the epilogue. Returns 0 (as
    glm5_w4a8_gemm_nt does: the callers check both alike). */
 int glm5_w8a8_gemm_nt(long M, long K, const int8_t *X, long x_row, const int8_t *W, long w_tile, long w_lane,
                        long w_step, int32_t *acc,
@@ -232,7 +235,7 @@ int glm5_w8a8_gemm_nt(long M, long K, const int8_t *X, long x_row, const int8_t 
                        long y_row, int bf16, long n_begin, long n_end) {
     const Epilogue e = {x_scale, w_scale, bias, y, y_row, bf16};
     const Layout layout = {w_tile, w_lane, w_step};
-    const long kc_max = M <= MR ? K : KC; /* one row tile: no X to keep in cache, one pass over K */
+    const long kc_max = M <= MR || M * K <= X_WHOLE ? K : KC; /* one row tile or a small X: one pass over K */
     int32_t out[MR * NR];
     uint32_t share[MC];
     for (long m0 = 0; m0 < M; m0 += MC) {

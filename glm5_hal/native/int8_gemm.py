@@ -42,6 +42,7 @@ _W8A8_ARGS += _SHARE
 _W4A8_ARGS = [_C_LONG, _C_LONG, _C_LONG, _PTR, _C_LONG, _PTR, *_LAYOUT, _PTR, _C_LONG, _PTR, _PTR, _C_LONG, _C_INT]
 _W4A8_ARGS += _SHARE
 KC = 4096  # int8_gemm.c: W8A8's K per block
+X_WHOLE = 256 * 1024  # int8_gemm.c: W8A8 takes K in one block where X has at most this many bytes
 OUT_DTYPES = (torch.float32, torch.bfloat16)  # what the kernels write (others: fp32, converted by the caller)
 
 
@@ -163,8 +164,9 @@ def _w8a8(
     out = torch.empty(rows, cols, dtype=out_dtype)
     if out.numel() == 0:
         return out
-    # int32 sums that outlive a K block: only where K takes several blocks and X several row tiles.
-    acc = torch.empty(rows, cols, dtype=torch.int32) if depth > KC and rows > TILE_COLUMNS else None
+    # int32 sums that outlive a K block: only where K takes several blocks (int8_gemm.c's kc_max).
+    blocked = depth > KC and rows > TILE_COLUMNS and rows * depth > X_WHOLE
+    acc = torch.empty(rows, cols, dtype=torch.int32) if blocked else None
     args = (rows, depth, x_q.data_ptr(), x_q.stride(0), w_q.data_ptr(), *_layout(w_q), _ptr(acc), cols)
     args += (_ptr(x_scale), _ptr(w_scale), _ptr(bias), out.data_ptr(), cols, int(out_dtype == torch.bfloat16))
     _run("glm5_w8a8_gemm_nt", isa, _W8A8_ARGS, args, rows, cols, depth, threads)
