@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterable
 from typing import TypeVar
 
 import torch
-from torch._library.custom_ops import CustomOpDef
+from torch.library import CustomOpDef
 
 from glm5_hal.checks import (
     INDEX_DTYPES,
