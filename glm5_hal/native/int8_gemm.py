@@ -92,7 +92,7 @@ def _layout(w: Tensor) -> tuple[int, int, int]:
 
 
 def _check_weight(name: str, w: Tensor, dtype: torch.dtype, rows: int, columns: int) -> None:
-    """w: [rows, columns] as stored, or tile_weight of such a weight."""
+    """w: [rows, columns] as stored, or tile_weight / tile_int4_weight of such a weight (the same shape)."""
     _check_cpu(name, w, w.dim() if w.dim() in (2, 4) else 2, dtype)
     want = (rows, columns)
     if w.dim() == 4:
@@ -131,19 +131,8 @@ def _check_out_dtype(out_dtype: torch.dtype) -> None:
 
 
 def _run(kernel: str, isa: str, argtypes: list, args: tuple, rows: int, cols: int, depth: int, threads: int | None):
-    function = build.function("int8_gemm", isa, kernel, argtypes, ctypes.c_int)
-    count = threads_.thread_count(2 * rows * cols * depth, threads)
-    if count == 1:  # decode on one thread: no shares to hand out (each layer of Python shows at these sizes)
-        failed = function(*args, 0, cols) != 0
-    else:
-        failures = []
-
-        def run(*share: int) -> None:
-            if function(*args, *share) != 0:
-                failures.append(share)
-
-        threads_.run_shares(run, (), threads_.split(cols, count, TILE_COLUMNS))
-        failed = bool(failures)
+    shares = threads_.split(cols, threads_.thread_count(2 * rows * cols * depth, threads), TILE_COLUMNS)
+    failed = threads_.failed_shares(build.function("int8_gemm", isa, kernel, argtypes, ctypes.c_int), args, shares)
     check(not failed, MemoryError, lambda: f"{kernel}: no memory for its scratch ({rows} rows)")
 
 

@@ -87,14 +87,8 @@ def _values(p: Tensor, rows: Tensor, slots: Tensor, d_v: int, isa: str, threads:
     p, slots = p.contiguous(), slots.contiguous()
     args = (heads, d_v, topk, p.data_ptr(), p.stride(0), p.stride(1), rows.data_ptr(), rows.stride(0))
     args += (slots.data_ptr(), out.data_ptr(), out.stride(0), out.stride(1))
-    kernel = _kernel("glm5_sparse_values", isa)
-    failed = []
-
-    def run(*share: int) -> None:
-        if kernel(*args, *share) != 0:
-            failed.append(share)
-
-    threads_.run_shares(run, (), _token_shares(tokens, 2 * tokens * topk * heads * d_v, threads))
+    shares = _token_shares(tokens, 2 * tokens * topk * heads * d_v, threads)
+    failed = threads_.failed_shares(_kernel("glm5_sparse_values", isa), args, shares)
     check(not failed, MemoryError, lambda: f"sparse attention values: no memory for the workspace of {topk} keys")
     return out[:, :heads]
 

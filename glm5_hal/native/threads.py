@@ -55,3 +55,16 @@ def run_shares(kernel: Callable[..., None], args: Sequence[object], shares: Sequ
     finally:
         for done in pending:
             done.result()
+
+
+def failed_shares(kernel: Callable[..., int], args: Sequence[object], shares: Sequence[tuple[int, ...]]) -> list:
+    """run_shares for a kernel that returns 0 when it succeeds (and, say, -1 where its scratch could not be
+    allocated): the shares whose call returned anything else, for the caller's error."""
+    failed = []
+
+    def run(*share: int) -> None:
+        if kernel(*args, *share) != 0:
+            failed.append(share)
+
+    run_shares(run, (), shares)
+    return failed
