@@ -66,9 +66,10 @@ PROBE_REPS = 5
 # beat the fp32 GEMM (one pass, the weight upcast in blocks): few rows are weight-bound, many compute-bound.
 ROW_STEPS = (1, 2, 4, 8, 16, 32, 64)
 ROWS_PROBE_WEIGHT = (2048, 2048)  # [N, K]: 8 MiB of bf16, past the caches, like a real projection
-# Row counts tried for where glm5-hal's native int8 GEMM (the weight read in place) beats the general int8 route on a
-# product whose weight comes from memory (decode), and that weight [N, K] (8 MiB of int8).
-STREAMING_ROWS = (1, 2, 4, 8, 16)
+# Row counts tried for where glm5-hal's native int8 GEMM (the weight in its panels) beats the general int8 route on a
+# product whose weight comes from memory (decode, and the short prefill chunks of speculative or batched decode), and
+# that weight [N, K] (8 MiB of int8). Past the last count the general route runs (its threading is the library's).
+STREAMING_ROWS = (1, 2, 4, 8, 16, 32, 64)
 STREAMING_WEIGHT = (2048, 4096)
 # Depth of the int8 exactness check: GLM-5's widest projection (o_proj, K = 16384).
 EXACTNESS_DEPTH = 16384

@@ -16,9 +16,9 @@ Routes (fastest first where both run; glm5_hal.capabilities measures which one w
   saturating pair sums (AVX2 vpmaddubsw), which is why the probe checks exactness on the device before use.
 - NATIVE_VNNI: glm5-hal's own kernel (glm5_hal/native/int8_gemm.c) on CPUs with AVX-512 VNNI, u8 x s8 with the
   weight's zero point removed through the activations' row sums (exact modulo 2^32). The weight is copied once into
-  tiles of 4 rows that the kernel streams sequentially, with software prefetch; on decode-sized products (a few
-  rows, the weight streamed from memory once) that can beat oneDNN; its W4A8 variant reads int4 weights at 4 bits.
-  The probe measures up to how many rows it wins (glm5_hal.capabilities).
+  panels of 64 columns that the kernel streams sequentially (software prefetch; activations broadcast 4 bytes at a
+  time, one output per lane); its W4A8 variant reads int4 weights at 4 bits. The probe measures up to how many rows
+  it beats the general route on a weight from memory (glm5_hal.capabilities).
 - INT_MM: torch._int_mm, cuBLAS on CUDA (M > 16, K and N multiples of 8), oneDNN s8 x s8 on CPUs (any shape). The
   weight needs no preparation; on CPUs oneDNN reorders it on every call, so it trails ONEDNN_U8S8 there.
 
@@ -96,13 +96,13 @@ def _native_applies(m: int, k: int, n: int, device: torch.device) -> bool:
 
 
 def _native_prepare(w_q: Tensor) -> tuple[Tensor, int]:
-    """w_q [N, K] int8 -> (the weight in the kernel's tiles, N)."""
-    return int8_gemm.tile_weight(w_q), w_q.shape[0]
+    """w_q [N, K] int8 -> (the weight in the kernel's panels, N)."""
+    return int8_gemm.panel_weight(w_q), w_q.shape[0]
 
 
 def _native_accumulate(x_q: Tensor, prepared: tuple[Tensor, int]) -> Tensor:
-    tiled, n = prepared
-    return int8_gemm.w8a8_mm(x_q, tiled, n)
+    panels, n = prepared
+    return int8_gemm.w8a8_mm(x_q, panels, n)
 
 
 ONEDNN_U8S8 = Int8Gemm(
@@ -110,7 +110,7 @@ ONEDNN_U8S8 = Int8Gemm(
 )
 INT_MM = Int8Gemm("torch._int_mm", _int_mm_applies, lambda w_q: w_q, _int_mm_accumulate, caches_weights=False)
 NATIVE_VNNI = Int8Gemm(
-    "glm5-hal native VNNI (u8 x s8, tiled weight)", _native_applies, _native_prepare, _native_accumulate, True
+    "glm5-hal native VNNI (u8 x s8, weight in panels)", _native_applies, _native_prepare, _native_accumulate, True
 )
 ROUTES: tuple[Int8Gemm, ...] = (ONEDNN_U8S8, NATIVE_VNNI, INT_MM)
 

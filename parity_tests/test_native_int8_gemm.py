@@ -2,8 +2,10 @@
 (AVX-512 VNNI where the CPU has it, and the portable one on any CPU with a compiler).
 
 - The integer sums equal float64 (exact for these sizes) products bit for bit, on hypothesis shapes that cross the
-  tile, K-block and vector edges, with extreme codes, for the weight as stored (strided too) and tiled.
-- The fused epilogue (scales, bias, rounding to bf16) gives the bits of the torch route's separate ops.
+  row-block, panel, K-step, K-block and vector edges, with extreme codes, for the weight as stored (strided too) and
+  in panels.
+- The fused epilogue (scales, bias, rounding to bf16) gives the bits of the torch route's separate ops, subnormal,
+  tie, overflow and NaN values included.
 - W4A8: per channel (any even K, tails included) and grouped; the groups summed in order as the torch route does.
 - A result does not depend on the thread count; bad arguments name what was expected.
 """
@@ -39,9 +41,9 @@ def _exact(x_q: torch.Tensor, w_q: torch.Tensor) -> torch.Tensor:
     return (x_q.double() @ w_q.double().T).float()
 
 
-def _non_contiguous(tiles: torch.Tensor) -> torch.Tensor:
-    """The same [tiles, chunks, 4, 64] values in another memory order (a view the kernels must not misread)."""
-    return tiles.transpose(1, 2).contiguous().transpose(1, 2)
+def _non_contiguous(panels: torch.Tensor) -> torch.Tensor:
+    """The same [panels, steps, 64, 4] values in another memory order (a view the kernels must not misread)."""
+    return panels.transpose(1, 2).contiguous().transpose(1, 2)
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -57,10 +59,10 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
 @pytest.mark.parametrize("isa", ISAS)
 @SETTINGS
 @given(
-    rows=st.integers(0, 11),
-    cols=st.integers(0, 13),
-    depth=st.sampled_from([0, 1, 63, 64, 65, 200, 4096, 4097, 8300]),
-    layout=st.sampled_from(["stored", "strided", "tiled", "tiled view"]),
+    rows=st.integers(0, 14),
+    cols=st.sampled_from([0, 1, 13, 16, 17, 64, 70]),
+    depth=st.sampled_from([0, 1, 3, 4, 5, 63, 64, 65, 200, 4096, 4097, 4099, 8300]),
+    layout=st.sampled_from(["stored", "strided", "panels", "panels view"]),
     extreme=st.booleans(),
     seed=st.integers(0, 2**31 - 1),
 )
@@ -68,25 +70,25 @@ def test_w8a8_sums_are_exact(isa, rows, cols, depth, layout, extreme, seed):
     _runs(isa)
     gen = torch.Generator().manual_seed(seed)
     x_q, w_q = _codes(gen, rows, depth, extreme), _codes(gen, cols, depth + 5, extreme)[:, :depth]
-    w = {"stored": w_q.contiguous(), "strided": w_q, "tiled": int8_gemm.tile_weight(w_q)}.get(layout)
-    if layout == "tiled view":
-        w = _non_contiguous(int8_gemm.tile_weight(w_q))
+    w = {"stored": w_q.contiguous(), "strided": w_q, "panels": int8_gemm.panel_weight(w_q)}.get(layout)
+    if layout == "panels view":
+        w = _non_contiguous(int8_gemm.panel_weight(w_q))
     got = int8_gemm.w8a8_mm(x_q, w, cols, isa=isa, threads=1)
     assert got.dtype == torch.float32 and torch.equal(got, _exact(x_q, w_q))
 
 
 @pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("rows", [5, 31, 33])
-def test_w8a8_sums_are_exact_where_k_is_split_into_blocks(isa, rows):
-    # An X larger than X_WHOLE bytes (and K > KC) takes K in blocks, the sums kept in int32 between them; the
-    # hypothesis shapes above stay below it. 5 rows: one block (a small X); 31 / 33: blocks, ragged row tiles.
+@pytest.mark.parametrize("rows", [5, 6, 7, 13])
+def test_w8a8_sums_are_exact_across_k_blocks_and_row_blocks(isa, rows):
+    # Three K blocks (the int32 sums kept between them for every row block), the last ending in a partial step;
+    # whole and ragged row blocks; two panels, the second ragged.
     _runs(isa)
     gen = torch.Generator().manual_seed(rows)
-    depth = int8_gemm.X_WHOLE // 31 + 1  # > KC; 31 rows cross X_WHOLE
-    assert depth > int8_gemm.KC and 5 * depth <= int8_gemm.X_WHOLE < 31 * depth
-    x_q, w_q = _codes(gen, rows, depth, True), _codes(gen, 9, depth, True)
-    for weight in (w_q, int8_gemm.tile_weight(w_q)):
-        assert torch.equal(int8_gemm.w8a8_mm(x_q, weight, 9, isa=isa, threads=1), _exact(x_q, w_q))
+    depth = 2 * int8_gemm.INT8_K_BLOCK + 3
+    assert rows % int8_gemm.ROW_BLOCK or rows == int8_gemm.ROW_BLOCK
+    x_q, w_q = _codes(gen, rows, depth, True), _codes(gen, 70, depth, True)
+    for weight in (w_q, int8_gemm.panel_weight(w_q)):
+        assert torch.equal(int8_gemm.w8a8_mm(x_q, weight, 70, isa=isa, threads=1), _exact(x_q, w_q))
 
 
 @pytest.mark.parametrize("isa", ISAS)
@@ -99,8 +101,8 @@ def test_w8a8_epilogue_gives_the_bits_of_the_torch_route(isa, out_dtype, rows):
     x_scale, w_scale, bias = torch.rand(rows, generator=gen), torch.rand(37, generator=gen), torch.randn(37)
     x_scale[-1] = float("nan")  # a row whose activations held NaN (dynamic_quant gives it scale NaN)
     want = _exact(x_q, w_q).mul_(x_scale[:, None]).mul_(w_scale[None, :]).add_(bias).to(out_dtype)
-    tiled = int8_gemm.tile_weight(w_q)
-    got = int8_gemm.w8a8_mm(x_q, tiled, 37, x_scale, w_scale, bias, out_dtype, isa=isa, threads=1)
+    panels = int8_gemm.panel_weight(w_q)  # 37 columns: two 16-lane vectors and a tail of 5
+    got = int8_gemm.w8a8_mm(x_q, panels, 37, x_scale, w_scale, bias, out_dtype, isa=isa, threads=1)
     assert _same(got, want)
     unbiased = _exact(x_q, w_q).mul_(x_scale[:, None]).mul_(w_scale[None, :]).to(out_dtype)
     assert _same(int8_gemm.w8a8_mm(x_q, w_q, None, x_scale, w_scale, None, out_dtype, isa=isa, threads=1), unbiased)
@@ -120,10 +122,12 @@ def _w4a8_reference(x_q, w_packed, scales, group, x_scale):
 @pytest.mark.parametrize("isa", ISAS)
 @SETTINGS
 @given(
-    rows=st.integers(1, 9),
-    cols=st.integers(1, 13),
-    shape=st.sampled_from([(2, None), (126, None), (128, None), (300, None), (256, 128), (512, 256), (1024, 128)]),
-    layout=st.sampled_from(["stored", "tiled", "tiled view"]),
+    rows=st.integers(1, 14),
+    cols=st.sampled_from([1, 13, 16, 17, 64, 70]),
+    shape=st.sampled_from(
+        [(2, None), (6, None), (8, None), (126, None), (128, None), (300, None), (48, 8), (256, 128), (512, 256)]
+    ),
+    layout=st.sampled_from(["stored", "panels", "panels view"]),
     scaled=st.booleans(),
     extreme=st.booleans(),
     seed=st.integers(0, 2**31 - 1),
@@ -139,13 +143,62 @@ def test_w4a8_is_the_torch_routes_arithmetic_on_exact_group_sums(isa, rows, cols
         w_packed.fill_(0x88)  # -8 in both nibbles: the largest products
     scales = torch.rand(cols, depth // group, generator=gen)
     x_scale = torch.rand(rows, generator=gen) if scaled else None
-    weight = {"stored": w_packed, "tiled": int8_gemm.tile_int4_weight(w_packed)}.get(layout)
-    if layout == "tiled view":
-        weight = _non_contiguous(int8_gemm.tile_int4_weight(w_packed))
+    weight = {"stored": w_packed, "panels": int8_gemm.panel_int4_weight(w_packed)}.get(layout)
+    if layout == "panels view":
+        weight = _non_contiguous(int8_gemm.panel_int4_weight(w_packed))
     got = int8_gemm.w4a8_mm(x_q, weight, scales, group, x_scale, isa=isa, threads=1)
     assert _same(got, _w4a8_reference(x_q, w_packed, scales, group, x_scale))
     rounded = int8_gemm.w4a8_mm(x_q, weight, scales, group, x_scale, torch.bfloat16, isa=isa, threads=1)
     assert _same(rounded, _w4a8_reference(x_q, w_packed, scales, group, x_scale).bfloat16())
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize(
+    ("depth", "groups"), [(int8_gemm.INT4_K_BLOCK + 200, 1), (2 * int8_gemm.INT4_K_BLOCK + 256, 2)]
+)
+def test_w4a8_sums_are_exact_across_k_blocks(isa, depth, groups):
+    # Past INT4_K_BLOCK columns the int32 sums of a group wait between K blocks: one group of K, or two groups each
+    # wider than a block; 7 rows (a whole and a ragged row block), 70 columns (two panels).
+    _runs(isa)
+    gen = torch.Generator().manual_seed(depth)
+    group = depth // groups
+    assert group > int8_gemm.INT4_K_BLOCK and group % int8_gemm.INT4_STEP == 0
+    x_q = _codes(gen, 7, depth, True)
+    w_packed = torch.randint(0, 256, (70, depth // 2), generator=gen, dtype=torch.uint8)
+    scales = torch.rand(70, groups, generator=gen)
+    want = _w4a8_reference(x_q, w_packed, scales, group, None)
+    for weight in (w_packed, int8_gemm.panel_int4_weight(w_packed)):
+        assert _same(int8_gemm.w4a8_mm(x_q, weight, scales, group, isa=isa, threads=1), want)
+
+
+def _special_scales() -> torch.Tensor:
+    """fp32 values where rounding to bf16 has edge cases: ties to even (both ways), subnormals (which VCVTNEPS2BF16
+    would flush to zero), the largest finite value (rounds to inf), inf, -0, NaN; 37 of them (two 16-lane vectors
+    and a tail)."""
+    bits = torch.tensor(
+        # As signed int32: 0x80400000 - 2^32 a negative subnormal; -1 (0xFFFFFFFF) a NaN that rounding without a NaN
+        # check would carry into +0.
+        [0x3F808000, 0x3F818000, 0x3F808001, 0x00000001, 0x00008000, 0x00018000, 0x80400000 - (1 << 32), -1],
+        dtype=torch.int32,
+    ).view(torch.float32)
+    values = [float("inf"), float("-inf"), -0.0, float("nan"), 3.4028234663852886e38, 1.0, -1.5, 1e-38]
+    return torch.cat([bits, torch.tensor(values), torch.linspace(-3, 3, 37 - 16)])
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_the_epilogues_round_to_bf16_as_torch_does_on_edge_values(isa):
+    _runs(isa)
+    scales = _special_scales()
+    n = scales.numel()
+    x_q = torch.tensor([[1], [-1]], dtype=torch.int8)  # one column: every sum is +-1, so y = +-scale exactly
+    w_q = torch.ones(n, 1, dtype=torch.int8)
+    ones = torch.ones(2)
+    want = (torch.tensor([[1.0], [-1.0]]) * scales).bfloat16()
+    assert _same(int8_gemm.w8a8_mm(x_q, w_q, None, ones, scales, None, torch.bfloat16, isa=isa, threads=1), want)
+    x4 = torch.tensor([[1, 0], [-1, 0]], dtype=torch.int8)
+    w_packed = torch.ones(n, 1, dtype=torch.uint8)  # w = 1 at even k, 0 at odd k
+    got = int8_gemm.w4a8_mm(x4, w_packed, scales[:, None], 2, ones, torch.bfloat16, isa=isa, threads=1)
+    assert _same(got, want)
 
 
 def _strided_view(t: torch.Tensor) -> torch.Tensor:
@@ -214,8 +267,8 @@ def test_bad_arguments_name_what_was_expected():
         int8_gemm.w8a8_mm(x_q, w_q.float())
     with pytest.raises(ValueError, match=r"w_q: expected \(3, 64\), got \(3, 32\)"):
         int8_gemm.w8a8_mm(x_q, w_q[:, :32], 3)
-    with pytest.raises(ValueError, match=r"w_q: expected \(1, 1, 4, 64\)"):
-        int8_gemm.w8a8_mm(x_q, int8_gemm.tile_weight(w_q)[:, :, :2], 3)
+    with pytest.raises(ValueError, match=r"w_q: expected \(1, 16, 64, 4\)"):
+        int8_gemm.w8a8_mm(x_q, int8_gemm.panel_weight(w_q)[:, :2], 3)
     with pytest.raises(ValueError, match=r"x_scale, w_scale: expected both or neither"):
         int8_gemm.w8a8_mm(x_q, w_q, None, torch.ones(2))
     with pytest.raises(ValueError, match=r"w_scale: expected \[3\], got \(4,\)"):
@@ -223,8 +276,8 @@ def test_bad_arguments_name_what_was_expected():
     with pytest.raises(TypeError, match=r"out_dtype: expected one of"):
         int8_gemm.w8a8_mm(x_q, w_q, out_dtype=torch.float16)
     w_packed, scales = torch.zeros(3, 32, dtype=torch.uint8), torch.ones(3, 1)
-    with pytest.raises(ValueError, match=r"group: expected K = 64 or a multiple of 128 dividing it, got 32"):
-        int8_gemm.w4a8_mm(x_q, w_packed, torch.ones(3, 2), 32)
+    with pytest.raises(ValueError, match=r"group: expected K = 64 or a multiple of 8 dividing it, got 4"):
+        int8_gemm.w4a8_mm(x_q, w_packed, torch.ones(3, 16), 4)
     with pytest.raises(ValueError, match=r"w_packed: expected \(3, 32\), got \(3, 31\)"):
         int8_gemm.w4a8_mm(x_q, w_packed[:, :31], scales, 64)
     with pytest.raises(ValueError, match=r"x_q: expected an even K"):

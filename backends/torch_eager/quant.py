@@ -3,9 +3,9 @@
 Where glm5_hal.capabilities found an exact int8 GEMM that beats fp32 on the device (glm5_hal.int8_gemms: oneDNN's
 u8 x s8 kernels on CPUs with VNNI / AMX, torch._int_mm on CUDA), the accumulators come from it; what it derives
 from a weight (a prepacked copy, unpacked int4 codes) is made once per weight (backends.torch_eager.weight_cache).
-Products with as few rows as the probe found glm5-hal's native VNNI kernel faster for (decode) run it instead: the
-weight in the kernel's tiles (copied once per weight; W4A8 read at 4 bits), the scaling fused, the same bits
-(glm5_hal.native.int8_gemm).
+Products with as few rows as the probe found glm5-hal's native VNNI kernel faster for (decode, short prefill) run it
+instead: the weight in the kernel's panels (copied once per weight; W4A8 read at 4 bits), the scaling fused, the
+same bits (glm5_hal.native.int8_gemm).
 Otherwise, and with GLM5_HAL_FAST_PATHS=0, they come from the conservative path below.
 
 Exactness without an integer GEMM: fp32 holds every integer of magnitude <= 2^24 exactly, and every partial sum of
@@ -107,10 +107,10 @@ def quant_matmul(
     if _takes_native(x_q):
         # One pass: the int8 weight read in place, scales, bias and the rounding to out_dtype in the kernel, in the
         # order of the lines below (the same bits).
-        tiled, n = derived(w_q, NATIVE_VNNI.name, NATIVE_VNNI.prepare)  # the weight in the kernel's tiles, once
+        panels, n = derived(w_q, NATIVE_VNNI.name, NATIVE_VNNI.prepare)  # the weight in the kernel's panels, once
         bias32 = None if bias is None else bias.to(COMPUTE_DTYPE)
         # The kernel's wrapper, not its custom op: this op is the custom op callers trace (and a dispatch less).
-        y = int8_gemm.run_w8a8(x_q, tiled, n, x_scale, w_scale, bias32, _native_out(out_dtype))
+        y = int8_gemm.run_w8a8(x_q, panels, n, x_scale, w_scale, bias32, _native_out(out_dtype))
         return y.to(out_dtype)
     route = _fast_route(x_q.device, *x_q.shape, w_q.shape[0])
     if route is not None:
@@ -188,9 +188,9 @@ def w4a8_matmul(
     num_groups = k // group
     if k and _takes_native(x_q) and int8_gemm.w4a8_takes(k, group):
         # The packed int4 weight read at 4 bits, nibbles split in registers; the torch route's arithmetic below.
-        tiled = derived(w_packed, (NATIVE_VNNI.name, "int4 tiles"), int8_gemm.tile_int4_weight)  # once per weight
+        panels = derived(w_packed, (NATIVE_VNNI.name, "int4 panels"), int8_gemm.panel_int4_weight)  # once per weight
         scales = w_scale.reshape(n, num_groups)
-        return int8_gemm.run_w4a8(x_q, tiled, scales, group, x_scale, _native_out(out_dtype)).to(out_dtype)
+        return int8_gemm.run_w4a8(x_q, panels, scales, group, x_scale, _native_out(out_dtype)).to(out_dtype)
     group_scales = w_scale.to(COMPUTE_DTYPE).reshape(n, num_groups).T  # [G, N]
     route = _fast_route(x_q.device, m, group, n)
     if route is not None:

@@ -1,209 +1,46 @@
 /* Exact int8 GEMMs for W8A8 and W4A8 with both operands K-contiguous ("NT"), on CPUs with AVX-512 VNNI.
  *
  *   W8A8:  C[m][n] = fp32( sum_k X[m][k] * W[n][k] )                  X, W int8; the int32 sum is exact
- *   W4A8:  Y[m][n] = sum_g fp32( sum_{k in g} X[m][k] * W4[n][k] ) * S[n][g]    W4 int4 packed two per byte
+ *   W4A8:  Y[m][n] = sum_g fp32( sum_{k in g} X[m][k] * W4[n][k] ) * S[n][g]    W4 int4
  *
  * VPDPBUSD multiplies unsigned bytes by signed bytes and adds each group of four products to an int32 lane, without
- * saturation (the adds wrap modulo 2^32). The signed x signed product comes from a shift by a zero point:
- * - W8A8: the weight byte w + 128 (its top bit flipped) is the unsigned side, so the lanes hold
- *   sum x (w + 128) = sum x w + 128 sum x; the caller passes 128 sum x per row (xsum128, M numbers per call, where
- *   a weight-side correction would need a pass over the weight). Wrapping arithmetic makes the difference exact
- *   whenever the true sum fits int32, however large the shifted one is.
- * - W4A8: the weight nibble is w + 8 after flipping its top bit (0..15, unsigned), the activation the signed side:
- *   sum (w + 8) x = sum w x + 8 sum x; the kernel subtracts 8 sum x per row and group. The nibbles are split in
- *   registers from the packed bytes, so the weight is read at 4 bits a value. The weight comes repacked once
- *   (int8_gemm.py's tile_int4_weight) so that byte j of each 128-column block holds columns j (low nibble) and
- *   64 + j (high nibble): the activations are then read as they are, 64 contiguous bytes per nibble half.
+ * saturation (the adds wrap modulo 2^32). The signed x signed product comes from a zero point on the weight, the
+ * unsigned side: W8A8 stores w + 128, W4A8 the nibble w + 8, so the lanes hold sum x w + 128 sum x (or 8 sum x per
+ * group); the kernels subtract that share, computed once per call from each activation row. Wrapping arithmetic
+ * makes the difference exact whenever the true sum fits int32, however large the shifted one is.
  *
- * Built twice by glm5_hal/native/build.py: with -mavx512vnni (4 x 4 tiles of 512-bit int32 accumulators), and
- * without it (GLM5_PORTABLE: the same loops around a scalar tile, for testing the blocking on any CPU). Both give
- * the exact integer sums; glm5_hal/native/int8_gemm.py has the Python side.
+ * Panel form. The weight is copied once per weight (int8_gemm.py's panel_weight / panel_int4_weight) into panels of
+ * PC = 64 columns, [ceil(N / 64)][steps][64][4] bytes, each panel one sequential stream. One int32 lane holds one
+ * column's 4 consecutive k (W8A8: a step is 4 columns of K) or 8 as nibbles (W4A8: a step is 8 columns; byte b holds
+ * k = 8s + b in its low nibble and 8s + 4 + b in its high one), zero-padded (w = 0). A kernel step broadcasts 4
+ * activation bytes of a row to every lane and multiplies them by 16 columns at once, so each lane is one output and
+ * nothing is summed across lanes. (The dot form this replaced, one vector per row-and-column pair summed across its
+ * lanes at the end, lost to oneDNN's kernels past 4 rows.) A block of PR rows x 64 columns keeps 4 x PR accumulators
+ * in registers over a K block; the panel's K block (256 KiB) stays in L2 while the row blocks go by, and the int32
+ * sums wait in `sums` between K blocks. Activation bytes past K read as 0, so the weight's padding adds nothing.
+ *
+ * Built twice by glm5_hal/native/build.py: with -mavx512vnni, and without it (GLM5_PORTABLE: the same blocking
+ * around scalar arithmetic, for testing it on any CPU). Both give the exact integer sums and the same epilogue bits;
+ * glm5_hal/native/int8_gemm.py has the Python side.
  */
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "bf16.h"
 
-#define MR 4     /* rows of X per tile */
-#define NR 4     /* rows of W (columns of C) per tile */
-#define KC 4096  /* W8A8: K per block; a tile's 8 operand rows (32 KiB) stay in L1 across the block */
-#define MC 128   /* W8A8: rows of X per block: MC x KC bytes (512 KiB) stay in L2 while W streams past */
-/* W8A8: an X of at most this many bytes is not split into K blocks (it stays in L2 whole, and each weight tile is
-   one sequential stream; K blocks would read every tile in KC-wide pieces, 1.5x slower at 8 rows of K = 16384). */
-#define X_WHOLE (256 * 1024)
-#define KB 128   /* W4A8: columns per step (64 packed weight bytes, repacked); groups are whole steps */
+#define PR 6              /* rows of X per block: 4 x 6 accumulators + 4 weight vectors + 1 broadcast <= 32 */
+#define PC 64             /* columns per panel */
+#define KP8 4096          /* W8A8: K per block, 64 x 4096 bytes of panel (256 KiB) in L2 */
+#define KP4 8192          /* W4A8: K per block, 64 x 4096 bytes of panel (256 KiB) in L2 */
+#define PREFETCH_AHEAD 1024 /* bytes of the panel stream requested ahead of the loads (the hardware prefetchers stop
+                               at every 4 KiB page where the VM gives no huge pages) */
 
-#ifndef GLM5_PORTABLE
-#include <immintrin.h>
-
-/* The 16 sums of v[0..15] in one vector, lane 4 * i + j holding sum(v[4 * j + i]) (the bf16_gemm.c reduction on
-   int32 lanes: integer adds, so exact in any order). */
-static inline __m512i sum_each_of_16(const __m512i v[16]) {
-    __m512i pairs[8], quads[4];
-    for (int j = 0; j < 8; j++)
-        pairs[j] = _mm512_add_epi32(_mm512_shuffle_i32x4(v[2 * j], v[2 * j + 1], 0x44),
-                                    _mm512_shuffle_i32x4(v[2 * j], v[2 * j + 1], 0xEE));
-    for (int j = 0; j < 4; j++)
-        quads[j] = _mm512_add_epi32(_mm512_shuffle_i32x4(pairs[2 * j], pairs[2 * j + 1], 0x88),
-                                    _mm512_shuffle_i32x4(pairs[2 * j], pairs[2 * j + 1], 0xDD));
-    __m512i r0 = _mm512_add_epi32(_mm512_unpacklo_epi32(quads[0], quads[1]), _mm512_unpackhi_epi32(quads[0], quads[1]));
-    __m512i r1 = _mm512_add_epi32(_mm512_unpacklo_epi32(quads[2], quads[3]), _mm512_unpackhi_epi32(quads[2], quads[3]));
-    return _mm512_add_epi32(_mm512_unpacklo_epi64(r0, r1), _mm512_unpackhi_epi64(r0, r1));
-}
-
-/* acc_n<m> += (w[n] + 128) . x[m] over 64 bytes, for the four x rows: one weight vector's dot products. Named
-   accumulators, not an array: gcc keeps an array of 16 vectors partly on the stack across the loop. */
-#define DOT_ROW(n, wv)                                              \
-    acc##n##0 = _mm512_dpbusd_epi32(acc##n##0, wv, x0);             \
-    acc##n##1 = _mm512_dpbusd_epi32(acc##n##1, wv, x1);             \
-    acc##n##2 = _mm512_dpbusd_epi32(acc##n##2, wv, x2);             \
-    acc##n##3 = _mm512_dpbusd_epi32(acc##n##3, wv, x3);
-
-/* out[4 * m + n] = sum over k < K of x[m][k] * (w[n][k] + 128), modulo 2^32; next: the weight rows of the tile
-   after this one, prefetched as these are read (in step: without huge pages the rows cross a 4 KiB page every 4096
-   bytes, where the hardware prefetchers stop and start over). Not inlined: inside the driver's loops gcc runs out
-   of registers and keeps accumulators on the stack (a store-to-load chain per step). */
-__attribute__((noinline)) static void tile_w8a8(const int8_t *x[MR], const int8_t *w[NR], const int8_t *next[NR],
-                                                long w_step, long K, int32_t out[MR * NR]) {
-    const __m512i flip = _mm512_set1_epi8((char)0x80); /* w + 128: the signed byte with its top bit flipped */
-    __m512i acc00 = _mm512_setzero_si512(), acc01 = acc00, acc02 = acc00, acc03 = acc00, acc10 = acc00,
-            acc11 = acc00, acc12 = acc00, acc13 = acc00, acc20 = acc00, acc21 = acc00, acc22 = acc00, acc23 = acc00,
-            acc30 = acc00, acc31 = acc00, acc32 = acc00, acc33 = acc00;
-    for (long k = 0; k < K; k += 64) {
-        /* The K - k < 64 last bytes: masked loads read nothing past the row and give zeros; x loads as 0, so the
-           128 its w becomes after the flip adds nothing. */
-        __mmask64 valid = K - k >= 64 ? ~(__mmask64)0 : ((__mmask64)1 << (K - k)) - 1;
-        __m512i x0 = _mm512_maskz_loadu_epi8(valid, x[0] + k), x1 = _mm512_maskz_loadu_epi8(valid, x[1] + k);
-        __m512i x2 = _mm512_maskz_loadu_epi8(valid, x[2] + k), x3 = _mm512_maskz_loadu_epi8(valid, x[3] + k);
-        long at = (k / 64) * w_step; /* the weight's 64-byte chunk k / 64 (see Layout) */
-        for (int n = 0; n < NR; n++) _mm_prefetch((const char *)(next[n] + at), _MM_HINT_T0);
-        __m512i w0 = _mm512_xor_si512(_mm512_maskz_loadu_epi8(valid, w[0] + at), flip);
-        DOT_ROW(0, w0)
-        __m512i w1 = _mm512_xor_si512(_mm512_maskz_loadu_epi8(valid, w[1] + at), flip);
-        DOT_ROW(1, w1)
-        __m512i w2 = _mm512_xor_si512(_mm512_maskz_loadu_epi8(valid, w[2] + at), flip);
-        DOT_ROW(2, w2)
-        __m512i w3 = _mm512_xor_si512(_mm512_maskz_loadu_epi8(valid, w[3] + at), flip);
-        DOT_ROW(3, w3)
-    }
-    /* acc<n><m> goes to slot 4n + m, which sum_each_of_16 lands in lane 4m + n: out is row-major. */
-    const __m512i acc[MR * NR] = {acc00, acc01, acc02, acc03, acc10, acc11, acc12, acc13,
-                                  acc20, acc21, acc22, acc23, acc30, acc31, acc32, acc33};
-    _mm512_storeu_si512(out, sum_each_of_16(acc));
-}
-
-/* tile_w8a8 for a single row of X (decode with one token): 4 accumulators instead of 16 of which 12 would repeat
-   the same row's work. out[n] as tile_w8a8's out[n]. */
-__attribute__((noinline)) static void row_w8a8(const int8_t *x, const int8_t *w[NR], const int8_t *next[NR],
-                                               long w_step, long K, int32_t out[MR * NR]) {
-    const __m512i flip = _mm512_set1_epi8((char)0x80);
-    __m512i acc0 = _mm512_setzero_si512(), acc1 = acc0, acc2 = acc0, acc3 = acc0;
-    for (long k = 0; k < K; k += 64) {
-        __mmask64 valid = K - k >= 64 ? ~(__mmask64)0 : ((__mmask64)1 << (K - k)) - 1;
-        __m512i xv = _mm512_maskz_loadu_epi8(valid, x + k);
-        long at = (k / 64) * w_step;
-        for (int n = 0; n < NR; n++) _mm_prefetch((const char *)(next[n] + at), _MM_HINT_T0);
-        acc0 = _mm512_dpbusd_epi32(acc0, _mm512_xor_si512(_mm512_maskz_loadu_epi8(valid, w[0] + at), flip), xv);
-        acc1 = _mm512_dpbusd_epi32(acc1, _mm512_xor_si512(_mm512_maskz_loadu_epi8(valid, w[1] + at), flip), xv);
-        acc2 = _mm512_dpbusd_epi32(acc2, _mm512_xor_si512(_mm512_maskz_loadu_epi8(valid, w[2] + at), flip), xv);
-        acc3 = _mm512_dpbusd_epi32(acc3, _mm512_xor_si512(_mm512_maskz_loadu_epi8(valid, w[3] + at), flip), xv);
-    }
-    out[0] = _mm512_reduce_add_epi32(acc0);
-    out[1] = _mm512_reduce_add_epi32(acc1);
-    out[2] = _mm512_reduce_add_epi32(acc2);
-    out[3] = _mm512_reduce_add_epi32(acc3);
-}
-
-/* The bytes of x's 64-column half starting at column `at` of a row with `cols` columns: masked past the end (0). */
-static inline __mmask64 half_mask(long at, long cols) {
-    long left = cols - at;
-    return left >= 64 ? ~(__mmask64)0 : left <= 0 ? 0 : ((__mmask64)1 << left) - 1;
-}
-
-/* out[4 * m + n] = sum over the first `cols` columns of x / w (steps = ceil(cols / KB) of them) of (w + 8) x, exact
-   modulo 2^32 (x: activation rows as stored, wp: repacked int4 rows, Layout step w_step). Columns past `cols` read
-   as x = 0, so the weight's zero padding there adds nothing. next: the rows of the next tile, prefetched in step
-   (as in tile_w8a8). */
-static void tile_w4a8(const int8_t *x[MR], const uint8_t *wp[NR], const uint8_t *next[NR], long w_step, long cols,
-                      int32_t out[MR * NR]) {
-    const __m512i low = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8(0x08);
-    __m512i acc[MR * NR];
-    for (int i = 0; i < MR * NR; i++) acc[i] = _mm512_setzero_si512();
-    for (long s = 0, k = 0; k < cols; s++, k += KB) {
-        __mmask64 lo_valid = half_mask(k, cols), hi_valid = half_mask(k + KB / 2, cols);
-        __m512i x_lo[MR], x_hi[MR];
-        for (int m = 0; m < MR; m++) {
-            x_lo[m] = _mm512_maskz_loadu_epi8(lo_valid, x[m] + k);
-            x_hi[m] = _mm512_maskz_loadu_epi8(hi_valid, x[m] + k + KB / 2);
-        }
-        for (int n = 0; n < NR; n++) {
-            _mm_prefetch((const char *)(next[n] + s * w_step), _MM_HINT_T0);
-            __m512i packed = _mm512_loadu_si512(wp[n] + s * w_step); /* whole 64-byte chunks: the tiles are padded */
-            __m512i w_lo = _mm512_xor_si512(_mm512_and_si512(packed, low), flip);
-            __m512i w_hi = _mm512_xor_si512(_mm512_and_si512(_mm512_srli_epi16(packed, 4), low), flip);
-            for (int m = 0; m < MR; m++) {
-                acc[4 * n + m] = _mm512_dpbusd_epi32(acc[4 * n + m], w_lo, x_lo[m]);
-                acc[4 * n + m] = _mm512_dpbusd_epi32(acc[4 * n + m], w_hi, x_hi[m]);
-            }
-        }
-    }
-    _mm512_storeu_si512(out, sum_each_of_16(acc));
-}
-#else
-static void tile_w8a8(const int8_t *x[MR], const int8_t *w[NR], const int8_t *next[NR], long w_step, long K,
-                      int32_t out[MR * NR]) {
-    (void)next;
-    for (int m = 0; m < MR; m++)
-        for (int n = 0; n < NR; n++) {
-            uint32_t sum = 0; /* unsigned: wraps modulo 2^32 like the vector lanes (signed overflow is undefined) */
-            for (long k = 0; k < K; k++)
-                sum += (uint32_t)((int32_t)x[m][k] * ((int32_t)w[n][(k / 64) * w_step + k % 64] + 128));
-            out[MR * m + n] = (int32_t)sum;
-        }
-}
-
-static void row_w8a8(const int8_t *x, const int8_t *w[NR], const int8_t *next[NR], long w_step, long K,
-                     int32_t out[MR * NR]) {
-    const int8_t *rows[MR] = {x, x, x, x};
-    tile_w8a8(rows, w, next, w_step, K, out); /* out[0..3]: row 0 */
-}
-
-static void tile_w4a8(const int8_t *x[MR], const uint8_t *wp[NR], const uint8_t *next[NR], long w_step, long cols,
-                      int32_t out[MR * NR]) {
-    (void)next;
-    for (int m = 0; m < MR; m++)
-        for (int n = 0; n < NR; n++) {
-            uint32_t sum = 0;
-            for (long s = 0, k = 0; k < cols; s++, k += KB)
-                for (int j = 0; j < KB / 2; j++) {
-                    uint8_t byte = wp[n][s * w_step + j];
-                    int32_t w_lo = (int32_t)((byte & 0x0F) ^ 0x08), w_hi = (int32_t)((byte >> 4) ^ 0x08);
-                    if (k + j < cols) sum += (uint32_t)(w_lo * x[m][k + j]);
-                    if (k + KB / 2 + j < cols) sum += (uint32_t)(w_hi * x[m][k + KB / 2 + j]);
-                }
-            out[MR * m + n] = (int32_t)sum;
-        }
-}
-#endif
-
-/* Where the weight's bytes are: row n's 64-byte chunk c (columns 64c.. of W8A8, 128c.. of W4A8, which packs two per
-   byte) starts at W + (n / 4) * tile + (n % 4) * lane + c * step.
-   - As stored, [N, K] (or [N, K / 2]) rows of stride r: tile = 4r, lane = r, step = 64.
-   - Tiled (int8_gemm.py's tile_weight, made once per weight): [N / 4][chunks][4][64], zero-padded, so a tile of 4
-     rows is one sequential stream (the hardware prefetchers follow one stream better than four, and past a 4 KiB
-     page they start over): tile = 256 x chunks, lane = 64, step = 256. */
+/* Where the results go: y = fp32(sum) [* x_scale[m] * w_scale[n]] [+ bias[n]], each step one fp32 rounding in
+   this order (the torch route's: acc.mul_(x_scale).mul_(w_scale).add_(bias)), stored as fp32 or bf16. W4A8 uses
+   x_scale only (its weight scales are per group). */
 typedef struct {
-    long tile, lane, step;
-} Layout;
-
-static inline const int8_t *chunk(const int8_t *W, Layout at, long n, long c) {
-    return W + (n / NR) * at.tile + (n % NR) * at.lane + c * at.step;
-}
-
-/* Where the results go: y = fp32(acc) [* x_scale[m] * w_scale[n]] [+ bias[n]], each step one fp32 rounding in
-   this order (the torch route's: acc.mul_(x_scale).mul_(w_scale).add_(bias)), stored as fp32 or bf16. */
-typedef struct {
-    const float *x_scale, *w_scale, *bias; /* NULL: not applied (w_scale / x_scale: W8A8 passes both or neither) */
+    const float *x_scale, *w_scale, *bias; /* NULL: not applied */
     void *y;
     long y_row;
     int bf16; /* 1: y is bf16 (rounded as torch's .to(bfloat16)), 0: fp32 */
@@ -216,130 +53,323 @@ static inline void store(const Epilogue *e, long m, long n, float value) {
         ((float *)e->y)[m * e->y_row + n] = value;
 }
 
-/* 128 x the sum of each row of X[m0..m1) (the weight zero point's share of every accumulator), modulo 2^32. */
-static void zero_point_shares(const int8_t *X, long x_row, long K, long m0, long m1, uint32_t share[MC]) {
-    for (long m = m0; m < m1; m++) {
-        int64_t sum = 0;
-        for (long k = 0; k < K; k++) sum += X[m * x_row + k];
-        share[m - m0] = (uint32_t)sum * 128u;
+/* 4 bytes of activations from column k, those at or past column `end` read as 0, as one int32. */
+static inline int32_t quad_at(const int8_t *x, long k, long end) {
+    int32_t v = 0;
+    if (k < end) memcpy(&v, x + k, end - k >= 4 ? 4 : (size_t)(end - k));
+    return v;
+}
+
+#ifndef GLM5_PORTABLE
+#include <immintrin.h>
+
+/* The accumulators of row r of a block, named (not an array: gcc keeps arrays of vectors on the stack and copies
+   them on every step), and what the kernels do with them; `if (R > r)` is decided at compile time. */
+#define ACCS(r) __m512i a##r##0, a##r##1, a##r##2, a##r##3;
+#define LOAD(r)                                                                                         \
+    if (R > r) {                                                                                        \
+        a##r##0 = first ? _mm512_setzero_si512() : _mm512_loadu_si512(sums + r * PC);                   \
+        a##r##1 = first ? _mm512_setzero_si512() : _mm512_loadu_si512(sums + r * PC + 16);              \
+        a##r##2 = first ? _mm512_setzero_si512() : _mm512_loadu_si512(sums + r * PC + 32);              \
+        a##r##3 = first ? _mm512_setzero_si512() : _mm512_loadu_si512(sums + r * PC + 48);              \
+    }
+/* a[r][c] += the 16 columns' weights in w<c> times row r's 4 bytes `quad`, four products per lane. */
+#define STEP(r, quad)                                                                                   \
+    if (R > r) {                                                                                        \
+        __m512i xb = _mm512_set1_epi32(quad);                                                           \
+        a##r##0 = _mm512_dpbusd_epi32(a##r##0, w0, xb);                                                 \
+        a##r##1 = _mm512_dpbusd_epi32(a##r##1, w1, xb);                                                 \
+        a##r##2 = _mm512_dpbusd_epi32(a##r##2, w2, xb);                                                 \
+        a##r##3 = _mm512_dpbusd_epi32(a##r##3, w3, xb);                                                 \
+    }
+#define SAVE(r)                                                                                         \
+    if (R > r) {                                                                                        \
+        _mm512_storeu_si512(sums + r * PC, a##r##0);                                                    \
+        _mm512_storeu_si512(sums + r * PC + 16, a##r##1);                                               \
+        _mm512_storeu_si512(sums + r * PC + 32, a##r##2);                                               \
+        _mm512_storeu_si512(sums + r * PC + 48, a##r##3);                                               \
+    }
+#define EACH_ROW(op) op(0) op(1) op(2) op(3) op(4) op(5) /* PR rows */
+#define QUAD(r, k) quad_at(x + (r) * x_row, k, k + 4)      /* a whole quad (memcpy of 4: one load) */
+#define W8A8_WHOLE(r) STEP(r, QUAD(r, k))
+#define W8A8_TAIL(r) STEP(r, quad_at(x + r * x_row, k, k1))
+#define W4A8_LOW(r) STEP(r, QUAD(r, k))
+#define W4A8_HIGH(r) STEP(r, QUAD(r, k + 4))
+#define W4A8_LOW_TAIL(r) STEP(r, quad_at(x + r * x_row, k, k1))
+#define W4A8_HIGH_TAIL(r) STEP(r, quad_at(x + r * x_row, k + 4, k1))
+
+static inline void prefetch_step(const uint8_t *p) {
+    for (int c = 0; c < 4; c++) _mm_prefetch((const char *)(p + PREFETCH_AHEAD + 64 * c), _MM_HINT_T0);
+}
+
+/* sums[r][j] (+)= sum over k in [k0, k1) of x[r][k] (w[j][k] + 128), modulo 2^32, for R rows of x (row stride
+   x_row, columns absolute) and the panel's 64 columns; p: the panel from step k0 / 4 (k0 a multiple of 4). first:
+   start from 0, else from sums. R is a constant where each caller inlines this, so the accumulators stay in
+   registers. */
+static inline __attribute__((always_inline)) void w8a8_rows(const int R, const int8_t *x, long x_row,
+                                                          const uint8_t *p, long k0, long k1, int first,
+                                                          int32_t *sums) {
+    EACH_ROW(ACCS)
+    EACH_ROW(LOAD)
+    const long whole = k0 + ((k1 - k0) & ~3L);
+    long k = k0;
+    for (; k < whole; k += 4, p += 4 * PC) {
+        prefetch_step(p);
+        __m512i w0 = _mm512_loadu_si512(p), w1 = _mm512_loadu_si512(p + 64);
+        __m512i w2 = _mm512_loadu_si512(p + 128), w3 = _mm512_loadu_si512(p + 192);
+        EACH_ROW(W8A8_WHOLE)
+    }
+    if (k < k1) { /* the last, partial step of K (k1 = K there) */
+        __m512i w0 = _mm512_loadu_si512(p), w1 = _mm512_loadu_si512(p + 64);
+        __m512i w2 = _mm512_loadu_si512(p + 128), w3 = _mm512_loadu_si512(p + 192);
+        EACH_ROW(W8A8_TAIL)
+    }
+    EACH_ROW(SAVE)
+}
+
+/* w8a8_rows for W4A8: sums (+)= sum over k in [k0, k1) of x[r][k] (w[j][k] + 8); p: the int4 panel from step
+   k0 / 8 (k0 a multiple of 8). The low nibbles of a step meet columns k..k+3, the high ones k+4..k+7; each half is
+   loaded again rather than kept (registers: 24 accumulators, 4 weight vectors, the broadcast and the mask). */
+static inline __attribute__((always_inline)) void w4a8_rows(const int R, const int8_t *x, long x_row,
+                                                          const uint8_t *p, long k0, long k1, int first,
+                                                          int32_t *sums) {
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    EACH_ROW(ACCS)
+    EACH_ROW(LOAD)
+    const long whole = k0 + ((k1 - k0) & ~7L);
+    long k = k0;
+    for (; k < whole; k += 8, p += 4 * PC) {
+        prefetch_step(p);
+        __m512i w0 = _mm512_and_si512(_mm512_loadu_si512(p), low);
+        __m512i w1 = _mm512_and_si512(_mm512_loadu_si512(p + 64), low);
+        __m512i w2 = _mm512_and_si512(_mm512_loadu_si512(p + 128), low);
+        __m512i w3 = _mm512_and_si512(_mm512_loadu_si512(p + 192), low);
+        EACH_ROW(W4A8_LOW)
+        w0 = _mm512_and_si512(_mm512_srli_epi16(_mm512_loadu_si512(p), 4), low);
+        w1 = _mm512_and_si512(_mm512_srli_epi16(_mm512_loadu_si512(p + 64), 4), low);
+        w2 = _mm512_and_si512(_mm512_srli_epi16(_mm512_loadu_si512(p + 128), 4), low);
+        w3 = _mm512_and_si512(_mm512_srli_epi16(_mm512_loadu_si512(p + 192), 4), low);
+        EACH_ROW(W4A8_HIGH)
+    }
+    if (k < k1) { /* the last, partial step of K (k1 = K there: one group) */
+        __m512i w0 = _mm512_and_si512(_mm512_loadu_si512(p), low);
+        __m512i w1 = _mm512_and_si512(_mm512_loadu_si512(p + 64), low);
+        __m512i w2 = _mm512_and_si512(_mm512_loadu_si512(p + 128), low);
+        __m512i w3 = _mm512_and_si512(_mm512_loadu_si512(p + 192), low);
+        EACH_ROW(W4A8_LOW_TAIL)
+        w0 = _mm512_and_si512(_mm512_srli_epi16(_mm512_loadu_si512(p), 4), low);
+        w1 = _mm512_and_si512(_mm512_srli_epi16(_mm512_loadu_si512(p + 64), 4), low);
+        w2 = _mm512_and_si512(_mm512_srli_epi16(_mm512_loadu_si512(p + 128), 4), low);
+        w3 = _mm512_and_si512(_mm512_srli_epi16(_mm512_loadu_si512(p + 192), 4), low);
+        EACH_ROW(W4A8_HIGH_TAIL)
+    }
+    EACH_ROW(SAVE)
+}
+
+/* y[m][n .. n + 16) = v, as fp32, or rounded to bf16 as float_to_bf16 does (to nearest even, NaN -> 0x7FC0;
+   VCVTNEPS2BF16 would flush subnormals to zero, torch does not). */
+static inline void store16(const Epilogue *e, long m, long n, __m512 v) {
+    if (!e->bf16) {
+        _mm512_storeu_ps((float *)e->y + m * e->y_row + n, v);
+        return;
+    }
+    __m512i bits = _mm512_castps_si512(v);
+    __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(bits, _mm512_set1_epi32(0x7FFFFFFF)),
+                                            _mm512_set1_epi32(0x7F800000));
+    __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
+    rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7FC0));
+    _mm256_storeu_si256((__m256i *)((uint16_t *)e->y + m * e->y_row + n), _mm512_cvtepi32_epi16(rounded));
+}
+#else
+/* The same sums, one product at a time (unsigned: wraps modulo 2^32 like the lanes). */
+static inline void w8a8_rows(const int R, const int8_t *x, long x_row, const uint8_t *p, long k0, long k1, int first,
+                             int32_t *sums) {
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < PC; j++) {
+            uint32_t sum = first ? 0u : (uint32_t)sums[r * PC + j];
+            for (long k = k0; k < k1; k++)
+                sum += (uint32_t)(x[r * x_row + k] * (int32_t)p[((k - k0) / 4) * 4 * PC + 4 * j + (k - k0) % 4]);
+            sums[r * PC + j] = (int32_t)sum;
+        }
+}
+
+static inline void w4a8_rows(const int R, const int8_t *x, long x_row, const uint8_t *p, long k0, long k1, int first,
+                             int32_t *sums) {
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < PC; j++) {
+            uint32_t sum = first ? 0u : (uint32_t)sums[r * PC + j];
+            for (long k = k0; k < k1; k++) {
+                long s = (k - k0) / 8, b = (k - k0) % 8;
+                uint8_t byte = p[s * 4 * PC + 4 * j + b % 4];
+                sum += (uint32_t)(x[r * x_row + k] * (int32_t)(b < 4 ? byte & 0x0F : byte >> 4));
+            }
+            sums[r * PC + j] = (int32_t)sum;
+        }
+}
+#endif
+
+/* kernel(R, ...) for R = rows (1..PR): each count its own code, the accumulators in registers. */
+#define FOR_ROWS(kernel, rows, ...)                                                                     \
+    switch (rows) {                                                                                     \
+    case 1: kernel(1, __VA_ARGS__); break;                                                              \
+    case 2: kernel(2, __VA_ARGS__); break;                                                              \
+    case 3: kernel(3, __VA_ARGS__); break;                                                              \
+    case 4: kernel(4, __VA_ARGS__); break;                                                              \
+    case 5: kernel(5, __VA_ARGS__); break;                                                              \
+    default: kernel(PR, __VA_ARGS__); break;                                                            \
+    }
+
+static void w8a8_block(int rows, const int8_t *x, long x_row, const uint8_t *p, long k0, long k1, int first,
+                       int32_t *sums) {
+    FOR_ROWS(w8a8_rows, rows, x, x_row, p, k0, k1, first, sums)
+}
+
+static void w4a8_block(int rows, const int8_t *x, long x_row, const uint8_t *p, long k0, long k1, int first,
+                       int32_t *sums) {
+    FOR_ROWS(w4a8_rows, rows, x, x_row, p, k0, k1, first, sums)
+}
+
+/* W8A8: y[m][n0 + j] for j < cols from the exact sums (sums[j] - share), the scalar `store` arithmetic, 16 lanes
+   at a time where AVX-512 is there: the same fp32 roundings in the same order. */
+static void w8a8_epilogue(const Epilogue *e, const int32_t *sums, uint32_t share, long m, long n0, int cols) {
+    int j = 0;
+#ifndef GLM5_PORTABLE
+    for (; j + 16 <= cols; j += 16) {
+        __m512 v = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_loadu_si512(sums + j), _mm512_set1_epi32((int)share)));
+        if (e->x_scale)
+            v = _mm512_mul_ps(_mm512_mul_ps(v, _mm512_set1_ps(e->x_scale[m])), _mm512_loadu_ps(e->w_scale + n0 + j));
+        if (e->bias) v = _mm512_add_ps(v, _mm512_loadu_ps(e->bias + n0 + j));
+        store16(e, m, n0 + j, v);
+    }
+#endif
+    for (; j < cols; j++) {
+        float value = (float)(int32_t)((uint32_t)sums[j] - share);
+        if (e->x_scale) value = value * e->x_scale[m] * e->w_scale[n0 + j];
+        if (e->bias) value = value + e->bias[n0 + j];
+        store(e, m, n0 + j, value);
     }
 }
 
-/* The W8A8 GEMM for columns [n_begin, n_end), every row: one thread's share. X's rows K-contiguous, W as Layout
-   says. Where K takes several blocks (KC; not for one row tile or an X of at most X_WHOLE bytes), the int32 sums
-   wait in `acc` ([M, N], acc_row; may be NULL otherwise); else each tile's sums are final and go straight to the epilogue. Returns 0 (as
-   glm5_w4a8_gemm_nt does: the callers check both alike). */
-int glm5_w8a8_gemm_nt(long M, long K, const int8_t *X, long x_row, const int8_t *W, long w_tile, long w_lane,
-                       long w_step, int32_t *acc,
-                       long acc_row, const float *x_scale, const float *w_scale, const float *bias, void *y,
-                       long y_row, int bf16, long n_begin, long n_end) {
+/* W4A8, group g of `groups` done for row m: total[j] = (g == 0 ? 0 : total[j] +) fp32(sums[j] - share) * S[n][g]
+   (an fp32 multiply, then an fp32 add: the torch route's order); after the last group, y = total [* x_scale[m]]. */
+static void w4a8_group_epilogue(const Epilogue *e, const int32_t *sums, float *total, uint32_t share, const float *S,
+                                long s_row, long g, long groups, long m, long n0, int cols) {
+    const int last = g == groups - 1;
+    int j = 0;
+#ifndef GLM5_PORTABLE
+    const __m512i columns = _mm512_mullo_epi32(
+        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), _mm512_set1_epi32((int)s_row));
+    for (; j + 16 <= cols; j += 16) {
+        __m512 exact = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_loadu_si512(sums + j), _mm512_set1_epi32((int)share)));
+        __m512 scaled = _mm512_mul_ps(exact, _mm512_i32gather_ps(columns, S + (n0 + j) * s_row + g, 4));
+        __m512 sum = g == 0 ? scaled : _mm512_add_ps(_mm512_loadu_ps(total + j), scaled);
+        if (!last) {
+            _mm512_storeu_ps(total + j, sum);
+            continue;
+        }
+        store16(e, m, n0 + j, e->x_scale ? _mm512_mul_ps(sum, _mm512_set1_ps(e->x_scale[m])) : sum);
+    }
+#endif
+    for (; j < cols; j++) {
+        float scaled = (float)(int32_t)((uint32_t)sums[j] - share) * S[(n0 + j) * s_row + g];
+        float sum = g == 0 ? scaled : total[j] + scaled;
+        if (!last)
+            total[j] = sum;
+        else
+            store(e, m, n0 + j, e->x_scale ? sum * e->x_scale[m] : sum);
+    }
+}
+
+/* zero * the sum of each group of `group` columns of each row of X, modulo 2^32: share[m * groups + g] (the weight
+   zero point's part of every accumulator). */
+static void zero_point_shares(long M, long groups, long group, const int8_t *X, long x_row, uint32_t zero,
+                              uint32_t *share) {
+    for (long m = 0; m < M; m++)
+        for (long g = 0; g < groups; g++) {
+            int64_t sum = 0;
+            for (long k = g * group; k < (g + 1) * group; k++) sum += X[m * x_row + k];
+            share[m * groups + g] = (uint32_t)sum * zero;
+        }
+}
+
+/* The W8A8 GEMM for columns [n_begin, n_end) (n_begin a multiple of PC), every row: X [M, K] int8 rows of stride
+   x_row; P: panel_weight's panels, p_stride bytes apart. y = the Epilogue of the exact sums (x_scale and w_scale
+   both or neither). Returns 0, or -1 where its scratch could not be allocated (nothing written). */
+int glm5_w8a8_gemm_nt(long M, long K, const int8_t *X, long x_row, const uint8_t *P, long p_stride,
+                      const float *x_scale, const float *w_scale, const float *bias, void *y, long y_row, int bf16,
+                      long n_begin, long n_end) {
     const Epilogue e = {x_scale, w_scale, bias, y, y_row, bf16};
-    const Layout layout = {w_tile, w_lane, w_step};
-    const long kc_max = M <= MR || M * K <= X_WHOLE ? K : KC; /* one row tile or a small X: one pass over K */
-    int32_t out[MR * NR];
-    uint32_t share[MC];
-    for (long m0 = 0; m0 < M; m0 += MC) {
-        long m1 = m0 + MC < M ? m0 + MC : M;
-        zero_point_shares(X, x_row, K, m0, m1, share);
+    uint32_t *share = malloc(sizeof(uint32_t) * (M > 0 ? M : 1));
+    int32_t *sums = malloc(sizeof(int32_t) * PC * (M > 0 ? M : 1));
+    if (!share || !sums) {
+        free(share);
+        free(sums);
+        return -1;
+    }
+    zero_point_shares(M, 1, K, X, x_row, 128u, share);
+    for (long n0 = n_begin; n0 < n_end; n0 += PC) {
+        const uint8_t *panel = P + (n0 / PC) * p_stride;
+        const int cols = n_end - n0 < PC ? (int)(n_end - n0) : PC;
         long k0 = 0;
         do { /* at least once: K = 0 gives zeros */
-            long kc = K - k0 < kc_max ? K - k0 : kc_max;
-            int last = k0 + kc >= K, only = k0 == 0 && last;
-            for (long n = n_begin; n < n_end; n += NR) {
-                int cols = n_end - n < NR ? (int)(n_end - n) : NR;
-                const int8_t *wp[NR], *next[NR];
-                for (int j = 0; j < NR; j++) {
-                    wp[j] = chunk(W, layout, n + (j < cols ? j : 0), k0 / 64); /* edge: repeat row n */
-                    long after = n + NR + j < n_end ? n + NR + j : n; /* past the share: a row already read */
-                    next[j] = chunk(W, layout, after, k0 / 64);
-                }
-                for (long m = m0; m < m1; m += MR) {
-                    int rows = m1 - m < MR ? (int)(m1 - m) : MR;
-                    const int8_t *xp[MR];
-                    for (int i = 0; i < MR; i++) xp[i] = X + (m + (i < rows ? i : 0)) * x_row + k0;
-                    if (rows == 1)
-                        row_w8a8(xp[0], wp, m == m0 ? next : wp, w_step, kc, out);
-                    else
-                        tile_w8a8(xp, wp, m == m0 ? next : wp, w_step, kc, out); /* later row tiles find W cached */
-                    for (int i = 0; i < rows; i++)
-                        for (int j = 0; j < cols; j++) {
-                            /* unsigned adds: wrap modulo 2^32 like the lanes */
-                            uint32_t sum = (uint32_t)out[MR * i + j];
-                            if (!only) {
-                                int32_t *slot = acc + (m + i) * acc_row + n + j;
-                                sum += k0 == 0 ? 0u : (uint32_t)*slot;
-                                if (!last) {
-                                    *slot = (int32_t)sum;
-                                    continue;
-                                }
-                            }
-                            float value = (float)(int32_t)(sum - share[m + i - m0]);
-                            if (e.x_scale) value = value * e.x_scale[m + i] * e.w_scale[n + j];
-                            if (e.bias) value = value + e.bias[n + j];
-                            store(&e, m + i, n + j, value);
-                        }
-                }
+            long k1 = K - k0 > KP8 ? k0 + KP8 : K;
+            for (long m = 0; m < M; m += PR) {
+                int rows = M - m < PR ? (int)(M - m) : PR;
+                w8a8_block(rows, X + m * x_row, x_row, panel + (k0 / 4) * 4 * PC, k0, k1, k0 == 0, sums + m * PC);
+                if (k1 == K)
+                    for (int r = 0; r < rows; r++) w8a8_epilogue(&e, sums + (m + r) * PC, share[m + r], m + r, n0, cols);
             }
-            k0 += kc;
+            k0 = k1;
         } while (k0 < K);
     }
+    free(share);
+    free(sums);
     return 0;
 }
 
-/* 8 x the sum of each group of `group` columns of each row of X, modulo 2^32: xsum8[m * groups + g] (the weight
-   zero point's share of every group accumulator). */
-static void group_shares(long M, long groups, long group, const int8_t *X, long x_row, uint32_t *xsum8) {
-    for (long m = 0; m < M; m++)
-        for (long g = 0; g < groups; g++) {
-            int32_t sum = 0;
-            for (long k = g * group; k < (g + 1) * group; k++) sum += X[m * x_row + k];
-            xsum8[m * groups + g] = (uint32_t)sum * 8u;
-        }
-}
-
-/* The W4A8 GEMM for columns [n_begin, n_end), every row: y[m][n] = (sum over groups g, in order, of
-   fp32(exact int32 accumulator of group g) * S[n][g]) [* x_scale[m]], each step an fp32 multiply then an fp32 add
-   (the torch route's order). X: [M, K] int8 rows as stored (K-contiguous); Wp: the repacked int4 weight (Layout),
-   groups of K / groups columns, each whole steps of KB unless there is one group. Returns 0, or -1 where the
-   scratch for the group sums could not be allocated (nothing written). */
-int glm5_w4a8_gemm_nt(long M, long K, long groups, const int8_t *X, long x_row, const uint8_t *Wp, long w_tile,
-                      long w_lane, long w_step, const float *S, long s_row, const float *x_scale, void *y, long y_row,
-                      int bf16, long n_begin, long n_end) {
+/* The W4A8 GEMM for columns [n_begin, n_end) (n_begin a multiple of PC), every row: y[m][n] = (sum over groups g,
+   in order, of fp32(exact int32 sum of group g) * S[n][g]) [* x_scale[m]] (the torch route's fp32 steps, in its
+   order). X: [M, K] int8 rows as stored (K-contiguous); P: panel_int4_weight's panels, p_stride bytes apart; groups
+   of K / groups columns, each a multiple of 8 unless there is one group. Returns 0, or -1 where its scratch could
+   not be allocated (nothing written). */
+int glm5_w4a8_gemm_nt(long M, long K, long groups, const int8_t *X, long x_row, const uint8_t *P, long p_stride,
+                      const float *S, long s_row, const float *x_scale, void *y, long y_row, int bf16, long n_begin,
+                      long n_end) {
     const Epilogue e = {x_scale, NULL, NULL, y, y_row, bf16};
-    const Layout layout = {w_tile, w_lane, w_step};
-    const int8_t *W = (const int8_t *)Wp;
-    const long group = K / groups, group_steps = (group + KB - 1) / KB;
-    uint32_t *xsum8 = malloc(sizeof(uint32_t) * (M * groups > 0 ? M * groups : 1));
-    if (!xsum8) return -1;
-    group_shares(M, groups, group, X, x_row, xsum8);
-    int32_t out[MR * NR];
-    for (long n = n_begin; n < n_end; n += NR) {
-        int cols = n_end - n < NR ? (int)(n_end - n) : NR;
-        for (long m = 0; m < M; m += MR) {
-            int rows = M - m < MR ? (int)(M - m) : MR;
-            float sums[MR * NR] = {0};
-            for (long g = 0; g < groups; g++) {
-                const int8_t *xp[MR];
-                const uint8_t *wq[NR], *next[NR];
-                for (int i = 0; i < MR; i++) xp[i] = X + (m + (i < rows ? i : 0)) * x_row + g * group;
-                for (int j = 0; j < NR; j++) {
-                    wq[j] = (const uint8_t *)chunk(W, layout, n + (j < cols ? j : 0), g * group_steps);
-                    long after = m == 0 && n + NR + j < n_end ? n + NR + j : n; /* later row tiles find W cached */
-                    next[j] = (const uint8_t *)chunk(W, layout, after, g * group_steps);
+    const long group = K / groups, rows_total = M > 0 ? M : 1;
+    uint32_t *share = malloc(sizeof(uint32_t) * rows_total * (groups > 0 ? groups : 1));
+    int32_t *sums = malloc(sizeof(int32_t) * PC * rows_total);
+    float *total = malloc(sizeof(float) * PC * rows_total);
+    if (!share || !sums || !total) {
+        free(share);
+        free(sums);
+        free(total);
+        return -1;
+    }
+    zero_point_shares(M, groups, group, X, x_row, 8u, share);
+    for (long n0 = n_begin; n0 < n_end; n0 += PC) {
+        const uint8_t *panel = P + (n0 / PC) * p_stride;
+        const int cols = n_end - n0 < PC ? (int)(n_end - n0) : PC;
+        for (long g = 0; g < groups; g++) {
+            const long g_end = (g + 1) * group;
+            for (long k0 = g * group; k0 < g_end;) {
+                long k1 = g_end - k0 > KP4 ? k0 + KP4 : g_end;
+                for (long m = 0; m < M; m += PR) {
+                    int rows = M - m < PR ? (int)(M - m) : PR;
+                    w4a8_block(rows, X + m * x_row, x_row, panel + (k0 / 8) * 4 * PC, k0, k1, k0 == g * group,
+                               sums + m * PC);
+                    if (k1 == g_end)
+                        for (int r = 0; r < rows; r++)
+                            w4a8_group_epilogue(&e, sums + (m + r) * PC, total + (m + r) * PC,
+                                                share[(m + r) * groups + g], S, s_row, g, groups, m + r, n0, cols);
                 }
-                tile_w4a8(xp, wq, next, w_step, group, out);
-                for (int i = 0; i < rows; i++)
-                    for (int j = 0; j < cols; j++) {
-                        int32_t exact = (int32_t)((uint32_t)out[MR * i + j] - xsum8[(m + i) * groups + g]);
-                        float scaled = (float)exact * S[(n + j) * s_row + g];
-                        sums[MR * i + j] = g == 0 ? scaled : sums[MR * i + j] + scaled;
-                    }
+                k0 = k1;
             }
-            for (int i = 0; i < rows; i++)
-                for (int j = 0; j < cols; j++)
-                    store(&e, m + i, n + j, e.x_scale ? sums[MR * i + j] * e.x_scale[m + i] : sums[MR * i + j]);
         }
     }
-    free(xsum8);
+    free(share);
+    free(sums);
+    free(total);
     return 0;
 }

@@ -5,15 +5,16 @@
                                                 #   -> [M, N] fp32: sum over groups of fp32(exact int32) x scale
     ok, why = availability()
 
-W8A8 reads the int8 rows as stored or, faster, tile_weight's copy (made once per weight, as oneDNN's route reorders
-the weight into its blocked layout once, glm5_hal.int8_gemms). W4A8 reads tile_int4_weight's copy (a weight as
-stored is repacked on every call) and splits the int4 nibbles in registers, so it streams half the bytes of W8A8
-(torch has no int4 x int8 GEMM; without this kernel the codes are unpacked to int8 once per weight and read at 8
-bits); the activations are read as they are. The integer sums are exact (int8_gemm.c says how); W4A8's fp32 steps
-are the torch route's, in its order (backends/torch_eager/quant.py), so both give the same bits.
+Both kernels read the weight in panels of 64 columns (panel_weight / panel_int4_weight: a copy made once per weight,
+as oneDNN's route reorders the weight into its blocked layout once, glm5_hal.int8_gemms); a weight passed as stored
+is copied into panels on every call. W4A8 keeps the int4 codes at 4 bits in its panels and splits the nibbles in
+registers, so it streams half the bytes of W8A8 (torch has no int4 x int8 GEMM; without this kernel the codes are
+unpacked to int8 once per weight and read at 8 bits); the activations are read as they are. The integer sums are
+exact (int8_gemm.c says how); the fused epilogues are the torch route's fp32 steps, in its order
+(backends/torch_eager/quant.py), so both give the same bits.
 
 The GEMMs are the custom ops torch.ops.glm5_hal.native_w8a8_mm / native_w4a8_mm, split over torch's intra-op thread
-count by columns (a result does not depend on the split).
+count by panels (a result does not depend on the split).
 """
 
 from __future__ import annotations
@@ -29,20 +30,21 @@ from glm5_hal.native import threads as threads_
 
 FAST = "avx512_vnni"  # build.ISAS: the kernel the backend uses
 PORTABLE = "portable"  # the same blocking with scalar arithmetic (tests, any CPU)
-TILE_COLUMNS = 4  # NR in int8_gemm.c
-STEP = 128  # KB in int8_gemm.c: W4A8 columns per step; a group of W4A8 scales must be whole steps
+PANEL_COLUMNS = 64  # PC in int8_gemm.c: a thread's share of the columns is whole panels
+LANE_BYTES = 4  # bytes of one column per kernel step: 4 int8 codes, or 8 int4 ones
+INT8_STEP = 4  # columns of K per W8A8 step
+INT4_STEP = 8  # columns of K per W4A8 step: a group of W4A8 scales must be whole steps
+ROW_BLOCK = 6  # PR in int8_gemm.c: rows of X per block
+INT8_K_BLOCK = 4096  # KP8 in int8_gemm.c: W8A8's K per block
+INT4_K_BLOCK = 8192  # KP4 in int8_gemm.c: W4A8's K per block (within a group)
 INT8_ZERO_POINT = 128  # w + 128: the unsigned byte the W8A8 kernel multiplies
 INT4_ZERO_POINT = 8  # w + 8: the unsigned nibble the W4A8 kernel multiplies
 
 _C_LONG, _C_INT, _PTR = ctypes.c_long, ctypes.c_int, ctypes.c_void_p
-_LAYOUT = [_C_LONG] * 3  # tile, lane, step (int8_gemm.c Layout)
 _SHARE = [_C_LONG] * 2  # n_begin, n_end: a thread's share of the columns
-_W8A8_ARGS = [_C_LONG, _C_LONG, _PTR, _C_LONG, _PTR, *_LAYOUT, _PTR, _C_LONG, _PTR, _PTR, _PTR, _PTR, _C_LONG, _C_INT]
-_W8A8_ARGS += _SHARE
-_W4A8_ARGS = [_C_LONG, _C_LONG, _C_LONG, _PTR, _C_LONG, _PTR, *_LAYOUT, _PTR, _C_LONG, _PTR, _PTR, _C_LONG, _C_INT]
+_W8A8_ARGS = [_C_LONG, _C_LONG, _PTR, _C_LONG, _PTR, _C_LONG, _PTR, _PTR, _PTR, _PTR, _C_LONG, _C_INT, *_SHARE]
+_W4A8_ARGS = [_C_LONG, _C_LONG, _C_LONG, _PTR, _C_LONG, _PTR, _C_LONG, _PTR, _C_LONG, _PTR, _PTR, _C_LONG, _C_INT]
 _W4A8_ARGS += _SHARE
-KC = 4096  # int8_gemm.c: W8A8's K per block
-X_WHOLE = 256 * 1024  # int8_gemm.c: W8A8 takes K in one block where X has at most this many bytes
 OUT_DTYPES = (torch.float32, torch.bfloat16)  # what the kernels write (others: fp32, converted by the caller)
 
 
@@ -52,51 +54,56 @@ def availability(isa: str = FAST) -> tuple[bool, str]:
 
 
 def w4a8_takes(k: int, group: int) -> bool:
-    """Whether w4a8_mm takes groups of `group` columns of K: whole kernel steps, or one group (per channel)."""
-    return group == k or group % STEP == 0
+    """Whether w4a8_mm takes groups of `group` columns of K: one group (per channel), or whole kernel steps."""
+    return group == k or group % INT4_STEP == 0
 
 
-CHUNK = 64  # bytes of a weight row per kernel step (int8_gemm.c Layout)
+def _panels(lanes: Tensor, pad: int) -> Tensor:
+    """lanes [N, S, 4] uint8 (S kernel steps of one column's 4 bytes each) -> [ceil(N / 64), S, 64, 4]: the columns
+    in panels of 64, padded with `pad` (a zero weight), each panel one sequential stream (int8_gemm.c)."""
+    n, steps, _ = lanes.shape
+    panels = -(-n // PANEL_COLUMNS)
+    padded = lanes.new_full((panels * PANEL_COLUMNS, steps, LANE_BYTES), pad)
+    padded[:n] = lanes
+    return padded.view(panels, PANEL_COLUMNS, steps, LANE_BYTES).transpose(1, 2).contiguous()
 
 
-def tile_weight(w: Tensor) -> Tensor:
-    """w [N, C] (int8 codes, or uint8 int4 pairs) -> [ceil(N / 4), ceil(C / 64), 4, 64]: each tile of 4 rows as one
-    sequential stream of 64-byte chunks, zero-padded (int8_gemm.c Layout). Made once per weight (the backend caches
-    it, as oneDNN's prepacked copy); the kernels read it at the same bits as the weight as stored."""
-    n, c = w.shape
-    tiles, chunks = -(-n // TILE_COLUMNS), -(-c // CHUNK)
-    padded = w.new_zeros(tiles * TILE_COLUMNS, chunks * CHUNK)
-    padded[:n, :c] = w
-    return padded.view(tiles, TILE_COLUMNS, chunks, CHUNK).transpose(1, 2).contiguous()
+def panel_weight(w_q: Tensor) -> Tensor:
+    """w_q [N, K] int8 -> the W8A8 kernel's weight, [ceil(N / 64), ceil(K / 4), 64, 4] uint8 w + 128: each panel of
+    64 columns one stream of steps, a step a column's 4 consecutive k in one int32 lane, zero weights past N and K.
+    Made once per weight (the backend caches it, as oneDNN's prepacked copy); the kernel reads it at the same bits as
+    the weight as stored."""
+    n, k = w_q.shape
+    steps = -(-k // INT8_STEP)
+    codes = w_q.new_zeros(n, steps * INT8_STEP)
+    codes[:, :k] = w_q
+    shifted = codes.view(torch.uint8) ^ INT8_ZERO_POINT  # w + 128, exactly (the top bit flipped)
+    return _panels(shifted.view(n, steps, LANE_BYTES), INT8_ZERO_POINT)
 
 
-def tile_int4_weight(w_packed: Tensor) -> Tensor:
-    """w_packed [N, K/2] uint8 (int4 pairs, even k in the low nibble) -> the W4A8 kernel's weight, made once per
-    weight: each block of 128 columns repacked so that its byte j holds columns j (low nibble) and 64 + j (high
-    nibble), zero nibbles past K, then tile_weight's tiles. The kernel then multiplies 64 contiguous activations by
-    each nibble half, with no per-call rearrangement of the activations."""
+def panel_int4_weight(w_packed: Tensor) -> Tensor:
+    """w_packed [N, K/2] uint8 (int4 pairs, even k in the low nibble) -> the W4A8 kernel's weight,
+    [ceil(N / 64), ceil(K / 8), 64, 4] uint8, made once per weight: a step holds a column's 8 consecutive k, byte b
+    the nibbles w + 8 of k = 8s + b (low) and 8s + 4 + b (high), so that each half meets 4 consecutive activation
+    bytes; zero weights past N and K."""
     n, half = w_packed.shape
-    blocks = -(-half // CHUNK)  # 128 columns, 64 bytes each
-    nibbles = w_packed.new_zeros(n, blocks * 2 * CHUNK)
-    nibbles[:, 0 : 2 * half : 2] = w_packed & 0x0F
-    nibbles[:, 1 : 2 * half : 2] = w_packed >> 4
-    halves = nibbles.view(n, blocks, 2, CHUNK)
-    return tile_weight((halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(n, blocks * CHUNK))
+    steps = -(-2 * half // INT4_STEP)
+    shifted = w_packed.new_full((n, steps * INT4_STEP), INT4_ZERO_POINT)  # w + 8 (w = 0 past K)
+    shifted[:, 0 : 2 * half : 2] = (w_packed & 0x0F) ^ INT4_ZERO_POINT  # two's complement nibble -> w + 8
+    shifted[:, 1 : 2 * half : 2] = (w_packed >> 4) ^ INT4_ZERO_POINT
+    octets = shifted.view(n, steps, 2, LANE_BYTES)
+    return _panels(octets[:, :, 0] | (octets[:, :, 1] << 4), INT4_ZERO_POINT | INT4_ZERO_POINT << 4)
 
 
-def _layout(w: Tensor) -> tuple[int, int, int]:
-    """(tile, lane, step) of int8_gemm.c's Layout for a weight as stored [N, C] or tiled (tile_weight)."""
+def _check_weight(name: str, w: Tensor, dtype: torch.dtype, rows: int, depth: int, step: int) -> None:
+    """w: [rows, columns] of `dtype` as stored (columns = depth, or depth / 2 int4 pairs), or its panels (uint8
+    [ceil(rows / 64), ceil(depth / step), 64, 4])."""
     if w.dim() == 4:
-        return w.stride(0), CHUNK, TILE_COLUMNS * CHUNK
-    return TILE_COLUMNS * w.stride(0), w.stride(0), CHUNK
-
-
-def _check_weight(name: str, w: Tensor, dtype: torch.dtype, rows: int, columns: int) -> None:
-    """w: [rows, columns] as stored, or tile_weight / tile_int4_weight of such a weight (the same shape)."""
-    _check_cpu(name, w, w.dim() if w.dim() in (2, 4) else 2, dtype)
-    want = (rows, columns)
-    if w.dim() == 4:
-        want = (-(-rows // TILE_COLUMNS), -(-columns // CHUNK), TILE_COLUMNS, CHUNK)
+        _check_cpu(name, w, 4, torch.uint8)
+        want = (-(-rows // PANEL_COLUMNS), -(-depth // step), PANEL_COLUMNS, LANE_BYTES)
+    else:
+        _check_cpu(name, w, 2, dtype)
+        want = (rows, depth if dtype == torch.int8 else depth // 2)
     check(tuple(w.shape) == want, ValueError, lambda: f"{name}: expected {want}, got {tuple(w.shape)}")
 
 
@@ -104,14 +111,20 @@ def _rows(t: Tensor) -> Tensor:
     return t if t.stride(-1) == 1 or t.shape[-1] <= 1 else t.contiguous()
 
 
-def _ptr(t: Tensor | None) -> int | None:
-    return None if t is None else t.data_ptr()
+def _pointers(*tensors: Tensor | None) -> list[int | None]:
+    return [None if t is None else t.data_ptr() for t in tensors]
 
 
-def _unit_stride(t: Tensor | None) -> Tensor | None:
-    """A vector the kernels read with unit stride (a strided view copied), or None. The caller keeps the result
-    alive while the kernel runs: a copy made inside an argument list would be freed before the call."""
-    return None if t is None else _rows(t)
+def _unit_strides(*vectors: Tensor | None) -> list[Tensor | None]:
+    """The vectors as the kernels read them, with unit stride (a strided view copied), None kept. The caller keeps
+    the results alive while the kernel runs: a copy made inside an argument list would be freed before the call."""
+    return [t if t is None or t.stride(0) == 1 else t.contiguous() for t in vectors]
+
+
+def _contiguous(t: Tensor) -> Tensor:
+    # is_contiguous() is a plain attribute query; contiguous() goes through torch's dispatcher even where it returns
+    # t itself, which counts on a decode-sized call.
+    return t if t.is_contiguous() else t.contiguous()
 
 
 def _check_cpu(name: str, t: Tensor, dims: int, dtype: torch.dtype) -> None:
@@ -131,8 +144,12 @@ def _check_out_dtype(out_dtype: torch.dtype) -> None:
 
 
 def _run(kernel: str, isa: str, argtypes: list, args: tuple, rows: int, cols: int, depth: int, threads: int | None):
-    shares = threads_.split(cols, threads_.thread_count(2 * rows * cols * depth, threads), TILE_COLUMNS)
-    failed = threads_.failed_shares(build.function("int8_gemm", isa, kernel, argtypes, ctypes.c_int), args, shares)
+    function = build.function("int8_gemm", isa, kernel, argtypes, ctypes.c_int)
+    parts = threads_.thread_count(2 * rows * cols * depth, threads)
+    if parts == 1:  # decode on one thread: called here, without the shares' closures (~0.015 ms once evicted)
+        failed = function(*args, 0, cols) != 0
+    else:
+        failed = threads_.failed_shares(function, args, threads_.split(cols, parts, PANEL_COLUMNS))
     check(not failed, MemoryError, lambda: f"{kernel}: no memory for its scratch ({rows} rows)")
 
 
@@ -147,17 +164,24 @@ def _w8a8(
     isa: str,
     threads: int | None,
 ) -> Tensor:
-    x_q, w_q = _rows(x_q), w_q.contiguous() if w_q.dim() == 4 else _rows(w_q)  # tiles: the layout is their strides
-    x_scale, w_scale, bias = _unit_stride(x_scale), _unit_stride(w_scale), _unit_stride(bias)
+    # A weight as stored is copied into panels on every call (callers that keep a weight pass its panels); panels
+    # are read contiguous.
+    panels = panel_weight(w_q) if w_q.dim() == 2 else _contiguous(w_q)
+    x_q, (x_scale, w_scale, bias) = _rows(x_q), _unit_strides(x_scale, w_scale, bias)
     rows, depth = x_q.shape
     out = torch.empty(rows, cols, dtype=out_dtype)
-    if out.numel() == 0:
+    if not rows or not cols:
         return out
-    # int32 sums that outlive a K block: only where K takes several blocks (int8_gemm.c's kc_max).
-    blocked = depth > KC and rows > TILE_COLUMNS and rows * depth > X_WHOLE
-    acc = torch.empty(rows, cols, dtype=torch.int32) if blocked else None
-    args = (rows, depth, x_q.data_ptr(), x_q.stride(0), w_q.data_ptr(), *_layout(w_q), _ptr(acc), cols)
-    args += (_ptr(x_scale), _ptr(w_scale), _ptr(bias), out.data_ptr(), cols, int(out_dtype == torch.bfloat16))
+    args = (
+        rows,
+        depth,
+        x_q.data_ptr(),
+        x_q.stride(0),
+        panels.data_ptr(),
+        panels.stride(0),
+        *_pointers(x_scale, w_scale, bias),
+    )
+    args += (out.data_ptr(), cols, int(out_dtype == torch.bfloat16))
     _run("glm5_w8a8_gemm_nt", isa, _W8A8_ARGS, args, rows, cols, depth, threads)
     return out
 
@@ -174,8 +198,9 @@ def w8a8_mm(
     isa: str = FAST,
     threads: int | None = None,
 ) -> Tensor:
-    """W8A8 on the CPU: x_q [M, K] int8 @ w_q [N, K]^T int8 (any strides, or tile_weight(w_q)) -> [M, N] out_dtype
-    (fp32 or bf16). N: w_q's rows (needed where w_q is tiled).
+    """W8A8 on the CPU: x_q [M, K] int8 @ w_q [N, K]^T int8 (any strides: copied into panels on every call) or
+    panel_weight(w_q) (copied once by the caller) -> [M, N] out_dtype (fp32 or bf16). n: w_q's rows (needed where w_q
+    is in panels).
 
     Without scales: fp32(the exact int32 sums), equal to torch._int_mm(x_q, w_q.T).float() while the sums fit int32.
     With x_scale [M] and w_scale [N] fp32 (both or neither) and bias [N] fp32: the sums times x_scale, times w_scale,
@@ -185,7 +210,7 @@ def w8a8_mm(
     _check_cpu("x_q", x_q, 2, torch.int8)
     m, k = x_q.shape
     n = w_q.shape[0] if n is None else n
-    _check_weight("w_q", w_q, torch.int8, n, k)
+    _check_weight("w_q", w_q, torch.int8, n, k, INT8_STEP)
     check(
         (x_scale is None) == (w_scale is None),
         ValueError,
@@ -210,17 +235,16 @@ def _w4a8(
     isa: str,
     threads: int | None,
 ) -> Tensor:
-    x_q, scales, x_scale = _rows(x_q), _rows(scales), _unit_stride(x_scale)
-    # A weight as stored is repacked on every call (callers that keep a weight pass its tiles); tiles are read by
-    # the strides of a contiguous copy.
-    w_packed = tile_int4_weight(w_packed) if w_packed.dim() == 2 else w_packed.contiguous()
+    x_q, scales, (x_scale,) = _rows(x_q), _rows(scales), _unit_strides(x_scale)
+    # As _w8a8: a weight as stored is copied into panels on every call.
+    panels = panel_int4_weight(w_packed) if w_packed.dim() == 2 else _contiguous(w_packed)
     rows, depth = x_q.shape
     cols, groups = scales.shape
     out = torch.empty(rows, cols, dtype=out_dtype)
-    if out.numel() == 0:
+    if not rows or not cols:
         return out
-    args = (rows, depth, groups, x_q.data_ptr(), x_q.stride(0), w_packed.data_ptr(), *_layout(w_packed))
-    args += (scales.data_ptr(), scales.stride(0), _ptr(x_scale), out.data_ptr(), cols)
+    args = (rows, depth, groups, x_q.data_ptr(), x_q.stride(0), panels.data_ptr(), panels.stride(0))
+    args += (scales.data_ptr(), scales.stride(0), *_pointers(x_scale), out.data_ptr(), cols)
     args += (int(out_dtype == torch.bfloat16),)
     _run("glm5_w4a8_gemm_nt", isa, _W4A8_ARGS, args, rows, cols, depth, threads)
     return out
@@ -240,8 +264,8 @@ def w4a8_mm(
     """W4A8 on the CPU, the weight read at 4 bits.
 
     x_q: [M, K] int8, K even. w_packed: [N, K / 2] uint8, int4 in two's complement, even k in the low nibble (any
-    strides; repacked on every call), or tile_int4_weight(w_packed) (repacked once by the caller).
-    scales: [N, G] fp32, G = K / group. group: columns per scale, K (per channel) or a multiple of STEP dividing K
+    strides; copied into panels on every call), or panel_int4_weight(w_packed) (copied once by the caller).
+    scales: [N, G] fp32, G = K / group. group: columns per scale, K (per channel) or a multiple of 8 dividing K
     (w4a8_takes). x_scale: [M] fp32 or None.
     Returns [M, N] out_dtype (fp32 or bf16): the sum over g, in order, of fp32(exact int32 sum of group g) *
     scales[:, g] (an fp32 multiply, then an fp32 add), times x_scale if given, rounded as torch rounds."""
@@ -253,9 +277,9 @@ def w4a8_mm(
     check(
         group > 0 and k % group == 0 and w4a8_takes(k, group),
         ValueError,
-        lambda: f"group: expected K = {k} or a multiple of {STEP} dividing it, got {group}",
+        lambda: f"group: expected K = {k} or a multiple of {INT4_STEP} dividing it, got {group}",
     )
-    _check_weight("w_packed", w_packed, torch.uint8, n, k // 2)
+    _check_weight("w_packed", w_packed, torch.uint8, n, k, INT4_STEP)
     check(
         tuple(scales.shape) == (n, k // group),
         ValueError,
