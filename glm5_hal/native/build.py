@@ -148,6 +148,9 @@ def load(kernel: str, isa: str) -> ctypes.CDLL:
         raise ValueError(f"native kernel: expected one of {KERNELS} x {tuple(ISAS)}, got {kernel!r}, {isa!r}")
     if not native_enabled():
         raise NativeUnavailable(f"{ENV_NATIVE}={os.environ[ENV_NATIVE]}")
+    found = _loaded.get((kernel, isa))  # once loaded, no lock: a dict read is atomic, and this runs on every call
+    if isinstance(found, ctypes.CDLL):
+        return found
     with _lock:  # one build per process even if several threads ask at once
         if (kernel, isa) not in _loaded:
             try:
