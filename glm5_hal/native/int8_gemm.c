@@ -102,6 +102,16 @@ static inline void prefetch_step(const uint8_t *p) {
     for (int c = 0; c < 4; c++) _mm_prefetch((const char *)(p + PREFETCH_AHEAD + 64 * c), _MM_HINT_T0);
 }
 
+/* Vector c of a step's 4 (16 columns each): W8A8's bytes w + 128, W4A8's low or high nibbles w + 8 as bytes. */
+static inline __m512i int8_lanes(const uint8_t *p, int c) { return _mm512_loadu_si512(p + 64 * c); }
+static inline __m512i low_nibbles(const uint8_t *p, int c) {
+    return _mm512_and_si512(int8_lanes(p, c), _mm512_set1_epi8(0x0F));
+}
+static inline __m512i high_nibbles(const uint8_t *p, int c) {
+    return _mm512_and_si512(_mm512_srli_epi16(int8_lanes(p, c), 4), _mm512_set1_epi8(0x0F));
+}
+#define WEIGHTS(load) w0 = load(p, 0), w1 = load(p, 1), w2 = load(p, 2), w3 = load(p, 3);
+
 /* sums[r][j] (+)= sum over k in [k0, k1) of x[r][k] (w[j][k] + 128), modulo 2^32, for R rows of x (row stride
    x_row, columns absolute) and the panel's 64 columns; p: the panel from step k0 / 4 (k0 a multiple of 4). first:
    start from 0, else from sums. R is a constant where each caller inlines this, so the accumulators stay in
@@ -111,17 +121,16 @@ static inline __attribute__((always_inline)) void w8a8_rows(const int R, const i
                                                           int32_t *sums) {
     EACH_ROW(ACCS)
     EACH_ROW(LOAD)
+    __m512i w0, w1, w2, w3;
     const long whole = k0 + ((k1 - k0) & ~3L);
     long k = k0;
     for (; k < whole; k += 4, p += 4 * PC) {
         prefetch_step(p);
-        __m512i w0 = _mm512_loadu_si512(p), w1 = _mm512_loadu_si512(p + 64);
-        __m512i w2 = _mm512_loadu_si512(p + 128), w3 = _mm512_loadu_si512(p + 192);
+        WEIGHTS(int8_lanes)
         EACH_ROW(W8A8_WHOLE)
     }
     if (k < k1) { /* the last, partial step of K (k1 = K there) */
-        __m512i w0 = _mm512_loadu_si512(p), w1 = _mm512_loadu_si512(p + 64);
-        __m512i w2 = _mm512_loadu_si512(p + 128), w3 = _mm512_loadu_si512(p + 192);
+        WEIGHTS(int8_lanes)
         EACH_ROW(W8A8_TAIL)
     }
     EACH_ROW(SAVE)
@@ -133,34 +142,22 @@ static inline __attribute__((always_inline)) void w8a8_rows(const int R, const i
 static inline __attribute__((always_inline)) void w4a8_rows(const int R, const int8_t *x, long x_row,
                                                           const uint8_t *p, long k0, long k1, int first,
                                                           int32_t *sums) {
-    const __m512i low = _mm512_set1_epi8(0x0F);
     EACH_ROW(ACCS)
     EACH_ROW(LOAD)
+    __m512i w0, w1, w2, w3;
     const long whole = k0 + ((k1 - k0) & ~7L);
     long k = k0;
     for (; k < whole; k += 8, p += 4 * PC) {
         prefetch_step(p);
-        __m512i w0 = _mm512_and_si512(_mm512_loadu_si512(p), low);
-        __m512i w1 = _mm512_and_si512(_mm512_loadu_si512(p + 64), low);
-        __m512i w2 = _mm512_and_si512(_mm512_loadu_si512(p + 128), low);
-        __m512i w3 = _mm512_and_si512(_mm512_loadu_si512(p + 192), low);
+        WEIGHTS(low_nibbles)
         EACH_ROW(W4A8_LOW)
-        w0 = _mm512_and_si512(_mm512_srli_epi16(_mm512_loadu_si512(p), 4), low);
-        w1 = _mm512_and_si512(_mm512_srli_epi16(_mm512_loadu_si512(p + 64), 4), low);
-        w2 = _mm512_and_si512(_mm512_srli_epi16(_mm512_loadu_si512(p + 128), 4), low);
-        w3 = _mm512_and_si512(_mm512_srli_epi16(_mm512_loadu_si512(p + 192), 4), low);
+        WEIGHTS(high_nibbles)
         EACH_ROW(W4A8_HIGH)
     }
     if (k < k1) { /* the last, partial step of K (k1 = K there: one group) */
-        __m512i w0 = _mm512_and_si512(_mm512_loadu_si512(p), low);
-        __m512i w1 = _mm512_and_si512(_mm512_loadu_si512(p + 64), low);
-        __m512i w2 = _mm512_and_si512(_mm512_loadu_si512(p + 128), low);
-        __m512i w3 = _mm512_and_si512(_mm512_loadu_si512(p + 192), low);
+        WEIGHTS(low_nibbles)
         EACH_ROW(W4A8_LOW_TAIL)
-        w0 = _mm512_and_si512(_mm512_srli_epi16(_mm512_loadu_si512(p), 4), low);
-        w1 = _mm512_and_si512(_mm512_srli_epi16(_mm512_loadu_si512(p + 64), 4), low);
-        w2 = _mm512_and_si512(_mm512_srli_epi16(_mm512_loadu_si512(p + 128), 4), low);
-        w3 = _mm512_and_si512(_mm512_srli_epi16(_mm512_loadu_si512(p + 192), 4), low);
+        WEIGHTS(high_nibbles)
         EACH_ROW(W4A8_HIGH_TAIL)
     }
     EACH_ROW(SAVE)

@@ -118,7 +118,7 @@ def _pointers(*tensors: Tensor | None) -> list[int | None]:
 def _unit_strides(*vectors: Tensor | None) -> list[Tensor | None]:
     """The vectors as the kernels read them, with unit stride (a strided view copied), None kept. The caller keeps
     the results alive while the kernel runs: a copy made inside an argument list would be freed before the call."""
-    return [t if t is None or t.stride(0) == 1 else t.contiguous() for t in vectors]
+    return [None if t is None else _rows(t) for t in vectors]
 
 
 def _contiguous(t: Tensor) -> Tensor:
