@@ -11,6 +11,10 @@ deletion) where CPython has one, and falls back to os.environ.get elsewhere; bot
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from typing import TypeVar
+
+T = TypeVar("T")
 
 # os.environ's own table of encoded names -> encoded values on POSIX CPython (Windows keys it by upper-cased str).
 _ENCODED: dict[bytes, bytes] | None = getattr(os.environ, "_data", None) if os.name == "posix" else None
@@ -24,3 +28,28 @@ def setting(name: str, default: str = "") -> str:
         return os.environ.get(name, default)
     value = _ENCODED.get(name.encode())
     return default if value is None else os.fsdecode(value)
+
+
+def raw_setting(name: str) -> object:
+    """A value that changes whenever os.environ[name] does (None while unset): a cache key for what a setting
+    decides, cheaper than `setting` (no decoding)."""
+    if _ENCODED is None:
+        return os.environ.get(name)
+    return _ENCODED.get(name.encode())
+
+
+_parsed: dict[tuple[str, Callable, object], object] = {}
+_PARSED_LIMIT = 256  # distinct (setting, value) pairs kept; a process cycling through more starts over
+
+
+def parsed_setting(name: str, parse: Callable[[str], T]) -> T:
+    """parse(setting(name)), parsed once per value the variable takes (a parse that raises is not remembered, so
+    a bad value raises on every call)."""
+    key = (name, parse, raw_setting(name))
+    found = _parsed.get(key, _parsed)
+    if found is _parsed:
+        found = parse(setting(name))
+        if len(_parsed) >= _PARSED_LIMIT:
+            _parsed.clear()
+        _parsed[key] = found
+    return found  # type: ignore[return-value]

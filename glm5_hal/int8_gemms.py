@@ -95,14 +95,8 @@ def _native_applies(m: int, k: int, n: int, device: torch.device) -> bool:
     return device.type == "cpu" and m > 0 and int8_gemm.availability()[0]
 
 
-def _native_prepare(w_q: Tensor) -> tuple[Tensor, int]:
-    """w_q [N, K] int8 -> (the weight in the kernel's panels, N)."""
-    return int8_gemm.panel_weight(w_q), w_q.shape[0]
-
-
-def _native_accumulate(x_q: Tensor, prepared: tuple[Tensor, int]) -> Tensor:
-    panels, n = prepared
-    return int8_gemm.w8a8_mm(x_q, panels, n)
+def _native_accumulate(x_q: Tensor, prepared: int8_gemm.PanelWeight) -> Tensor:
+    return int8_gemm.run_w8a8(x_q, prepared, None, None, None, torch.float32)
 
 
 ONEDNN_U8S8 = Int8Gemm(
@@ -110,7 +104,11 @@ ONEDNN_U8S8 = Int8Gemm(
 )
 INT_MM = Int8Gemm("torch._int_mm", _int_mm_applies, lambda w_q: w_q, _int_mm_accumulate, caches_weights=False)
 NATIVE_VNNI = Int8Gemm(
-    "glm5-hal native VNNI (u8 x s8, weight in panels)", _native_applies, _native_prepare, _native_accumulate, True
+    "glm5-hal native VNNI (u8 x s8, weight in panels)",
+    _native_applies,
+    int8_gemm.prepare_w8a8,
+    _native_accumulate,
+    True,
 )
 ROUTES: tuple[Int8Gemm, ...] = (ONEDNN_U8S8, NATIVE_VNNI, INT_MM)
 

@@ -20,7 +20,7 @@ import warnings
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
-from glm5_hal.environment import setting
+from glm5_hal.environment import parsed_setting
 from glm5_hal.registry import ALL_OP_NAMES, registry
 
 ENV_BACKEND = "GLM5_HAL_BACKEND"
@@ -67,6 +67,7 @@ class Resolution:
     backend: str  # who runs it
     implementation: Callable
     reason: str
+    fallback: bool = False  # the requested backend lacks the op, so torch runs it (with a one-time warning)
 
 
 _context: contextvars.ContextVar[tuple[_Override, ...]] = contextvars.ContextVar("glm5_hal_backend", default=())
@@ -116,8 +117,8 @@ def use_backend(name: str, *, ops: Iterable[str] | None = None, strict: bool | N
         _context.reset(token)
 
 
-def _env_per_op() -> dict[str, str]:
-    spec = setting(ENV_OP_BACKENDS).strip()
+def _parse_per_op(value: str) -> dict[str, str]:
+    spec = value.strip()
     table: dict[str, str] = {}
     for item in filter(None, (part.strip() for part in spec.split(","))):
         op, sep, name = item.partition("=")
@@ -128,14 +129,24 @@ def _env_per_op() -> dict[str, str]:
     return table
 
 
-def _env_flag(name: str) -> bool:
-    return setting(name, "0").strip().lower() in ("1", "true", "yes", "on")
+def _env_per_op() -> dict[str, str]:
+    return parsed_setting(ENV_OP_BACKENDS, _parse_per_op)
+
+
+def _parse_flag(value: str) -> bool:
+    return value.strip().lower() in ("1", "true", "yes", "on")
+
+
+def _parse_backend(value: str) -> str:
+    return value.strip() or AUTO
 
 
 def requested_backend(op: str) -> tuple[str, bool]:
     """(backend name or "auto", strict) that applies to `op` now, before availability is considered."""
     overrides = _context.get()
-    strict = next((o.strict for o in reversed(overrides) if o.strict is not None), _env_flag(ENV_STRICT))
+    strict = next((o.strict for o in reversed(overrides) if o.strict is not None), None)
+    if strict is None:
+        strict = parsed_setting(ENV_STRICT, _parse_flag)
     for override in reversed(overrides):
         if override.ops is None or op in override.ops:
             return override.backend, strict
@@ -146,7 +157,7 @@ def requested_backend(op: str) -> tuple[str, bool]:
     per_op = _env_per_op()
     if op in per_op:
         return per_op[op], strict
-    return setting(ENV_BACKEND, AUTO).strip() or AUTO, strict
+    return parsed_setting(ENV_BACKEND, _parse_backend), strict
 
 
 def _describe_others(exclude: str) -> str:
@@ -172,25 +183,7 @@ def _implementation(name: str, op: str) -> Callable | None:
     return registry().ops(name).get(op)
 
 
-# Auto resolutions by (op, device type), with the registry generation they were made at: every op call resolves
-# its backend, and building the answer (probing each backend's state, the reason string) cost ~30-40 us per call,
-# as much as a whole small op. Availability is probed once per registry generation anyway, so the answer can only
-# change when the generation does.
-_auto_resolutions: dict[tuple[str, str], tuple[object, int, Resolution]] = {}
-
-
 def _resolve_auto(op: str, device_type: str) -> Resolution:
-    reg = registry()
-    cached = _auto_resolutions.get((op, device_type))
-    if cached is not None and cached[0] is reg and cached[1] == reg.generation:
-        return cached[2]
-    generation = reg.generation  # read before building: a change while building leaves a stale entry unused
-    resolution = _build_auto_resolution(op, device_type)
-    _auto_resolutions[(op, device_type)] = (reg, generation, resolution)
-    return resolution
-
-
-def _build_auto_resolution(op: str, device_type: str) -> Resolution:
     reg = registry()
     candidates = []
     skipped = []
@@ -262,15 +255,33 @@ def _resolve_named(op: str, device_type: str, name: str, strict: bool) -> Resolu
         reason = f"{name!r} lacks {op}: fell back to {target!r}"
     else:
         reason = f"{name!r} runs {op} through {target!r} on its device"
-    return Resolution(op, device_type, name, fallback.backend, fallback.implementation, reason)
+    return Resolution(op, device_type, name, fallback.backend, fallback.implementation, reason, delegate is None)
+
+
+# Resolutions by (op, device type, requested backend, strict), with the registry and the generation they were made
+# at: every op call resolves its backend, and building the answer (probing each backend's state, the reason string)
+# cost ~30-40 us per call, as much as a whole small op. Availability is probed once per registry generation anyway,
+# so the answer can only change when the generation does. A fallback to torch is not kept: its one-time warning is
+# issued where it is built.
+_resolutions: dict[tuple[str, str, str, bool], tuple[object, int, Resolution]] = {}
 
 
 def resolve(op: str, device_type: str) -> Resolution:
     """Who runs `op` for inputs on `device_type` under the current settings, and why."""
     name, strict = requested_backend(op)
+    reg = registry()
+    key = (op, device_type, name, strict)
+    cached = _resolutions.get(key)
+    if cached is not None and cached[0] is reg and cached[1] == reg.generation:
+        return cached[2]
+    generation = reg.generation  # read before building: a change while building leaves a stale entry unused
     if name == AUTO:
-        return _resolve_auto(op, device_type)
-    return _resolve_named(op, device_type, name, strict)
+        resolution = _resolve_auto(op, device_type)
+    else:
+        resolution = _resolve_named(op, device_type, name, strict)
+    if not resolution.fallback:
+        _resolutions[key] = (reg, generation, resolution)
+    return resolution
 
 
 def float64_backends() -> list[str]:

@@ -20,6 +20,7 @@ from glm5_hal import capabilities as caps
 from glm5_hal import int8_gemms
 from glm5_hal.capabilities import AUTO, FORCE, DeviceFacts, DeviceProbe, decide
 from glm5_hal.cli import main
+from glm5_hal.native import build
 
 AVX2_ZEN3 = "model name\t: AMD EPYC 7B13\ncpu family\t: 25\nflags\t\t: fpu sse sse2 avx avx2 fma f16c bmi2\n"
 ZEN5 = (
@@ -415,3 +416,29 @@ def test_info_prints_and_records_the_choice_per_device(capsys, monkeypatch: pyte
     monkeypatch.setenv(caps.ENV_FAST_PATHS, "bogus")
     assert main(["info"]) == 0  # a diagnostic command reports a bad value instead of failing
     assert "cpu: GLM5_HAL_FAST_PATHS: expected auto" in capsys.readouterr().out
+
+
+def test_the_mode_and_native_settings_apply_to_the_next_call_of_capabilities(monkeypatch: pytest.MonkeyPatch):
+    # capabilities(device) remembers its answer per (device, mode setting, native setting): the op-call path.
+    monkeypatch.setattr(caps, "DeviceProbe", lambda device: FakeProbe())
+    monkeypatch.setattr(caps, "device_facts", lambda device: _cpu(AVX2_ZEN3))
+    monkeypatch.setattr(caps, "_cache", {})
+    monkeypatch.setattr(caps, "_recent", {})
+    monkeypatch.delenv(caps.ENV_FAST_PATHS, raising=False)
+    monkeypatch.delenv(build.ENV_NATIVE, raising=False)
+    cpu = torch.device("cpu")
+    auto = caps.capabilities(cpu)
+    assert auto.mode == AUTO and caps.capabilities(cpu) is auto
+    monkeypatch.setenv(caps.ENV_FAST_PATHS, "0")
+    assert caps.capabilities(cpu).mode == caps.OFF
+    with caps.fast_paths("1"):
+        assert caps.capabilities(cpu).mode == FORCE
+    monkeypatch.setenv(caps.ENV_FAST_PATHS, "nonsense")
+    for _ in range(2):
+        with pytest.raises(ValueError, match="GLM5_HAL_FAST_PATHS"):
+            caps.capabilities(cpu)
+    monkeypatch.delenv(caps.ENV_FAST_PATHS)
+    assert caps.capabilities(cpu) is auto
+    monkeypatch.setenv(build.ENV_NATIVE, "0")  # a separate probe: the native kernels are out of the running
+    without_native = caps.capabilities(cpu)
+    assert without_native is not auto and ("cpu", AUTO, False) in caps._cache

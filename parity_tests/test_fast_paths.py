@@ -345,6 +345,21 @@ def test_derived_values_are_made_once_per_weight_and_remade_after_a_write() -> N
     assert weight_cache.cached_entries() == before - 2  # both entries went with their weight
 
 
+def test_a_new_weight_never_finds_a_dead_weights_entry() -> None:
+    # Entries are keyed on id(weight); CPython reuses the id of a freed object at once, so a fresh weight often has a
+    # dead one's id: it must get its own value, and the dead one's entry must be gone.
+    before = weight_cache.cached_entries()
+    ids = set()
+    for value in range(50):
+        weight = torch.full((3,), float(value))
+        ids.add(id(weight))
+        assert weight_cache.derived(weight, "sum", lambda w: float(w.sum())) == 3.0 * value
+        del weight
+    assert len(ids) < 50  # ids were reused, so the case was exercised
+    gc.collect()
+    assert weight_cache.cached_entries() == before
+
+
 @pytest.mark.parametrize("op", ["quant_matmul", "w4a8_matmul"])
 def test_int8_fast_path_prepares_each_weight_once_and_sees_in_place_writes(op: str) -> None:
     gen = torch.Generator().manual_seed(2)

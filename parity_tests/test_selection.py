@@ -291,3 +291,51 @@ def test_a_backend_set_in_the_environment_applies_to_the_next_call(monkeypatch: 
     assert selection.resolve("moe_gate", "cpu").backend == "reference"
     monkeypatch.setenv("GLM5_HAL_BACKEND", "torch")
     assert selection.resolve("moe_gate", "cpu").backend == "torch"
+
+
+def test_parsed_setting_parses_each_value_once_and_follows_every_change(monkeypatch: pytest.MonkeyPatch) -> None:
+    from glm5_hal.environment import parsed_setting, raw_setting
+
+    name = "GLM5_HAL_TEST_PARSED"
+    parsed = []
+
+    def parse(value: str) -> int:
+        parsed.append(value)
+        if value == "bad":
+            raise ValueError("bad value")
+        return len(value)
+
+    monkeypatch.delenv(name, raising=False)
+    assert raw_setting(name) is None
+    assert parsed_setting(name, parse) == 0 and parsed_setting(name, parse) == 0 and parsed == [""]
+    monkeypatch.setenv(name, "abc")
+    assert raw_setting(name) is not None
+    assert parsed_setting(name, parse) == 3 and parsed_setting(name, parse) == 3 and parsed == ["", "abc"]
+    monkeypatch.setenv(name, "bad")
+    for _ in range(2):  # a value that does not parse raises on every call, not once
+        with pytest.raises(ValueError, match="bad value"):
+            parsed_setting(name, parse)
+    assert parsed == ["", "abc", "bad", "bad"]
+    monkeypatch.delenv(name)
+    assert parsed_setting(name, parse) == 0 and parsed == ["", "abc", "bad", "bad"]  # "" was parsed before
+
+
+def test_strict_and_per_op_settings_apply_to_the_next_call(monkeypatch, partial_backend) -> None:
+    # resolve() remembers its answers per (op, device, request, strict): each setting must still show on the next
+    # call, and a fallback must still warn in every test that clears the warnings (it is not remembered).
+    monkeypatch.setenv(selection.ENV_BACKEND, "partial")
+    for _ in range(2):
+        selection._warned.clear()  # as the next test's fixture does
+        with pytest.warns(RuntimeWarning, match="falling back"):
+            assert selection.resolve("sparse_flash_attention", "cpu").fallback
+    monkeypatch.setenv(selection.ENV_STRICT, "1")
+    with pytest.raises(selection.OpNotImplementedError):
+        selection.resolve("sparse_flash_attention", "cpu")
+    monkeypatch.delenv(selection.ENV_STRICT)
+    monkeypatch.delenv(selection.ENV_BACKEND)
+    assert selection.resolve("hadamard_transform", "cpu").backend == "torch"
+    monkeypatch.setenv(selection.ENV_OP_BACKENDS, "hadamard_transform=partial")
+    assert selection.resolve("hadamard_transform", "cpu").backend == "partial"
+    registry().unregister("partial")  # a registry change invalidates what was remembered
+    with pytest.raises(selection.BackendNotFoundError):
+        selection.resolve("hadamard_transform", "cpu")

@@ -68,7 +68,8 @@ def int8_matmul(a: Tensor, b: Tensor) -> Tensor:
 
 def _takes_native(x_q: Tensor) -> bool:
     """Whether the probe chose glm5-hal's native int8 kernel for a product with x_q's rows (glm5_hal.native)."""
-    return x_q.device.type == "cpu" and capabilities(x_q.device).int8.takes_native(x_q.shape[0])
+    device = x_q.device
+    return device.type == "cpu" and capabilities(device).int8.takes_native(x_q.shape[0])
 
 
 def _native_out(out_dtype: torch.dtype) -> torch.dtype:
@@ -107,11 +108,12 @@ def quant_matmul(
     if _takes_native(x_q):
         # One pass: the int8 weight read in place, scales, bias and the rounding to out_dtype in the kernel, in the
         # order of the lines below (the same bits).
-        panels, n = derived(w_q, NATIVE_VNNI.name, NATIVE_VNNI.prepare)  # the weight in the kernel's panels, once
+        weight = derived(w_q, NATIVE_VNNI.name, NATIVE_VNNI.prepare)  # the weight in the kernel's panels, once
         bias32 = None if bias is None else bias.to(COMPUTE_DTYPE)
         # The kernel's wrapper, not its custom op: this op is the custom op callers trace (and a dispatch less).
-        y = int8_gemm.run_w8a8(x_q, panels, n, x_scale, w_scale, bias32, _native_out(out_dtype))
-        return y.to(out_dtype)
+        written = _native_out(out_dtype)
+        y = int8_gemm.run_w8a8(x_q, weight, x_scale, w_scale, bias32, written)
+        return y if written is out_dtype else y.to(out_dtype)  # a no-op .to still costs ~0.015 ms once evicted
     route = _fast_route(x_q.device, *x_q.shape, w_q.shape[0])
     if route is not None:
         acc = route.accumulate(x_q, _prepared(route, w_q))  # fp32 of the exact int32 accumulators
@@ -188,9 +190,10 @@ def w4a8_matmul(
     num_groups = k // group
     if k and _takes_native(x_q) and int8_gemm.w4a8_takes(k, group):
         # The packed int4 weight read at 4 bits, nibbles split in registers; the torch route's arithmetic below.
-        panels = derived(w_packed, (NATIVE_VNNI.name, "int4 panels"), int8_gemm.panel_int4_weight)  # once per weight
-        scales = w_scale.reshape(n, num_groups)
-        return int8_gemm.run_w4a8(x_q, panels, scales, group, x_scale, _native_out(out_dtype)).to(out_dtype)
+        weight = derived(w_packed, (NATIVE_VNNI.name, "int4 panels"), int8_gemm.prepare_w4a8)  # once per weight
+        written = _native_out(out_dtype)
+        y = int8_gemm.run_w4a8(x_q, weight, w_scale.reshape(n, num_groups), x_scale, written)
+        return y if written is out_dtype else y.to(out_dtype)
     group_scales = w_scale.to(COMPUTE_DTYPE).reshape(n, num_groups).T  # [G, N]
     route = _fast_route(x_q.device, m, group, n)
     if route is not None:

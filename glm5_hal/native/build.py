@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from glm5_hal.cpu_flags import this_cpu
-from glm5_hal.environment import setting
+from glm5_hal.environment import parsed_setting
 
 ENV_NATIVE = "GLM5_HAL_NATIVE"
 ENV_CACHE_DIR = "GLM5_HAL_CACHE_DIR"
@@ -73,8 +73,12 @@ KERNELS = ("bf16_gemm", "indexer_scores", "sparse_attention", "int8_gemm")  # <n
 _lock = threading.Lock()
 
 
+def _parse_enabled(value: str) -> bool:
+    return value.strip().lower() not in ("0", "off", "false", "no")  # unset ("") is enabled
+
+
 def native_enabled() -> bool:
-    return setting(ENV_NATIVE, "1").strip().lower() not in ("0", "off", "false", "no")
+    return parsed_setting(ENV_NATIVE, _parse_enabled)
 
 
 def cache_dir() -> Path:

@@ -20,6 +20,7 @@ count by panels (a result does not depend on the split).
 from __future__ import annotations
 
 import ctypes
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -45,6 +46,7 @@ _SHARE = [_C_LONG] * 2  # n_begin, n_end: a thread's share of the columns
 _W8A8_ARGS = [_C_LONG, _C_LONG, _PTR, _C_LONG, _PTR, _C_LONG, _PTR, _PTR, _PTR, _PTR, _C_LONG, _C_INT, *_SHARE]
 _W4A8_ARGS = [_C_LONG, _C_LONG, _C_LONG, _PTR, _C_LONG, _PTR, _C_LONG, _PTR, _C_LONG, _PTR, _PTR, _C_LONG, _C_INT]
 _W4A8_ARGS += _SHARE
+_W8A8, _W4A8 = "glm5_w8a8_gemm_nt", "glm5_w4a8_gemm_nt"  # the C functions
 OUT_DTYPES = (torch.float32, torch.bfloat16)  # what the kernels write (others: fp32, converted by the caller)
 
 
@@ -143,47 +145,70 @@ def _check_out_dtype(out_dtype: torch.dtype) -> None:
     check(out_dtype in OUT_DTYPES, TypeError, lambda: f"out_dtype: expected one of {OUT_DTYPES}, got {out_dtype}")
 
 
-def _run(kernel: str, isa: str, argtypes: list, args: tuple, rows: int, cols: int, depth: int, threads: int | None):
+@dataclass(frozen=True)
+class PanelWeight:
+    """A weight in a kernel's panels with what every call reads of it, made once per weight (prepare_w8a8 /
+    prepare_w4a8; the backend caches it): on a decode-sized product each tensor query and lookup a call skips saves
+    ~3-15 us once a model's other layers have evicted the caches, against a kernel of ~0.13 ms (kv_a_proj)."""
+
+    panels: Tensor  # contiguous [ceil(N / 64), steps, 64, 4] uint8 (panel_weight / panel_int4_weight)
+    columns: int  # N: the weight's rows, the product's columns
+    address: int  # panels.data_ptr()
+    panel_stride: int  # panels.stride(0), in bytes
+    kernel: ctypes._CFuncPtr  # the C function for this weight's format, built for the ISA it was prepared for
+
+
+def _panel_weight(panels: Tensor, columns: int, kernel: str, isa: str) -> PanelWeight:
+    panels = _contiguous(panels)
+    argtypes = _W8A8_ARGS if kernel == _W8A8 else _W4A8_ARGS
     function = build.function("int8_gemm", isa, kernel, argtypes, ctypes.c_int)
+    return PanelWeight(panels, columns, panels.data_ptr(), panels.stride(0), function)
+
+
+def prepare_w8a8(w_q: Tensor) -> PanelWeight:
+    """w_q [N, K] int8 -> what run_w8a8 takes: its panels (panel_weight) for the fast build (FAST)."""
+    return _panel_weight(panel_weight(w_q), w_q.shape[0], _W8A8, FAST)
+
+
+def prepare_w4a8(w_packed: Tensor) -> PanelWeight:
+    """w_packed [N, K / 2] uint8 int4 pairs -> what run_w4a8 takes: its panels (panel_int4_weight), FAST build."""
+    return _panel_weight(panel_int4_weight(w_packed), w_packed.shape[0], _W4A8, FAST)
+
+
+def _call(weight: PanelWeight, args: tuple, rows: int, depth: int, threads: int | None) -> None:
+    cols = weight.columns
     parts = threads_.thread_count(2 * rows * cols * depth, threads)
     if parts == 1:  # decode on one thread: called here, without the shares' closures (~0.015 ms once evicted)
-        failed = function(*args, 0, cols) != 0
+        failed = weight.kernel(*args, 0, cols) != 0
     else:
-        failed = threads_.failed_shares(function, args, threads_.split(cols, parts, PANEL_COLUMNS))
-    check(not failed, MemoryError, lambda: f"{kernel}: no memory for its scratch ({rows} rows)")
+        failed = threads_.failed_shares(weight.kernel, args, threads_.split(cols, parts, PANEL_COLUMNS))
+    check(not failed, MemoryError, lambda: f"{weight.kernel.__name__}: no memory for its scratch ({rows} rows)")
 
 
 def _w8a8(
     x_q: Tensor,
-    w_q: Tensor,
-    cols: int,
+    weight: PanelWeight,
     x_scale: Tensor | None,
     w_scale: Tensor | None,
     bias: Tensor | None,
     out_dtype: torch.dtype,
-    isa: str,
     threads: int | None,
 ) -> Tensor:
-    # A weight as stored is copied into panels on every call (callers that keep a weight pass its panels); panels
-    # are read contiguous.
-    panels = panel_weight(w_q) if w_q.dim() == 2 else _contiguous(w_q)
     x_q, (x_scale, w_scale, bias) = _rows(x_q), _unit_strides(x_scale, w_scale, bias)
     rows, depth = x_q.shape
+    cols = weight.columns
     out = torch.empty(rows, cols, dtype=out_dtype)
     if not rows or not cols:
         return out
-    args = (
-        rows,
-        depth,
-        x_q.data_ptr(),
-        x_q.stride(0),
-        panels.data_ptr(),
-        panels.stride(0),
-        *_pointers(x_scale, w_scale, bias),
-    )
-    args += (out.data_ptr(), cols, int(out_dtype == torch.bfloat16))
-    _run("glm5_w8a8_gemm_nt", isa, _W8A8_ARGS, args, rows, cols, depth, threads)
+    args = (rows, depth, x_q.data_ptr(), x_q.stride(0), weight.address, weight.panel_stride)
+    args += (*_pointers(x_scale, w_scale, bias), out.data_ptr(), cols, int(out_dtype == torch.bfloat16))
+    _call(weight, args, rows, depth, threads)
     return out
+
+
+def _w8a8_weight(w_q: Tensor, cols: int, isa: str) -> PanelWeight:
+    # A weight as stored is copied into panels on every call (callers that keep a weight prepare it once).
+    return _panel_weight(panel_weight(w_q) if w_q.dim() == 2 else w_q, cols, _W8A8, isa)
 
 
 def w8a8_mm(
@@ -222,32 +247,33 @@ def w8a8_mm(
     _check_out_dtype(out_dtype)
     if isa == FAST and threads is None:
         return torch.ops.glm5_hal.native_w8a8_mm(x_q, w_q, n, x_scale, w_scale, bias, out_dtype)
-    return _w8a8(x_q, w_q, n, x_scale, w_scale, bias, out_dtype, isa, threads)
+    return _w8a8(x_q, _w8a8_weight(w_q, n, isa), x_scale, w_scale, bias, out_dtype, threads)
 
 
 def _w4a8(
     x_q: Tensor,
-    w_packed: Tensor,
+    weight: PanelWeight,
     scales: Tensor,
-    group: int,
     x_scale: Tensor | None,
     out_dtype: torch.dtype,
-    isa: str,
     threads: int | None,
 ) -> Tensor:
     x_q, scales, (x_scale,) = _rows(x_q), _rows(scales), _unit_strides(x_scale)
-    # As _w8a8: a weight as stored is copied into panels on every call.
-    panels = panel_int4_weight(w_packed) if w_packed.dim() == 2 else _contiguous(w_packed)
     rows, depth = x_q.shape
-    cols, groups = scales.shape
+    cols, groups = weight.columns, scales.shape[1]
     out = torch.empty(rows, cols, dtype=out_dtype)
     if not rows or not cols:
         return out
-    args = (rows, depth, groups, x_q.data_ptr(), x_q.stride(0), panels.data_ptr(), panels.stride(0))
+    args = (rows, depth, groups, x_q.data_ptr(), x_q.stride(0), weight.address, weight.panel_stride)
     args += (scales.data_ptr(), scales.stride(0), *_pointers(x_scale), out.data_ptr(), cols)
     args += (int(out_dtype == torch.bfloat16),)
-    _run("glm5_w4a8_gemm_nt", isa, _W4A8_ARGS, args, rows, cols, depth, threads)
+    _call(weight, args, rows, depth, threads)
     return out
+
+
+def _w4a8_weight(w_packed: Tensor, cols: int, isa: str) -> PanelWeight:
+    # As _w8a8_weight: a weight as stored is copied into panels on every call.
+    return _panel_weight(panel_int4_weight(w_packed) if w_packed.dim() == 2 else w_packed, cols, _W4A8, isa)
 
 
 def w4a8_mm(
@@ -289,28 +315,29 @@ def w4a8_mm(
     _check_out_dtype(out_dtype)
     if isa == FAST and threads is None:
         return torch.ops.glm5_hal.native_w4a8_mm(x_q, w_packed, scales, group, x_scale, out_dtype)
-    return _w4a8(x_q, w_packed, scales, group, x_scale, out_dtype, isa, threads)
+    return _w4a8(x_q, _w4a8_weight(w_packed, n, isa), scales, x_scale, out_dtype, threads)
 
 
 def run_w8a8(
     x_q: Tensor,
-    w_q: Tensor,
-    n: int,
+    weight: PanelWeight,
     x_scale: Tensor | None,
     w_scale: Tensor | None,
     bias: Tensor | None,
     out_dtype: torch.dtype,
 ) -> Tensor:
-    """w8a8_mm on arguments a validated op already checked (the backend), without the custom op's dispatch: at
-    decode sizes each layer of Python costs a measurable share of the kernel's time."""
-    return _w8a8(x_q, w_q, n, x_scale, w_scale, bias, out_dtype, FAST, None)
+    """w8a8_mm on a prepared weight (prepare_w8a8) and arguments a validated op already checked (the backend),
+    without the custom op's dispatch: at decode sizes each layer of Python costs a measurable share of the kernel's
+    time."""
+    return _w8a8(x_q, weight, x_scale, w_scale, bias, out_dtype, None)
 
 
 def run_w4a8(
-    x_q: Tensor, w_packed: Tensor, scales: Tensor, group: int, x_scale: Tensor | None, out_dtype: torch.dtype
+    x_q: Tensor, weight: PanelWeight, scales: Tensor, x_scale: Tensor | None, out_dtype: torch.dtype
 ) -> Tensor:
-    """w4a8_mm on arguments a validated op already checked (the backend), without the custom op's dispatch."""
-    return _w4a8(x_q, w_packed, scales, group, x_scale, out_dtype, FAST, None)
+    """w4a8_mm on a prepared weight (prepare_w4a8) and arguments a validated op already checked (the backend),
+    without the custom op's dispatch. scales: [N, G] fp32 (G groups of K / G columns)."""
+    return _w4a8(x_q, weight, scales, x_scale, out_dtype, None)
 
 
 _LIBRARY = torch.library.Library("glm5_hal", "FRAGMENT")
@@ -318,12 +345,20 @@ _LIBRARY.define(
     "native_w8a8_mm(Tensor x_q, Tensor w_q, int n, Tensor? x_scale, Tensor? w_scale, Tensor? bias,"
     " ScalarType out_dtype) -> Tensor"
 )
-_LIBRARY.impl("native_w8a8_mm", lambda x, w, n, xs, ws, b, dtype: _w8a8(x, w, n, xs, ws, b, dtype, FAST, None), "CPU")
+_LIBRARY.impl(
+    "native_w8a8_mm",
+    lambda x, w, n, xs, ws, b, dtype: _w8a8(x, _w8a8_weight(w, n, FAST), xs, ws, b, dtype, None),
+    "CPU",
+)
 _LIBRARY.define(
     "native_w4a8_mm(Tensor x_q, Tensor w_packed, Tensor scales, int group, Tensor? x_scale, ScalarType out_dtype)"
     " -> Tensor"
 )
-_LIBRARY.impl("native_w4a8_mm", lambda x, w, s, group, xs, dtype: _w4a8(x, w, s, group, xs, dtype, FAST, None), "CPU")
+_LIBRARY.impl(
+    "native_w4a8_mm",
+    lambda x, w, s, group, xs, dtype: _w4a8(x, _w4a8_weight(w, s.shape[0], FAST), s, xs, dtype, None),
+    "CPU",
+)
 
 
 @torch.library.register_fake("glm5_hal::native_w8a8_mm")
