@@ -23,9 +23,9 @@ import torch
 import glm5_hal
 from backends.ascend import detect as ascend_probe
 from backends.ascend.layouts import rope_table_pairs
-from backends.ascend.runtime import PREPARED
 from fakes.ascend.common import FakeNpuError
 from fakes.ascend.fixture import fake_torch_npu_fixture, torch_npu_schemas_fixture  # noqa: F401 (pytest fixtures)
+from glm5_hal import weight_cache
 from glm5_hal.cli.info import op_table
 from glm5_hal.parity import CASES, run_case
 from glm5_hal.registry import registry
@@ -335,4 +335,4 @@ def test_weights_are_prepared_once_per_tensor_version(fake_torch_npu) -> None:
     assert fake_torch_npu.calls["npu_format_cast"] == 2
     assert fake_torch_npu.calls["npu_convert_weight_to_int4pack"] == 2
     del w_q, w_packed, w_scale
-    assert len(PREPARED) == 0, "prepared copies must not outlive their weights"
+    assert weight_cache.cached_entries() == 0, "prepared copies must not outlive their weights"

@@ -20,11 +20,13 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import glm5_hal
 import ops_reference as ref
-from backends.torch_eager import OPS, weight_cache
+from backends.torch_eager import OPS
 from backends.torch_eager import quant as quant_backend
 from backends.torch_eager.gemm import FP32, Gemm, gemm_for
 from conftest import parity_backends
+from glm5_hal import weight_cache
 from glm5_hal.capabilities import DeviceProbe, capabilities, fast_paths
 from glm5_hal.kv_formats import FORMATS
 from glm5_hal.native import bf16_gemm, indexer_scores, int8_gemm
@@ -343,6 +345,35 @@ def test_derived_values_are_made_once_per_weight_and_remade_after_a_write() -> N
     del weight, first
     gc.collect()
     assert weight_cache.cached_entries() == before - 2  # both entries went with their weight
+
+
+def test_new_data_is_seen_and_a_write_through_data_after_clear() -> None:
+    weight = torch.arange(24.0).reshape(4, 6)
+    assert weight_cache.derived(weight, "sum", lambda w: w.sum(dim=-1)).tolist() == [15.0, 51.0, 87.0, 123.0]
+    weight.data = torch.ones(4, 6)  # new data, same shape and version counter: the data pointer tells
+    assert weight_cache.derived(weight, "sum", lambda w: w.sum(dim=-1)).tolist() == [6.0] * 4
+    weight.data.mul_(3)  # hidden from the version counter (documented): seen once the cache is cleared
+    assert weight_cache.derived(weight, "sum", lambda w: w.sum(dim=-1)).tolist() == [6.0] * 4
+    weight_cache.clear()
+    assert weight_cache.derived(weight, "sum", lambda w: w.sum(dim=-1)).tolist() == [18.0] * 4
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_int8_ops_take_weights_made_under_inference_mode(mode: str) -> None:
+    # Inference tensors have no version counter: the cache keys them without one instead of failing.
+    gen = torch.Generator().manual_seed(3)
+    with torch.inference_mode():
+        x_q, x_scale, w_q, w_scale = _quant(3, 40, 128, gen)
+        codes = torch.randint(-8, 8, (40, 128), generator=gen)
+        w_packed = torch.from_numpy(ref.pack_int4(codes.numpy())).clone()
+        with fast_paths(mode):
+            for _ in range(2):  # the second call finds what the first one made
+                y = glm5_hal.quant_matmul(x_q, x_scale, w_q, w_scale, out_dtype=torch.float32)
+                y4 = glm5_hal.w4a8_matmul(x_q, x_scale, w_packed, w_scale, out_dtype=torch.float32)
+    _check_quant(y, x_q, x_scale, w_q, w_scale)
+    want = ref.w4a8_matmul(*(to_numpy(t) for t in (x_q, x_scale, w_packed, w_scale)))
+    verdict = compare_float("y", y4, want, torch.float32)
+    assert verdict.passed, verdict.detail
 
 
 def test_a_new_weight_never_finds_a_dead_weights_entry() -> None:

@@ -10,7 +10,7 @@ calls NATIVE (matmuls + npu_rms_norm + npu_interleave_rope + npu_kv_rmsnorm_rope
 Why scratch caches: both kernels write a split cache (512-wide latent + 64-wide RoPE, each [blocks, bs, 1, D]) that
 cannot alias the contract's combined [blocks, bs, 576] rows, so they write T rows into a small scratch cache (block
 size 16, cache_index 0..T-1) and the adapter copies those rows where slot_mapping says. The three projection
-weights of the fused path are transposed and cast to FRACTAL_NZ once per weight tensor (runtime.PREPARED).
+weights of the fused path are transposed and cast to FRACTAL_NZ once per weight tensor (glm5_hal.weight_cache).
 """
 
 from __future__ import annotations
@@ -22,8 +22,9 @@ from torch import Tensor
 
 from backends.ascend.layouts import interleave_rope_pairs, rope_table_halves
 from backends.ascend.quantized_cache import store_rows
-from backends.ascend.runtime import ACL_FORMAT_FRACTAL_NZ, PREPARED, half_or_bf16, npu, portable
+from backends.ascend.runtime import ACL_FORMAT_FRACTAL_NZ, half_or_bf16, npu, portable
 from glm5_hal.kv_formats import AUTO
+from glm5_hal.weight_cache import derived
 
 # npu_mla_prolog_v3's documented shape ranges (torch_npu 2.14.0): He hidden, Hcq q_lora, D qk_nope, Dr rope,
 # Hckv kv_lora, N heads. GLM-5 (Hcq 2048, D 192) is outside them and takes the unfused path.
@@ -86,10 +87,10 @@ def _prolog_v3(x, w_dq, gamma_cq, w_uq_qr, w_uk, w_dkv_kr, gamma_ckv, cos, sin, 
     scratch_nope, scratch_rope = _scratch_caches(num_tokens, x, ROPE)
     q_lat, q_pe, _, q_norm, _ = npu().npu_mla_prolog_v3(
         token_x=x.contiguous(),
-        weight_dq=PREPARED.get(w_dq, "mla_prolog_v3.weight_dq", _nz_transposed),
-        weight_uq_qr=PREPARED.get(w_uq_qr, "mla_prolog_v3.weight_uq_qr", _nz_transposed),
+        weight_dq=derived(w_dq, "mla_prolog_v3.weight_dq", _nz_transposed),
+        weight_uq_qr=derived(w_uq_qr, "mla_prolog_v3.weight_uq_qr", _nz_transposed),
         weight_uk=w_uk.contiguous(),
-        weight_dkv_kr=PREPARED.get(w_dkv_kr, "mla_prolog_v3.weight_dkv_kr", _nz_transposed),
+        weight_dkv_kr=derived(w_dkv_kr, "mla_prolog_v3.weight_dkv_kr", _nz_transposed),
         rmsnorm_gamma_cq=gamma_cq.contiguous(),
         rmsnorm_gamma_ckv=gamma_ckv.contiguous(),
         rope_sin=rope_table_halves(sin, x.dtype),

@@ -18,7 +18,8 @@ import torch
 from torch import Tensor
 
 from backends.ascend.layouts import contract_quant_scale, int4_values
-from backends.ascend.runtime import ACL_FORMAT_FRACTAL_NZ, PREPARED, half_or_bf16, npu, portable
+from backends.ascend.runtime import ACL_FORMAT_FRACTAL_NZ, half_or_bf16, npu, portable
+from glm5_hal.weight_cache import derived
 
 QUANT_MATMUL_OUT = (torch.bfloat16, torch.float16)
 MAX_INNER = 65535  # npu_quant_matmul / npu_weight_quant_batchmatmul: K, N <= 65535
@@ -45,7 +46,7 @@ def quant_matmul(x_q, x_scale, w_q, w_scale, bias=None, out_dtype=torch.bfloat16
         return portable("quant_matmul", reason)(x_q, x_scale, w_q, w_scale, bias, out_dtype)
     return npu().npu_quant_matmul(
         x_q.contiguous(),
-        PREPARED.get(w_q, "quant_matmul.x2", _nz_transposed),
+        derived(w_q, "quant_matmul.x2", _nz_transposed),
         w_scale.to(torch.float32),
         pertoken_scale=x_scale.to(torch.float32),
         bias=bias,
@@ -88,8 +89,8 @@ def w4a8_matmul(x_q, x_scale, w_packed, w_scale, group_size=None, out_dtype=torc
     unsupported = w4a8_unsupported(x_q, w_packed, group_size, out_dtype)
     if unsupported is not None:
         return portable("w4a8_matmul", unsupported)(x_q, x_scale, w_packed, w_scale, group_size, out_dtype)
-    packed = PREPARED.get(w_packed, "w4a8_matmul.int4pack", _int4_pack)  # [N, K/8]
-    scale = PREPARED.get(w_scale, ("w4a8_matmul.antiquant_scale", out_dtype), lambda s: _antiquant_scale(s, out_dtype))
+    packed = derived(w_packed, "w4a8_matmul.int4pack", _int4_pack)  # [N, K/8]
+    scale = derived(w_scale, ("w4a8_matmul.antiquant_scale", out_dtype), lambda s: _antiquant_scale(s, out_dtype))
     y = npu().npu_weight_quant_batchmatmul(
         x_q.to(out_dtype),  # exact: int8 codes are integers below 2^8
         packed.t(),  # (K/8, N) view of the (N, K/8) packing: the kernel's transposed-weight form

@@ -1,7 +1,7 @@
 """The `torch` backend: every glm5-hal op in portable PyTorch eager, on any torch device.
 
 [paged: token positions, key slots, cache writes] + [primitives: fp32 linear, norms, RoPE]
-  + [gemm: the GEMM path of a call] + [weight_cache: what the int8 paths derive from a weight, made once]
+  + [gemm: the GEMM path of a call]
   + [quantized_cache: rows encoded on write, decoded into the GEMM operand dtype as they are gathered]
   -> mla_prolog | indexer (prolog, logits, top-k) | sparse_attention | moe | quant | hadamard
   -> expert_parallel (ep_dispatch / ep_combine over torch.distributed.all_to_all_single)

@@ -2,7 +2,7 @@
 
 Where glm5_hal.capabilities found an exact int8 GEMM that beats fp32 on the device (glm5_hal.int8_gemms: oneDNN's
 u8 x s8 kernels on CPUs with VNNI / AMX, torch._int_mm on CUDA), the accumulators come from it; what it derives
-from a weight (a prepacked copy, unpacked int4 codes) is made once per weight (backends.torch_eager.weight_cache).
+from a weight (a prepacked copy, unpacked int4 codes) is made once per weight (glm5_hal.weight_cache).
 Products with as few rows as the probe found glm5-hal's native VNNI kernel faster for (decode, short prefill) run it
 instead: the weight in the kernel's panels (copied once per weight; W4A8 read at 4 bits), the scaling fused, the
 same bits (glm5_hal.native.int8_gemm).
@@ -21,10 +21,10 @@ import torch
 from torch import Tensor
 
 from backends.torch_eager.primitives import COMPUTE_DTYPE, rows_per_tile
-from backends.torch_eager.weight_cache import derived
 from glm5_hal.capabilities import capabilities
 from glm5_hal.int8_gemms import NATIVE_VNNI, Int8Gemm
 from glm5_hal.native import int8_gemm
+from glm5_hal.weight_cache import derived
 
 FP32_EXACT_INTEGER = 2**24
 INT8_MAX_PRODUCT = 128 * 128  # int8 x int8, -128 included

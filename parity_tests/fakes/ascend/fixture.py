@@ -17,10 +17,10 @@ from types import ModuleType
 import pytest
 
 from backends.ascend.detect import STAND_IN_ATTR
-from backends.ascend.runtime import PREPARED
 from fakes.ascend import build
 from fakes.ascend.common import STATE
 from fakes.ascend.wheel import WheelUnavailable, torch_npu_wheel
+from glm5_hal import weight_cache
 from glm5_hal.registry import registry
 
 
@@ -43,10 +43,10 @@ def fake_torch_npu_fixture(torch_npu_schemas: Path, monkeypatch: pytest.MonkeyPa
     module = build(torch_npu_schemas)
     monkeypatch.setitem(sys.modules, "torch_npu", module)
     STATE.reset()
-    PREPARED.clear()
+    weight_cache.clear()
     registry().refresh()
     yield module
-    PREPARED.clear()
+    weight_cache.clear()
     registry().refresh()  # re-probed lazily once monkeypatch has removed the fake
 
 
@@ -59,6 +59,6 @@ def install_in_process(wheel: Path) -> ModuleType:
     sys.modules["torch_npu"] = module
     install_hccl_comm_names()
     STATE.reset()
-    PREPARED.clear()
+    weight_cache.clear()
     registry().refresh()
     return module
