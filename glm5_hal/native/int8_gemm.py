@@ -113,14 +113,15 @@ def _rows(t: Tensor) -> Tensor:
     return t if t.stride(-1) == 1 or t.shape[-1] <= 1 else t.contiguous()
 
 
-def _pointers(*tensors: Tensor | None) -> list[int | None]:
-    return [None if t is None else t.data_ptr() for t in tensors]
+def _address(t: Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
 
 
-def _unit_strides(*vectors: Tensor | None) -> list[Tensor | None]:
-    """The vectors as the kernels read them, with unit stride (a strided view copied), None kept. The caller keeps
-    the results alive while the kernel runs: a copy made inside an argument list would be freed before the call."""
-    return [None if t is None else _rows(t) for t in vectors]
+def _unit_stride(vector: Tensor | None) -> Tensor | None:
+    """The vector as the kernels read it, with unit stride (a strided view copied), None kept. The caller keeps the
+    result alive while the kernel runs: a copy made inside an argument list would be freed before the call. (One
+    vector per call, not a comprehension over several: each comprehension is a call of its own in Python 3.11.)"""
+    return None if vector is None else _rows(vector)
 
 
 def _contiguous(t: Tensor) -> Tensor:
@@ -182,7 +183,8 @@ def _call(weight: PanelWeight, args: tuple, rows: int, depth: int, threads: int 
         failed = weight.kernel(*args, 0, cols) != 0
     else:
         failed = threads_.failed_shares(weight.kernel, args, threads_.split(cols, parts, PANEL_COLUMNS))
-    check(not failed, MemoryError, lambda: f"{weight.kernel.__name__}: no memory for its scratch ({rows} rows)")
+    if failed:
+        raise MemoryError(f"{weight.kernel.__name__}: no memory for its scratch ({rows} rows)")
 
 
 def _w8a8(
@@ -194,14 +196,14 @@ def _w8a8(
     out_dtype: torch.dtype,
     threads: int | None,
 ) -> Tensor:
-    x_q, (x_scale, w_scale, bias) = _rows(x_q), _unit_strides(x_scale, w_scale, bias)
+    x_q, x_scale, w_scale, bias = _rows(x_q), _unit_stride(x_scale), _unit_stride(w_scale), _unit_stride(bias)
     rows, depth = x_q.shape
     cols = weight.columns
     out = torch.empty(rows, cols, dtype=out_dtype)
     if not rows or not cols:
         return out
     args = (rows, depth, x_q.data_ptr(), x_q.stride(0), weight.address, weight.panel_stride)
-    args += (*_pointers(x_scale, w_scale, bias), out.data_ptr(), cols, int(out_dtype == torch.bfloat16))
+    args += (_address(x_scale), _address(w_scale), _address(bias), out.data_ptr(), cols, out_dtype == torch.bfloat16)
     _call(weight, args, rows, depth, threads)
     return out
 
@@ -258,15 +260,14 @@ def _w4a8(
     out_dtype: torch.dtype,
     threads: int | None,
 ) -> Tensor:
-    x_q, scales, (x_scale,) = _rows(x_q), _rows(scales), _unit_strides(x_scale)
+    x_q, scales, x_scale = _rows(x_q), _rows(scales), _unit_stride(x_scale)
     rows, depth = x_q.shape
     cols, groups = weight.columns, scales.shape[1]
     out = torch.empty(rows, cols, dtype=out_dtype)
     if not rows or not cols:
         return out
     args = (rows, depth, groups, x_q.data_ptr(), x_q.stride(0), weight.address, weight.panel_stride)
-    args += (scales.data_ptr(), scales.stride(0), *_pointers(x_scale), out.data_ptr(), cols)
-    args += (int(out_dtype == torch.bfloat16),)
+    args += (scales.data_ptr(), scales.stride(0), _address(x_scale), out.data_ptr(), cols, out_dtype == torch.bfloat16)
     _call(weight, args, rows, depth, threads)
     return out
 
