@@ -5,6 +5,9 @@
                                                 #   -> [M, N] fp32: sum over groups of fp32(exact int32) x scale
     ok, why = availability()
 
+    weight = prepare_w8a8(w_q)                  # once per weight: panels, their address, the C function
+    y = run_w8a8(x_q, weight, x_scale, w_scale, bias, torch.bfloat16)  # per call, arguments already validated
+
 Both kernels read the weight in panels of 64 columns (panel_weight / panel_int4_weight: a copy made once per weight,
 as oneDNN's route reorders the weight into its blocked layout once, glm5_hal.int8_gemms); a weight passed as stored
 is copied into panels on every call. W4A8 keeps the int4 codes at 4 bits in its panels and splits the nibbles in
