@@ -106,7 +106,9 @@ def _softmax(scores: Tensor, dim: int) -> tuple[Tensor, Tensor]:
     peak = scores.amax(dim=dim, keepdim=True)
     # A row with no valid key has peak -inf; shifting by 0 instead keeps exp() at exactly 0 and avoids nan.
     peak = torch.where(torch.isfinite(peak), peak, torch.zeros_like(peak))
-    probs = torch.exp(scores.sub_(peak))  # unnormalised
+    # In place: a fresh [T, H, topk] tensor for exp() cost as much again as the softmax's own passes at decode (its
+    # pages are new memory on every call), and the scores are not used after this.
+    probs = scores.sub_(peak).exp_()  # unnormalised
     total = probs.sum(dim=dim, keepdim=True)  # 0 for an empty row
     probs.div_(total.clamp_min(torch.finfo(COMPUTE_DTYPE).tiny))
     return probs, (peak + torch.log(total)).squeeze(dim)
