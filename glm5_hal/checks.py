@@ -144,8 +144,9 @@ def check_same_device(**tensors: torch.Tensor | None) -> torch.device:
         elif t.device != device:
             present = ", ".join(f"{name} on {t.device}" for name, t in tensors.items() if t is not None)
             raise ValueError(f"tensors must be on one device, got {present}")
-    check(device is not None, ValueError, lambda: "check_same_device: expected at least one tensor")
-    return device  # type: ignore[return-value]
+    if device is None:
+        raise ValueError("check_same_device: expected at least one tensor")
+    return device
 
 
 def check_same_dtype(**tensors: torch.Tensor) -> torch.dtype:

@@ -39,6 +39,7 @@ def raw_setting(name: str) -> object:
 
 
 _parsed: dict[tuple[str, Callable, object], object] = {}
+_UNPARSED = object()  # what _parsed.get answers for a value not parsed yet (None may be a parsed value)
 _PARSED_LIMIT = 256  # distinct (setting, value) pairs kept; a process cycling through more starts over
 
 
@@ -46,8 +47,8 @@ def parsed_setting(name: str, parse: Callable[[str], T]) -> T:
     """parse(setting(name)), parsed once per value the variable takes (a parse that raises is not remembered, so
     a bad value raises on every call)."""
     key = (name, parse, raw_setting(name))
-    found = _parsed.get(key, _parsed)
-    if found is _parsed:
+    found = _parsed.get(key, _UNPARSED)
+    if found is _UNPARSED:
         found = parse(setting(name))
         if len(_parsed) >= _PARSED_LIMIT:
             _parsed.clear()

@@ -108,7 +108,7 @@ NATIVE_VNNI = Int8Gemm(
     _native_applies,
     int8_gemm.prepare_w8a8,
     _native_accumulate,
-    True,
+    caches_weights=True,
 )
 ROUTES: tuple[Int8Gemm, ...] = (ONEDNN_U8S8, NATIVE_VNNI, INT_MM)
 
