@@ -2,6 +2,8 @@
 
 - glm5_hal.topk: its composite key orders like (score, -position) for every float, -0.0 == +0.0 included, and
   picks the contract's set where torch.topk on the floats is free to pick any;
+- its native CPU kernel (glm5_hal.native.topk): bit for bit the torch path's values and columns, in the same order,
+  on random, tie-heavy, NaN / inf / signed-zero, all -inf, edge-sized and strided rows, for any thread count;
 - lightning_indexer on every backend that runs here, float and quantized key caches, with deliberately tied
   scores: keys are small integers and every q . k dot an integer below 256 in magnitude (exact in every dtype, even
   as the bf16 result of a fast-path GEMM, so every backend's scores tie exactly, whatever its summation order and
@@ -25,10 +27,12 @@ from hypothesis import strategies as st
 import glm5_hal
 import ops_reference as ref
 from glm5_hal.kv_formats import FORMATS
+from glm5_hal.native import build, threads
+from glm5_hal.native import topk as native_topk
 from glm5_hal.parity.inputs import SeqSpec, paged_batch
 from glm5_hal.parity.quantized_cache import encode_cache
 from glm5_hal.registry import registry
-from glm5_hal.topk import ordered_key, topk_lower_position_ties
+from glm5_hal.topk import _composite_topk, _torch_topk, ordered_key, topk_lower_position_ties
 from ops_reference.ranking import descending_nan_first
 
 BACKENDS = ("reference", "torch", "triton")
@@ -97,6 +101,216 @@ def test_long_rows_pick_the_lower_positions_of_a_tie():
     for row, picked in zip(scores, columns):
         assert set(picked.tolist()) == set(contract_topk(row.numpy(), 2048).tolist())
     assert (values == 2.0).all()
+
+
+# ------------------------------------------------------------------------------------- glm5_hal.native.topk
+NATIVE_SETTINGS = settings(max_examples=80, deadline=None, derandomize=True)
+# fp32 bit patterns beyond ordinary numbers: NaNs of both signs with different payloads (quiet and signalling),
+# the infinities, both zeros, the smallest subnormals.
+SPECIAL_BITS = [
+    0x7FC00000,
+    -0x400000,
+    0x7F800001,
+    -1,
+    0x7FC12345,
+    0x7F800000,
+    -0x800000,
+    0,
+    -(1 << 31),
+    1,
+    -(1 << 31) + 1,
+]
+
+
+def _special(*bits: int) -> torch.Tensor:
+    return torch.tensor(bits, dtype=torch.int32).view(torch.float32)
+
+
+@pytest.fixture
+def native() -> None:
+    ok, why = native_topk.availability()
+    if not ok:
+        pytest.skip(f"the native top-k does not run here: {why}")
+
+
+def _same(got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Tensor, torch.Tensor]) -> bool:
+    """The same values bit for bit (NaN payloads and the sign of zero included) and the same columns, in order."""
+    (got_values, got_columns), (want_values, want_columns) = got, want
+    return (
+        got_values.shape == want_values.shape
+        and got_values.dtype == want_values.dtype == torch.float32
+        and torch.equal(got_values.view(torch.int32), want_values.view(torch.int32))
+        and got_columns.dtype == want_columns.dtype == torch.int64
+        and torch.equal(got_columns, want_columns)
+    )
+
+
+def _assert_native_is_the_torch_path(scores: torch.Tensor, k: int) -> None:
+    """The native kernel against both torch selections: the composite one (the contract, columns everywhere) and
+    the float select with its boundary repair (the path it replaces), whose columns are free where a tie at -inf
+    crosses the boundary (there every value is -inf, and callers mark those columns -1)."""
+    got = native_topk.topk(scores, k)
+    assert _same(got, _composite_topk(scores, k))
+    want_values, want_columns = _torch_topk(scores, k)
+    visible = want_values != float("-inf")
+    assert _same((got[0], got[1][visible]), (want_values, want_columns[visible]))
+    rows = torch.arange(scores.shape[0])[:, None].expand(-1, k)
+    assert _same((scores[rows, got[1]], got[1]), got)  # the row's own bits at the columns
+
+
+def test_native_topk_is_the_torch_path_on_random_rows(native):
+    gen = torch.Generator().manual_seed(1)
+    for rows, width, k in [(4, 16384, 2048), (3, 1000, 100), (5, 70, 64), (2, 4097, 4096), (1, 300, 63)]:
+        _assert_native_is_the_torch_path(torch.randn(rows, width, generator=gen), k)
+        causal = torch.randn(rows, width, generator=gen)
+        causal[:, width // 2 :] = float("-inf")  # half the keys not visible: -inf ties across the boundary
+        _assert_native_is_the_torch_path(causal, k)
+
+
+def test_native_topk_takes_the_lower_columns_of_ties_across_the_boundary(native):
+    gen = torch.Generator().manual_seed(2)
+    for pool_size in (1, 2, 5, 40):
+        scores = torch.randint(-pool_size, pool_size + 1, (4, 5000), generator=gen).float() / 4
+        _assert_native_is_the_torch_path(scores, 2048)
+        _assert_native_is_the_torch_path(scores, 1)
+    scores = torch.randn(3, 131072, generator=gen).clamp_max(2.0)  # 2048 of ~3000 tied at 2.0
+    _assert_native_is_the_torch_path(scores, 2048)
+    values, columns = native_topk.topk(scores, 2048)
+    assert (values == 2.0).all() and torch.equal(columns, columns.sort(dim=-1).values)  # lowest first
+
+
+def test_native_topk_orders_nan_inf_and_signed_zeros_like_the_torch_path(native):
+    gen = torch.Generator().manual_seed(3)
+    pool = torch.cat([_special(*SPECIAL_BITS), torch.tensor([-2.0, -1.0, 0.5, 3.0])])
+    scores = pool[torch.randint(0, len(pool), (5, 257), generator=gen)]
+    for k in (1, 7, 40, 128, 200, 257):
+        _assert_native_is_the_torch_path(scores, k)
+    values, columns = native_topk.topk(scores, 257)
+    # NaN first (whatever its sign and payload: the payloads come back as they were), -0.0 tied with +0.0 by column.
+    nan = values.isnan()
+    assert (nan[:, :-1] >= nan[:, 1:]).all()
+    zero_columns = columns[values == 0.0]
+    assert (values[values == 0.0].view(torch.int32) == -(1 << 31)).any(), "the pool must hold -0.0"
+    assert zero_columns.numel() > 1
+
+
+def test_native_topk_of_all_minus_inf_rows_takes_the_first_columns(native):
+    scores = torch.full((3, 500), float("-inf"))
+    scores[1, 7] = 1.0
+    values, columns = native_topk.topk(scores, 20)
+    _assert_native_is_the_torch_path(scores, 20)
+    assert columns[0].tolist() == list(range(20))
+    assert columns[1].tolist() == [7, *range(7), *range(8, 20)]
+    assert (values[[0, 2]] == float("-inf")).all()
+
+
+def test_native_topk_edge_sizes(native):
+    gen = torch.Generator().manual_seed(4)
+    for rows, width, k in [(3, 1, 1), (2, 9, 9), (2, 9, 1), (1, 2048, 2048), (0, 10, 4)]:
+        _assert_native_is_the_torch_path(torch.randn(rows, width, generator=gen), k)
+    for shape, k in [((0, 10), 4), ((3, 10), 0), ((0, 0), 0)]:
+        values, columns = topk_lower_position_ties(torch.randn(shape), k)
+        assert values.shape == columns.shape == (shape[0], k)
+        assert values.dtype == torch.float32 and columns.dtype == torch.int64
+
+
+def test_native_topk_reads_strided_rows(native):
+    gen = torch.Generator().manual_seed(5)
+    base = torch.randint(-3, 4, (600, 8), generator=gen).float()
+    for view in (base.T, base.T[::3], base.T[:, ::5], base[:300:2].T[1:]):
+        assert not view.is_contiguous()
+        for k in (1, 50, view.shape[1]):
+            got = topk_lower_position_ties(view, k)
+            assert _same(got, native_topk.topk(view.contiguous(), k))
+            _assert_native_is_the_torch_path(view, k)
+
+
+@NATIVE_SETTINGS
+@given(
+    st.integers(0, 5),
+    st.integers(1, 300),
+    st.integers(1, 300),
+    st.lists(st.sampled_from(SPECIAL_BITS + [0x3F800000, -0x40800000, 0x40400000, 0x3F000000]), max_size=6),
+    st.floats(0.0, 1.0),
+    st.booleans(),
+    st.integers(0, 2**31 - 1),
+)
+def test_native_topk_property(rows, width, k, pool_bits, random_share, transposed, seed):
+    """Rows from a small pool of values (ties everywhere, NaN / inf / signed zeros among them), a share of random
+    fp32 numbers mixed in, contiguous or read through a transposed view."""
+    if not native_topk.availability()[0]:
+        pytest.skip("the native top-k does not run here")
+    k = min(k, width)
+    gen = torch.Generator().manual_seed(seed)
+    scores = torch.randn(rows, width, generator=gen)
+    if pool_bits:
+        pool = _special(*pool_bits)
+        from_pool = torch.rand(rows, width, generator=gen) >= random_share
+        scores[from_pool] = pool[torch.randint(0, len(pool), (int(from_pool.sum()),), generator=gen)]
+    if transposed:
+        scores = scores.T.contiguous().T
+    _assert_native_is_the_torch_path(scores, k)
+
+
+def test_native_topk_does_not_depend_on_the_thread_count(native):
+    gen = torch.Generator().manual_seed(6)
+    scores = torch.randint(-50, 50, (9, 16384), generator=gen).float()
+    scores[::2, 9000:] = float("-inf")
+    work = native_topk.WORK_PER_SCORE * scores.numel()
+    assert threads.thread_count(work, 2) == 2, "the test must split the rows over threads"
+    before = torch.get_num_threads()
+    try:
+        results = []
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            results.append(topk_lower_position_ties(scores, 2048))
+    finally:
+        torch.set_num_threads(before)
+    assert _same(results[0], results[1])
+    assert _same(native_topk.topk(scores, 2048, threads=2), results[0])
+    assert _same(results[0], _composite_topk(scores, 2048))
+
+
+def test_cpu_fp32_rows_take_the_native_kernel_unless_switched_off(native, monkeypatch: pytest.MonkeyPatch):
+    gen = torch.Generator().manual_seed(7)
+    scores = torch.randint(-3, 4, (4, 3000), generator=gen).float()
+    with mock.patch.object(native_topk, "topk", wraps=native_topk.topk) as spy:
+        got = topk_lower_position_ties(scores, 2048)
+    assert spy.call_count == 1
+    monkeypatch.setenv(build.ENV_NATIVE, "0")
+    assert not native_topk.availability()[0]
+    with mock.patch.object(native_topk, "topk", wraps=native_topk.topk) as spy:
+        assert _same(topk_lower_position_ties(scores, 2048), got)
+    assert spy.call_count == 0
+
+
+def test_scores_that_need_a_gradient_keep_the_differentiable_torch_path(native):
+    scores = torch.randn(2, 100, requires_grad=True)
+    values, columns = topk_lower_position_ties(scores, 10)
+    values.sum().backward()
+    assert scores.grad.sum() == 20 and (scores.grad.gather(-1, columns) == 1).all()
+    with torch.no_grad():
+        assert _same(topk_lower_position_ties(scores, 10), (values.detach(), columns))
+
+
+def test_native_topk_op_has_a_fake():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        values, columns = torch.ops.glm5_hal.native_topk(torch.empty(3, 100), 7)
+    assert values.shape == columns.shape == (3, 7)
+    assert values.dtype == torch.float32 and columns.dtype == torch.int64
+
+
+def test_native_topk_rejects_bad_arguments():
+    with pytest.raises(TypeError, match=r"scores: expected \[N, S\] fp32 on the CPU, got \(2, 3\) torch.bfloat16"):
+        native_topk.topk(torch.zeros(2, 3, dtype=torch.bfloat16), 1)
+    with pytest.raises(TypeError, match=r"scores: expected \[N, S\] fp32 on the CPU, got \(3,\)"):
+        native_topk.topk(torch.zeros(3), 1)
+    with pytest.raises(ValueError, match=r"k: expected 0 .. 3 \(the row width\), got 4"):
+        native_topk.topk(torch.zeros(2, 3), 4)
+    with pytest.raises(ValueError, match=r"k: expected 0 .. 3 \(the row width\), got -1"):
+        native_topk.topk(torch.zeros(2, 3), -1)
 
 
 # ------------------------------------------------------------------------------------------- lightning_indexer

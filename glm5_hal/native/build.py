@@ -68,7 +68,7 @@ ISAS: dict[str, Isa] = {
         Isa("portable", ("-DGLM5_PORTABLE",), ()),
     )
 }
-KERNELS = ("bf16_gemm", "indexer_scores", "sparse_attention", "int8_gemm")  # <name>.c in this folder
+KERNELS = ("bf16_gemm", "indexer_scores", "sparse_attention", "int8_gemm", "topk")  # <name>.c in this folder
 
 _lock = threading.Lock()
 
