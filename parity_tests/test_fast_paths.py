@@ -47,8 +47,7 @@ GEMM_OPS = {
     torch.ops.aten.baddbmm.default,
     torch.ops.glm5_hal.native_bf16_bmm_nt.default,  # glm5_hal.native's bf16 GEMM with fp32 results (CPU)
     torch.ops.glm5_hal.native_indexer_scores.default,  # its fused indexer scores (products, ReLU, head sum)
-    torch.ops.glm5_hal.native_sparse_scores.default,  # its sparse attention products, rows read in place
-    torch.ops.glm5_hal.native_sparse_values.default,
+    torch.ops.glm5_hal.native_sparse_attention.default,  # its sparse attention (both products), rows read in place
 }
 
 
@@ -134,10 +133,8 @@ def test_sparse_attention_gemm_operands(mode: str) -> None:
     with fast_paths(mode), _GemmSpy() as spy:
         OPS["sparse_flash_attention"](*_sparse_attention_inputs(torch.bfloat16))
     if fast.native and native_attention.availability()[0]:
-        # The native kernels: bf16 q and rows for the scores; the fp32 probabilities (split into bf16 parts inside)
-        # and the rows for the values; int64 slots.
-        bf16, fp32, slots = torch.bfloat16, torch.float32, torch.int64
-        assert spy.operands == [(bf16, bf16, slots), (fp32, bf16, slots)]
+        # The native kernel: bf16 q and rows, int64 slots (the probabilities are split into bf16 parts inside).
+        assert spy.operands == [(torch.bfloat16, torch.bfloat16, torch.int64)]
     else:
         assert _operand_dtypes(spy) == {fast.operand}
     with fast_paths(mode), _GemmSpy() as fp32_spy:

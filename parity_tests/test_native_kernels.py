@@ -122,52 +122,23 @@ def _indexer_want(q, weights, cache, tables, limits, width) -> tuple[torch.Tenso
     return scores.where(visible, float("-inf")), magnitude.where(visible, 0.0)
 
 
-@pytest.mark.parametrize("isa", ISAS)
-@SETTINGS
-@given(
-    tokens=st.integers(1, 3),
-    heads=st.integers(1, 40),
-    dims=st.sampled_from([1, 2, 7, 64, 128, 129]),
-    block_size=st.sampled_from([1, 4, 16]),
-    width=st.integers(0, 300),
-    special=st.booleans(),
-    seed=st.integers(0, 2**31 - 1),
-)
-def test_indexer_scores_are_the_fp32_scores_over_the_keys_in_place(
-    isa, tokens, heads, dims, block_size, width, special, seed
-):
-    _runs(indexer_scores, isa)
-    gen = torch.Generator().manual_seed(seed)
-    blocks = -(-max(width, 1) // block_size)
-    cache = _bf16(gen, blocks + 2, block_size, dims)
-    q, weights = _bf16(gen, tokens, heads, dims), torch.randn(tokens, heads, generator=gen)
-    tables = torch.randint(0, blocks + 2, (tokens, blocks), generator=gen, dtype=torch.int32)
-    limits = torch.randint(0, width + 2, (tokens,), generator=gen)
-    if special:
-        cache.view(-1, dims)[torch.randint(0, cache.shape[0] * block_size, (3,), generator=gen)] = float("nan")
-        q[0, -1, 0] = float("inf")
-    want, magnitude = _indexer_want(q, weights, cache, tables, limits, width)
-    got = indexer_scores.scores(q, weights, cache, tables, limits, width, isa=isa, threads=1)
-    _assert_within_fp32_sums(got, want, magnitude, heads * dims)
-    assert _same_bits(indexer_scores.scores(q, weights, cache, tables, limits, width, isa=isa, threads=3), got)
-
-
-def test_indexer_scores_reject_bad_arguments():
-    q, w = torch.zeros(2, 4, 8, dtype=torch.bfloat16), torch.zeros(2, 4)
-    cache = torch.zeros(3, 4, 8, dtype=torch.bfloat16)
-    tables, limits = torch.zeros(2, 2, dtype=torch.int32), torch.zeros(2, dtype=torch.int64)
-    with pytest.raises(ValueError, match=r"tables: expected \[2, >= 9 / 4\], got \(2, 2\)"):
-        indexer_scores.scores(q, w, cache, tables, limits, 9)
-    with pytest.raises(TypeError, match=r"cache: expected \[blocks, block_size, 8\] bf16"):
-        indexer_scores.scores(q, w, cache.float(), tables, limits, 8)
-    strided = torch.zeros(3, 4, 16, dtype=torch.bfloat16)[..., ::2]
-    with pytest.raises(ValueError, match=r"cache: expected rows contiguous in D, got strides \(64, 16, 2\)"):
-        indexer_scores.scores(q, w, strided, tables, limits, 8)
-    with pytest.raises(ValueError, match=r"weights: expected \(2, 4\), got \(2, 3\)"):
-        indexer_scores.scores(q, w[:, :3], cache, tables, limits, 8)
-
-
-# ------------------------------------------------------------------------------------------------ sparse attention
+def _attention_reference(q, rows, slots, scale, d_v):
+    """float64 (out, lse, bound on out's error, bound on lse's error) of the kernel's contract: the bounds are those
+    of fp32 sums over the dims (scores) and keys (softmax, values), ~1 ulp exps, and P's hi + lo parts (~2^-16)."""
+    valid = slots >= 0  # [T, topk]
+    selected = rows[slots.clamp_min(0)].double().where(valid[..., None], 0.0)  # [T, topk, D]
+    scores = torch.einsum("thd,tnd->thn", q.double(), selected) * scale
+    scores = scores.where(valid[:, None, :], float("-inf"))
+    magnitude = torch.einsum("thd,tnd->thn", q.double().abs(), selected.abs()) * scale
+    score_error = ((q.shape[2] + 2) * FP32_SUM * magnitude).where(valid[:, None, :], 0.0)
+    score_error = torch.nn.functional.pad(score_error, (0, 1)).amax(-1, keepdim=True)  # 0 for topk = 0
+    lse = torch.logsumexp(scores, dim=-1)  # [T, H], -inf without keys
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a row without keys: 0
+    out = probs @ selected[..., :d_v]
+    keys = slots.shape[1] + 16
+    lse_bound = score_error[..., 0] + keys * FP32_SUM + 2.0**-22 * lse.abs()
+    out_bound = (2 * score_error + keys * FP32_SUM + 2.0**-15) * (probs @ selected[..., :d_v].abs()) + 1e-30
+    return out, lse, out_bound, lse_bound
 
 
 @pytest.mark.parametrize("isa", ISAS)
@@ -179,11 +150,14 @@ def test_indexer_scores_reject_bad_arguments():
     topk=st.integers(0, 70),
     d_v=st.sampled_from([0, 1, 17, 32, 48]),
     invalid=st.floats(0.0, 1.0),
+    scale=st.sampled_from([0.125, 0.01]),
     seed=st.integers(0, 2**31 - 1),
 )
-def test_sparse_attention_products_read_only_the_selected_rows(isa, tokens, heads, dims, topk, d_v, invalid, seed):
-    """Both products against float64, with unused slots (-1) and NaN in every row no valid key selects: it must
-    reach no result."""
+def test_sparse_attention_is_the_softmax_over_only_the_selected_rows(
+    isa, tokens, heads, dims, topk, d_v, invalid, scale, seed
+):
+    """out and lse against float64, with unused slots (-1) and NaN in every row no valid key selects: it must reach
+    no result. The bf16 out is the fp32 out rounded once; the split over threads changes no bit."""
     _runs(native_attention, isa)
     d_v = min(d_v, dims)
     gen = torch.Generator().manual_seed(seed)
@@ -194,42 +168,56 @@ def test_sparse_attention_products_read_only_the_selected_rows(isa, tokens, head
     unused[slots[slots >= 0]] = False
     rows[unused] = float("nan")
     q = _bf16(gen, tokens, heads, dims)
-    selected = rows[slots.clamp_min(0)].double().where(slots[..., None] >= 0, 0.0)  # [T, topk, D]
-    want = torch.einsum("thd,tnd->tnh", q.double(), selected) * 0.125
-    want = want.where(slots[..., None] >= 0, float("-inf"))
-    magnitude = torch.einsum("thd,tnd->tnh", q.double().abs(), selected.abs()) * 0.125
-    got = native_attention.scores(q, rows, slots, 0.125, isa=isa, threads=1)
-    _assert_within_fp32_sums(got, want, magnitude, dims)
-    assert _same_bits(native_attention.scores(q, rows, slots, 0.125, isa=isa, threads=2), got)
+    want, want_lse, bound, lse_bound = _attention_reference(q, rows, slots, scale, d_v)
 
-    p = torch.rand(tokens, topk, heads, generator=gen).where(slots[..., None] >= 0, 0.0)
-    want_o = torch.einsum("tnh,tnd->thd", p.double(), selected[..., :d_v])
-    got_o = native_attention.values(p, rows, slots, d_v, isa=isa, threads=1)
-    assert got_o.shape == (tokens, heads, d_v) and not got_o.isnan().any()
-    # p enters as hi + lo bf16 parts (~2^-16 of each term), then exact products summed in fp32.
-    bound = 2.0**-15 * torch.einsum("tnh,tnd->thd", p.double(), selected[..., :d_v].abs()) + 1e-30
-    assert ((got_o.double() - want_o).abs() <= bound).all()
-    assert _same_bits(native_attention.values(p, rows, slots, d_v, isa=isa, threads=2), got_o)
+    got, lse = native_attention.attention(q, rows, slots, scale, d_v, out_dtype=torch.float32, isa=isa, threads=1)
+    assert got.shape == (tokens, heads, d_v) and lse.shape == (tokens, heads)
+    assert ((got.double() - want).abs() <= bound).all(), "out off by more than the fp32 path's bound"
+    no_keys = want_lse == float("-inf")
+    assert torch.equal(lse == float("-inf"), no_keys)
+    assert ((lse.double() - want_lse).abs()[~no_keys] <= lse_bound[~no_keys]).all()
+    again, lse_again = native_attention.attention(
+        q, rows, slots, scale, d_v, out_dtype=torch.float32, isa=isa, threads=2
+    )
+    assert _same_bits(again, got) and _same_bits(lse_again, lse)
+    rounded, lse_rounded = native_attention.attention(q, rows, slots, scale, d_v, isa=isa, threads=1)
+    assert rounded.dtype == torch.bfloat16 and _same_bits(lse_rounded, lse)
+    assert torch.equal(rounded.view(torch.int16), got.bfloat16().view(torch.int16))
 
 
 @pytest.mark.parametrize("isa", ISAS)
-def test_sparse_attention_values_pass_nan_and_inf_probabilities_through(isa):
+def test_sparse_attention_keeps_torch_softmax_semantics_for_nan_and_inf(isa):
+    """A NaN score makes its head NaN (torch's amax propagates it); a +inf score gives NaN out and lse +inf (the
+    softmax shifts by 0 then, and inf / inf); a -inf score is a probability of 0 (whose product with the row's inf is
+    NaN, as in any matmul); other heads and dims are untouched."""
     _runs(native_attention, isa)
     rows = torch.ones(4, 32, dtype=torch.bfloat16)
-    slots = torch.tensor([[0, 1, 2]])
-    p = torch.tensor([[[0.5, float("nan")], [0.25, 0.0], [float("inf"), 0.0]]])  # [1, 3, 2]
-    got = native_attention.values(p, rows, slots, 32, isa=isa, threads=1)
-    assert got[0, 0].isinf().all() and got[0, 1].isnan().all()
+    rows[2, 0] = float("inf")
+    q = torch.zeros(1, 3, 32, dtype=torch.bfloat16)
+    q[0, :, 0] = torch.tensor([1.0, 1.0, -1.0])  # row 2's score: +inf for heads 0 and 1, -inf for head 2
+    q[0, 0, 1] = float("nan")
+    out, lse = native_attention.attention(q, rows, torch.tensor([[0, 1, 2]]), 1.0, 32, out_dtype=torch.float32, isa=isa)
+    assert out[0, 0].isnan().all() and lse[0, 0].isnan()
+    assert out[0, 1].isnan().all() and lse[0, 1] == float("inf")
+    assert torch.equal(out[0, 2, 1:], torch.ones(31)) and out[0, 2, 0].isnan()  # 1/2 of rows 0 and 1, 0 x inf
+    assert torch.allclose(lse[0, 2], torch.tensor(2.0).log() - 1.0)
 
 
-def test_sparse_attention_kernels_reject_bad_arguments():
+def test_sparse_attention_kernel_rejects_bad_arguments():
     q, rows = torch.zeros(2, 4, 8, dtype=torch.bfloat16), torch.zeros(5, 8, dtype=torch.bfloat16)
-    with pytest.raises(TypeError, match=r"slots: expected \[2, 3\] int64, got \(2, 3\) torch.int32"):
-        native_attention.scores(q, rows, torch.zeros(2, 3, dtype=torch.int32), 1.0)
+    slots = torch.zeros(2, 3, dtype=torch.int64)
+    with pytest.raises(TypeError, match=r"slots: expected \[2, topk\] int64, got \(2, 3\) torch.int32"):
+        native_attention.attention(q, rows, slots.int(), 1.0, 8)
     with pytest.raises(ValueError, match=r"d_v: expected 0 .. 8, got 9"):
-        native_attention.values(torch.zeros(2, 3, 4), rows, torch.zeros(2, 3, dtype=torch.int64), 9)
+        native_attention.attention(q, rows, slots, 1.0, 9)
     with pytest.raises(TypeError, match=r"rows: expected \[num_slots, D\] bf16 with contiguous rows"):
-        native_attention.scores(q, rows.T.contiguous().T, torch.zeros(2, 3, dtype=torch.int64), 1.0)
+        native_attention.attention(q, rows.T.contiguous().T, slots, 1.0, 8)
+    with pytest.raises(ValueError, match=r"rows: expected 8 wide \(q's D\), got 4"):
+        native_attention.attention(q, rows[:, :4], slots, 1.0, 4)
+    with pytest.raises(TypeError, match=r"q: expected \[T, H, D\] bf16, got \(2, 4, 8\) torch.float32"):
+        native_attention.attention(q.float(), rows, slots, 1.0, 8)
+    with pytest.raises(TypeError, match=r"out_dtype: expected one of"):
+        native_attention.attention(q, rows, slots, 1.0, 8, out_dtype=torch.float16)
 
 
 # ------------------------------------------------------------------------------------------------ the builder

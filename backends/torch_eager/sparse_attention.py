@@ -3,8 +3,9 @@ attends over them: [gather -> scores [tile, H, topk] -> masked softmax -> @ V].
 
 Tokens are processed in tiles sized to bound the working set; no tensor ever spans the whole context, only the
 topk selected rows of each token. Where the GEMM path is glm5_hal.native's (bf16 on a CPU with AVX-512 BF16) and the
-cache holds bf16 rows, the two products are native kernels that read the selected rows in place (no gather, no
-copy of V) with the same fp32 arithmetic; the softmax between them is the same torch code.
+cache holds bf16 rows, one native kernel per token does the scores, the fp32 softmax and the value product, reading
+the selected rows in place (no gather, no copy of V, no [T, topk, H] scores in memory) with the same fp32
+arithmetic (glm5_hal/native/sparse_attention.py).
 """
 
 from __future__ import annotations
@@ -68,11 +69,12 @@ def sparse_flash_attention(
         idx = indices[tokens].to(torch.int64)  # [t, topk]
         valid = (idx >= 0) & (idx < key_limit[tokens, None])  # [t, topk]
         if native:
-            # Invalid keys get slot -1: the kernels never read their rows (padding in the table, NaN in the slot).
+            # Invalid keys get slot -1: the kernel never reads their rows (padding in the table, NaN in the slot).
             slots = torch.where(valid, key_slots(block_table, seqs[tokens], idx, block_size), -1)  # [t, topk]
-            scores = native_attention.scores(q[tokens], rows, slots, sm_scale)  # [t, topk, H] fp32, -inf if invalid
-            probs, lse[tokens] = _softmax(scores, dim=1)
-            out[tokens] = native_attention.values(probs, rows, slots, d_v).to(q.dtype)  # [t, H, d_v]
+            tile_out, tile_lse = native_attention.attention(q[tokens], rows, slots, sm_scale, d_v)
+            if token_tile >= num_tokens:  # one tile (decode): its results are the op's, no copy
+                return tile_out, tile_lse
+            out[tokens], lse[tokens] = tile_out, tile_lse
             continue
         # An invalid key's table entry may be padding (any value): read slot 0 for it instead, and zero its row
         # after decoding, so that neither its address nor its contents (NaN in an unused slot, any bytes of a

@@ -1,14 +1,22 @@
-/* Sparse attention's two products straight from a paged bf16 latent cache, on CPUs (no gathered copy of the
- * selected rows). Per token t, over its selected keys n (row = rows + slot[t][n] * row_stride; slot -1: not a key):
+/* Sparse attention of a token over its selected keys, straight from a paged bf16 latent cache, on CPUs: one kernel
+ * per token for the scores, the softmax and the value product, with the scores in a per-thread workspace that stays
+ * in L2 (no gathered copy of the selected rows, no [T, topk, H] tensor in memory, no torch passes between them).
+ * Per token t, over its valid selected keys n (row_n = rows + slot[t][n] * row_stride; slot -1: not a key, never
+ * read):
  *
- *   glm5_sparse_scores: S[t][n][h]  = scale * sum_d q[t][h][d] * row_n[d]        (-inf where slot is -1)
- *   glm5_sparse_values: O[t][h][d]  = sum_n P[t][n][h] * row_n[d], d < dv        (slot -1 rows skipped: never read)
+ *   S[n][h]  = scale * sum_d q[t][h][d] * row_n[d]
+ *   peak[h]  = max_n S[n][h], or 0 where that is not finite or a score is NaN (no shift then; exp stays exact 0)
+ *   E[n][h]  = exp(S[n][h] - peak[h]),  total[h] = sum_n E[n][h]
+ *   lse[t][h] = peak[h] + log(total[h])                      (-inf for a token without valid keys)
+ *   O[t][h][d] = sum_n (E[n][h] / max(total[h], FLT_MIN)) * row_n[d],  d < dv     (0 without valid keys)
  *
- * The softmax between them stays in torch (fp32). Scores: heads are vector lanes (q packed as [D / 2][Hp][2], as
- * in indexer_scores.c), a tile is KEYS keys x 64 heads, VDPBF16PS on exact bf16 products with fp32 sums. Values: fp32
- * FMAs of the fp32 probabilities with the bf16 rows widened to fp32 (exact), a tile is 8 heads x 32 dims. So both
- * are the fp32 path's arithmetic up to the order of the sums; nothing is rounded to bf16.
+ * Scores: heads are vector lanes (q packed as [D / 2][Hp][2], as in indexer_scores.c), a tile is KEYS keys x 64
+ * heads, VDPBF16PS on exact bf16 products with fp32 sums. Softmax in fp32 (exp to ~1 ulp). Values: the normalised
+ * probabilities enter as hi + lo bf16 parts (P to ~2^-16, as glm5_hal's other half-precision products take an fp32
+ * operand), exact products summed in fp32, a tile is 8 heads x 32 dims. So this is the fp32 path's arithmetic up to
+ * the order of the sums and ~2^-16 of each probability; the result is rounded once, to the output's dtype.
  */
+#include <float.h>
 #include <math.h>
 #include <stdlib.h>
 
@@ -111,8 +119,109 @@ static void value_tile(const uint16_t *const *rows, const uint16_t *vp, long n_v
     }
 }
 
-static inline uint16_t to_bf16(float x) { /* round to nearest even (NaN stays NaN) */
-    return (uint16_t)_mm_cvtsi128_si32((__m128i)_mm_cvtneps_pbh(_mm_set1_ps(x)));
+
+/* exp(x) in 16 lanes to ~1 ulp (Cephes' expf: x = n ln2 + r, |r| <= ln2 / 2, a degree-7 polynomial for e^r, then
+   scaled by 2^n). Clamped to [-104, 89] first, where exp is already 0 / inf in fp32, so that -inf gives 0 and +inf
+   gives inf without a NaN from the reduction; NaN passes through (max / min return their second operand for it). */
+static inline __m512 exp16(__m512 x) {
+    x = _mm512_min_ps(_mm512_set1_ps(89.0f), _mm512_max_ps(_mm512_set1_ps(-104.0f), x));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x); /* ln2 in two parts: r is exact */
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* s [n][hp] scores -> E = exp(s - peak) in place, and per head (h < heads) lse = peak + log(total) and
+   denominator = max(total, FLT_MIN) (see the top of the file; padding lanes get 1). */
+static void exponentiate(float *s, long n, long hp, long heads, float *lse, float *denominator) {
+    for (long h0 = 0; h0 < hp; h0 += 16) {
+        __mmask16 live = (__mmask16)live_lanes(heads, h0);
+        __m512 peak = _mm512_set1_ps(-INFINITY);
+        __mmask16 nan = 0;
+        for (long k = 0; k < n; k++) {
+            __m512 x = _mm512_maskz_loadu_ps(live, s + k * hp + h0);
+            peak = _mm512_max_ps(peak, x);
+            nan |= _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+        }
+        __mmask16 finite = _mm512_cmp_ps_mask(_mm512_sub_ps(peak, peak), _mm512_setzero_ps(), _CMP_EQ_OQ);
+        peak = _mm512_maskz_mov_ps(finite & (__mmask16)~nan, peak);
+        __m512 total = _mm512_setzero_ps();
+        for (long k = 0; k < n; k++) {
+            __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, s + k * hp + h0), peak));
+            _mm512_storeu_ps(s + k * hp + h0, e);
+            total = _mm512_add_ps(total, e);
+        }
+        float peaks[16], totals[16];
+        _mm512_storeu_ps(peaks, peak);
+        _mm512_storeu_ps(totals, total);
+        for (int i = 0; i < 16; i++) {
+            if (h0 + i < heads) lse[h0 + i] = peaks[i] + logf(totals[i]);
+            denominator[h0 + i] = h0 + i < heads ? fmaxf(totals[i], FLT_MIN) : 1.0f;
+        }
+    }
+}
+
+/* P = e / denominator as (hi, lo) bf16 parts: hi = P rounded, lo = (P - hi) rounded, 0 where that is not finite
+   (inf / NaN pass through hi alone); as 32-bit lanes with the bf16 in the low half. */
+static inline void split_parts(__m512 p, __m512i *hi, __m512i *lo) {
+    __m256bh rounded = _mm512_cvtneps_pbh(p);
+    *hi = _mm512_cvtepu16_epi32((__m256i)rounded);
+    __m512 rest = _mm512_sub_ps(p, _mm512_castsi512_ps(_mm512_slli_epi32(*hi, 16)));
+    __mmask16 finite = _mm512_cmp_ps_mask(_mm512_sub_ps(rest, rest), _mm512_setzero_ps(), _CMP_EQ_OQ);
+    *lo = _mm512_maskz_cvtepu16_epi32(finite, (__m256i)_mm512_cvtneps_pbh(rest));
+}
+
+/* E [n][hp] -> the probabilities' parts in the layout value_tile reads, pp[pair][h][part][2] (uint16), written over
+   E: a pair's region of pp (hp x 4 bf16) is exactly its two rows of E (2 x hp fp32), so each pair is copied out
+   first (pair_copy: 2 x hp floats). The odd key out of the last pair, and heads >= heads, get 0. */
+static void pack_probabilities(float *s, long n, long hp, long heads, const float *denominator, float *pair_copy) {
+    const __m512i first = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+    const __m512i second = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+    for (long pair = 0; pair < (n + 1) / 2; pair++) {
+        int both = 2 * pair + 1 < n;
+        memcpy(pair_copy, s + 2 * pair * hp, sizeof *pair_copy * hp * (both ? 2 : 1));
+        uint16_t *pp = (uint16_t *)s + pair * hp * 4;
+        for (long h0 = 0; h0 < hp; h0 += 16) {
+            __mmask16 live = (__mmask16)live_lanes(heads, h0);
+            __m512 denominators = _mm512_loadu_ps(denominator + h0);
+            __m512i hi0, lo0, hi1 = _mm512_setzero_si512(), lo1 = _mm512_setzero_si512();
+            split_parts(_mm512_div_ps(_mm512_maskz_loadu_ps(live, pair_copy + h0), denominators), &hi0, &lo0);
+            if (both)
+                split_parts(_mm512_div_ps(_mm512_maskz_loadu_ps(live, pair_copy + hp + h0), denominators), &hi1,
+                            &lo1);
+            __m512i his = _mm512_or_si512(hi0, _mm512_slli_epi32(hi1, 16)); /* per head: (P[k], P[k + 1]) hi */
+            __m512i los = _mm512_or_si512(lo0, _mm512_slli_epi32(lo1, 16));
+            _mm512_storeu_si512(pp + h0 * 4, _mm512_permutex2var_epi32(his, first, los));
+            _mm512_storeu_si512(pp + h0 * 4 + 32, _mm512_permutex2var_epi32(his, second, los));
+        }
+    }
+}
+
+/* o [heads][dv] fp32 -> out[h][d] (row stride out_head), fp32 or bf16 rounded as torch rounds (to nearest even,
+   every NaN 0x7FC0, subnormals kept). */
+static void store_output(const float *o, long heads, long dv, void *out, int out_fp32, long out_head) {
+    for (long h = 0; h < heads; h++)
+        for (long d0 = 0; d0 < dv; d0 += 16) {
+            __mmask16 mask = (__mmask16)live_lanes(dv, d0);
+            __m512 x = _mm512_maskz_loadu_ps(mask, o + h * dv + d0);
+            if (out_fp32) {
+                _mm512_mask_storeu_ps((float *)out + h * out_head + d0, mask, x);
+                continue;
+            }
+            __m512i bits = _mm512_castps_si512(x);
+            __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+            __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
+            rounded = _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+            _mm512_mask_cvtepi32_storeu_epi16((uint16_t *)out + h * out_head + d0, mask, rounded);
+        }
 }
 #else
 static void score_tile(const uint16_t *keys[KEYS], int n_keys, const uint16_t *q, long pairs, long odd, long hp,
@@ -147,92 +256,127 @@ static inline uint16_t to_bf16(float x) { /* round to nearest even (NaN stays Na
     if ((bits & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((bits >> 16) | 0x40u);
     return (uint16_t)((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
 }
-#endif
 
-/* q: [T][pairs + odd][hp][2] bf16 (hp = H rounded up to 16); slots: [T][topk] int64; S: [T][topk][s_key] fp32. */
-void glm5_sparse_scores(long heads, long dims, long topk, const uint16_t *q, const uint16_t *rows, long row_stride,
-                        const int64_t *slots, float scale, float *s, long s_token, long s_key, long t_begin,
-                        long t_end) {
-    long pairs = dims / 2, odd = dims % 2, hp = (heads + 15) / 16 * 16;
-    for (long t = t_begin; t < t_end; t++) {
-        const int64_t *st = slots + t * topk;
-        float *out = s + t * s_token;
-        const uint16_t *qt = q + t * (pairs + odd) * hp * 2;
-        for (long n0 = 0; n0 < topk; n0 += KEYS) {
-            int n_keys = topk - n0 < KEYS ? (int)(topk - n0) : KEYS;
-            const uint16_t *keys[KEYS];
-            const uint16_t *some_row = 0;
-            for (int j = 0; j < n_keys; j++)
-                if (st[n0 + j] >= 0) some_row = rows + st[n0 + j] * row_stride;
-            for (int j = 0; j < KEYS; j++) /* an invalid key reads a valid key's row; its scores are -inf below */
-                keys[j] = j < n_keys && st[n0 + j] >= 0 ? rows + st[n0 + j] * row_stride : some_row;
-            for (long ahead = n0 + 2 * KEYS; ahead < n0 + 3 * KEYS && ahead < topk; ahead++) /* two tiles ahead */
-                if (st[ahead] >= 0) prefetch(rows + st[ahead] * row_stride, dims);
-            if (some_row) {
-                for (long h0 = 0; h0 < hp; h0 += HEAD_GROUP) {
-                    int nv = (int)((hp - h0) / 16 < 4 ? (hp - h0) / 16 : 4);
-#ifndef GLM5_PORTABLE
-                    __mmask16 live[4];
-#else
-                    unsigned live[4];
-#endif
-                    for (int v = 0; v < 4; v++) live[v] = live_lanes(heads, h0 + 16 * v);
-                    score_tile(keys, n_keys, qt, pairs, odd, hp, h0, nv, live, scale, out + n0 * s_key, s_key);
-                }
-            }
-            for (int j = 0; j < n_keys; j++)
-                if (st[n0 + j] < 0)
-                    for (long h = 0; h < heads; h++) out[(n0 + j) * s_key + h] = -INFINITY;
+static void exponentiate(float *s, long n, long hp, long heads, float *lse, float *denominator) {
+    for (long h = 0; h < hp; h++) {
+        if (h >= heads) {
+            denominator[h] = 1.0f;
+            continue;
         }
+        float peak = -INFINITY;
+        int nan = 0;
+        for (long k = 0; k < n; k++) {
+            float x = s[k * hp + h];
+            nan |= x != x;
+            peak = x > peak ? x : peak;
+        }
+        if (nan || peak - peak != 0.0f) peak = 0.0f;
+        float total = 0.0f;
+        for (long k = 0; k < n; k++) {
+            s[k * hp + h] = expf(s[k * hp + h] - peak);
+            total += s[k * hp + h];
+        }
+        lse[h] = peak + logf(total);
+        denominator[h] = fmaxf(total, FLT_MIN);
     }
 }
 
-/* p: [T][topk][p_key] fp32 (p_key >= heads); o: [T][o_token / o_head][o_head] fp32 with room for heads rounded up
-   to VALUE_HEADS. Per token, the valid keys' probabilities are split into hi + lo bf16 parts (hi = P rounded,
-   lo = P - hi rounded, 0 where hi is not finite so that inf / NaN pass through hi alone: P to ~2^-16) and packed in
-   key pairs for VDPBF16PS. Returns 0, or -1 if the per-token workspace could not be allocated. */
-int glm5_sparse_values(long heads, long dv, long topk, const float *p, long p_token, long p_key,
-                       const uint16_t *rows, long row_stride, const int64_t *slots, float *o, long o_token,
-                       long o_head, long t_begin, long t_end) {
-    long hp = (heads + VALUE_HEADS - 1) / VALUE_HEADS * VALUE_HEADS, pairs = (topk + 1) / 2;
+static void pack_probabilities(float *s, long n, long hp, long heads, const float *denominator, float *pair_copy) {
+    for (long pair = 0; pair < (n + 1) / 2; pair++) {
+        int both = 2 * pair + 1 < n;
+        memcpy(pair_copy, s + 2 * pair * hp, sizeof *pair_copy * hp * (both ? 2 : 1));
+        uint16_t *pp = (uint16_t *)s + pair * hp * 4;
+        for (long h = 0; h < hp; h++)
+            for (int key = 0; key < 2; key++) {
+                float p = h < heads && (key == 0 || both) ? pair_copy[key * hp + h] / denominator[h] : 0.0f;
+                uint16_t hi = to_bf16(p);
+                float rest = p - bf16_to_float(hi);
+                pp[h * 4 + key] = hi;
+                pp[h * 4 + 2 + key] = rest - rest == 0.0f ? to_bf16(rest) : 0;
+            }
+    }
+}
+
+static void store_output(const float *o, long heads, long dv, void *out, int out_fp32, long out_head) {
+    for (long h = 0; h < heads; h++)
+        for (long d = 0; d < dv; d++) {
+            if (out_fp32)
+                ((float *)out)[h * out_head + d] = o[h * dv + d];
+            else
+                ((uint16_t *)out)[h * out_head + d] = float_to_bf16(o[h * dv + d]);
+        }
+}
+#endif
+
+
+/* q: [T][pairs + odd][hp][2] bf16 (hp = H rounded up to 16); slots: [T][topk] int64; out: [T][H][dv] (element
+   strides out_token, out_head), fp32 if out_fp32 else bf16; lse: [T][H] fp32 (stride lse_token). Returns 0, or -1
+   if the per-thread workspace could not be allocated. */
+int glm5_sparse_attention(long heads, long dims, long dv, long topk, const uint16_t *q, const uint16_t *rows,
+                          long row_stride, const int64_t *slots, float scale, void *out, int out_fp32, long out_token,
+                          long out_head, float *lse, long lse_token, long t_begin, long t_end) {
+    long pairs = dims / 2, odd = dims % 2, hp = (heads + 15) / 16 * 16;
+    long value_heads = (heads + VALUE_HEADS - 1) / VALUE_HEADS * VALUE_HEADS, key_pairs = (topk + 1) / 2 + 1;
+    size_t out_size = out_fp32 ? sizeof(float) : sizeof(uint16_t);
+    /* Per thread: the valid keys' rows, their scores (then exps, then probability parts: 2 x key_pairs x hp fp32,
+       ~512 KiB at topk 2048 and 64 heads), a packed 32-dim slice of the rows, the fp32 output, and small per-head
+       arrays. */
     const uint16_t **valid_rows = malloc(sizeof *valid_rows * (topk > 0 ? topk : 1));
-    uint16_t *pp = malloc(sizeof *pp * (pairs > 0 ? pairs : 1) * hp * 4);
-    uint16_t *vp = malloc(sizeof *vp * (pairs > 0 ? pairs : 1) * 2 * VALUE_DIMS);
-    if (!valid_rows || !pp || !vp) {
-        free(valid_rows);
-        free(pp);
-        free(vp);
-        return -1;
+    float *s = malloc(sizeof *s * 2 * key_pairs * (hp > 0 ? hp : 1));
+    uint16_t *vp = malloc(sizeof *vp * key_pairs * 2 * VALUE_DIMS);
+    float *o = malloc(sizeof *o * (value_heads * dv > 0 ? value_heads * dv : 1));
+    float *per_head = malloc(sizeof *per_head * 4 * (hp > 0 ? hp : 1)); /* denominators, then a pair's copy */
+    int status = 0;
+    if (!valid_rows || !s || !vp || !o || !per_head) {
+        status = -1;
+        t_end = t_begin;
     }
     for (long t = t_begin; t < t_end; t++) {
         const int64_t *st = slots + t * topk;
-        const float *pt = p + t * p_token;
-        long n_valid = 0;
-        for (long n = 0; n < topk; n++) {
-            if (st[n] < 0) continue;
-            valid_rows[n_valid] = rows + st[n] * row_stride;
-            uint16_t *pair = pp + (n_valid / 2) * hp * 4;
-            for (long h = 0; h < hp; h++) {
-                float value = h < heads ? pt[n * p_key + h] : 0.0f;
-                uint16_t hi = to_bf16(value);
-                float rest = value - bf16_to_float(hi);
-                pair[h * 4 + n_valid % 2] = hi;
-                pair[h * 4 + 2 + n_valid % 2] = rest == rest && rest - rest == 0.0f ? to_bf16(rest) : 0;
+        char *out_t = (char *)out + t * out_token * out_size;
+        long n = 0;
+        for (long k = 0; k < topk; k++)
+            if (st[k] >= 0) valid_rows[n++] = rows + st[k] * row_stride;
+        if (n == 0) { /* no key: out 0, lse -inf */
+            for (long h = 0; h < heads; h++) {
+                memset(out_t + h * out_head * out_size, 0, dv * out_size);
+                lse[t * lse_token + h] = -INFINITY;
             }
-            n_valid++;
+            continue;
         }
-        if (n_valid % 2) /* the last key's partner: zero weights (its row is never read) */
-            for (long h = 0; h < hp; h++) pp[(n_valid / 2) * hp * 4 + h * 4 + 1] = pp[(n_valid / 2) * hp * 4 + h * 4 + 3] = 0;
+        const uint16_t *qt = q + t * (pairs + odd) * hp * 2;
+        for (long n0 = 0; n0 < n; n0 += KEYS) {
+            int n_keys = n - n0 < KEYS ? (int)(n - n0) : KEYS;
+            const uint16_t *keys[KEYS];
+            for (int j = 0; j < KEYS; j++) keys[j] = valid_rows[j < n_keys ? n0 + j : n0]; /* spare lanes: a real row */
+            for (long ahead = n0 + 2 * KEYS; ahead < n0 + 3 * KEYS && ahead < n; ahead++) /* two tiles ahead */
+                prefetch(valid_rows[ahead], dims);
+            for (long h0 = 0; h0 < hp; h0 += HEAD_GROUP) {
+                int nv = (int)((hp - h0) / 16 < 4 ? (hp - h0) / 16 : 4);
+#ifndef GLM5_PORTABLE
+                __mmask16 live[4];
+#else
+                unsigned live[4];
+#endif
+                for (int v = 0; v < 4; v++) live[v] = live_lanes(heads, h0 + 16 * v);
+                score_tile(keys, n_keys, qt, pairs, odd, hp, h0, nv, live, scale, s + n0 * hp, hp);
+            }
+        }
+        exponentiate(s, n, hp, heads, lse + t * lse_token, per_head);
+        pack_probabilities(s, n, hp, heads, per_head, per_head + hp);
         /* Dims outer: each 32-dim slice of the selected rows is gathered and paired once (128 KiB at topk 2048, in
            L2), then every head block streams it. */
         for (long d0 = 0; d0 < dv; d0 += VALUE_DIMS) {
-            pack_slice(valid_rows, n_valid, d0, dv, vp);
-            for (long h0 = 0; h0 < hp; h0 += VALUE_HEADS)
-                value_tile(valid_rows, vp, n_valid, pp, hp, h0, d0, dv, o + t * o_token, o_head);
+            pack_slice(valid_rows, n, d0, dv, vp);
+            for (long h0 = 0; h0 < value_heads; h0 += VALUE_HEADS)
+                value_tile(valid_rows, vp, n, (const uint16_t *)s, hp, h0, d0, dv, o, dv);
         }
+        store_output(o, heads, dv, out_t, out_fp32, out_head);
     }
     free(valid_rows);
-    free(pp);
+    free(s);
     free(vp);
-    return 0;
+    free(o);
+    free(per_head);
+    return status;
 }
