@@ -250,13 +250,6 @@ static void value_tile(const uint16_t *const *rows, const uint16_t *vp, long n_v
         }
 }
 
-static inline uint16_t to_bf16(float x) { /* round to nearest even (NaN stays NaN) */
-    uint32_t bits;
-    memcpy(&bits, &x, sizeof bits);
-    if ((bits & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((bits >> 16) | 0x40u);
-    return (uint16_t)((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
-}
-
 static void exponentiate(float *s, long n, long hp, long heads, float *lse, float *denominator) {
     for (long h = 0; h < hp; h++) {
         if (h >= heads) {
@@ -289,10 +282,10 @@ static void pack_probabilities(float *s, long n, long hp, long heads, const floa
         for (long h = 0; h < hp; h++)
             for (int key = 0; key < 2; key++) {
                 float p = h < heads && (key == 0 || both) ? pair_copy[key * hp + h] / denominator[h] : 0.0f;
-                uint16_t hi = to_bf16(p);
+                uint16_t hi = float_to_bf16(p);
                 float rest = p - bf16_to_float(hi);
                 pp[h * 4 + key] = hi;
-                pp[h * 4 + 2 + key] = rest - rest == 0.0f ? to_bf16(rest) : 0;
+                pp[h * 4 + 2 + key] = rest - rest == 0.0f ? float_to_bf16(rest) : 0;
             }
     }
 }
@@ -325,7 +318,7 @@ int glm5_sparse_attention(long heads, long dims, long dv, long topk, const uint1
     float *s = malloc(sizeof *s * 2 * key_pairs * (hp > 0 ? hp : 1));
     uint16_t *vp = malloc(sizeof *vp * key_pairs * 2 * VALUE_DIMS);
     float *o = malloc(sizeof *o * (value_heads * dv > 0 ? value_heads * dv : 1));
-    float *per_head = malloc(sizeof *per_head * 4 * (hp > 0 ? hp : 1)); /* denominators, then a pair's copy */
+    float *per_head = malloc(sizeof *per_head * 3 * (hp > 0 ? hp : 1)); /* denominators, then a pair's copy */
     int status = 0;
     if (!valid_rows || !s || !vp || !o || !per_head) {
         status = -1;
