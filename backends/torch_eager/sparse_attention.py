@@ -95,22 +95,22 @@ def sparse_flash_attention(
         scores = gemm.logits.bmm(q[tokens], kv.transpose(1, 2)).mul_(sm_scale)  # [t, H, topk] fp32
         if any_invalid:
             scores.masked_fill_(~valid[:, None, :], float("-inf"))
-        probs, lse[tokens] = _softmax(scores, dim=2)
+        probs, lse[tokens] = _softmax(scores)
         out[tokens] = gemm.bmm(probs, kv[..., :d_v], output=True).to(q.dtype)  # [t, H, d_v]
     return out, lse
 
 
-def _softmax(scores: Tensor, dim: int) -> tuple[Tensor, Tensor]:
-    """(probabilities, lse) of fp32 scores over the keys' dim (-inf: not a key), in place: the probabilities are
+def _softmax(scores: Tensor) -> tuple[Tensor, Tensor]:
+    """(probabilities, lse) of fp32 scores [t, H, topk] over the keys (-inf: not a key), in place: the probabilities are
     normalised before the value product, which makes that product the op's output (rounded to q's dtype right after),
     so a half-precision path needs no residual pass for it. A row without keys gives probabilities 0 (the contract's
     out = 0) and lse -inf (log(0))."""
-    peak = scores.amax(dim=dim, keepdim=True)
+    peak = scores.amax(dim=-1, keepdim=True)
     # A row with no valid key has peak -inf; shifting by 0 instead keeps exp() at exactly 0 and avoids nan.
     peak = torch.where(torch.isfinite(peak), peak, torch.zeros_like(peak))
     # In place: a fresh [T, H, topk] tensor for exp() cost as much again as the softmax's own passes at decode (its
     # pages are new memory on every call), and the scores are not used after this.
     probs = scores.sub_(peak).exp_()  # unnormalised
-    total = probs.sum(dim=dim, keepdim=True)  # 0 for an empty row
+    total = probs.sum(dim=-1, keepdim=True)  # 0 for an empty row
     probs.div_(total.clamp_min(torch.finfo(COMPUTE_DTYPE).tiny))
-    return probs, (peak + torch.log(total)).squeeze(dim)
+    return probs, (peak + torch.log(total)).squeeze(-1)
