@@ -27,16 +27,28 @@ def token_positions(seq_lens_k: Tensor, cu_seqlens_q: Tensor, seqs: Tensor) -> T
     return seq_lens_k.to(torch.int64)[seqs] - cu_seqlens_q.to(torch.int64)[seqs + 1] + tokens
 
 
-def key_slots(block_table: Tensor, seqs: Tensor, positions: Tensor, block_size: int) -> Tensor:
-    """Flat cache slots of request-local key positions.
+def key_slots(
+    block_table: Tensor, seqs: Tensor, positions: Tensor, block_size: int, num_blocks: int
+) -> tuple[Tensor, Tensor]:
+    """Flat cache slots of request-local key positions, and whether the block table addresses each one.
 
     block_table: [B, max_blocks] int32. seqs: [N] int64, a sequence per row. positions: [S] (shared by all rows)
-    or [N, S] (one set per row), any integer dtype. Returns [N, S] int64.
+    or [N, S] (one set per row), any integer dtype. num_blocks: the cache's blocks. Returns (slots [N, S] int64,
+    addressable [N, S] bool).
 
-    Positions the block table cannot address (negative, past the table, or in an unallocated -1 block) map to
-    some valid slot so that the gather stays in bounds; callers mask those keys out.
+    A position is addressable when it lies in the table (0 <= p < max_blocks * block_size) and its table entry is a
+    block of the cache (0 <= id < num_blocks). With value checks on, the blocks a sequence uses always are; with
+    them off (or under torch.compile) a bad id must not reach memory: docs/ops.md ("Paged caches") makes such a key
+    not a key, on every backend. The slot of a position that is not addressable is 0, so that a gather stays in
+    bounds whatever the table holds; callers mask those keys out.
     """
+    positions = positions.to(torch.int64)
     max_position = block_table.shape[1] * block_size - 1
-    positions = positions.to(torch.int64).clamp(0, max_position)
-    blocks = block_table.to(torch.int64)[seqs[:, None], positions // block_size]  # [N, S]
-    return blocks.clamp_min(0) * block_size + positions % block_size
+    if max_position < 0:  # a table with no column addresses nothing
+        shape = torch.broadcast_shapes((seqs.shape[0], 1), positions.shape)
+        zeros = torch.zeros(shape, dtype=torch.int64, device=positions.device)
+        return zeros, zeros.bool()
+    clamped = positions.clamp(0, max_position)
+    blocks = block_table.to(torch.int64)[seqs[:, None], clamped // block_size]  # [N, S]
+    addressable = (positions == clamped) & (blocks >= 0) & (blocks < num_blocks)
+    return torch.where(addressable, blocks * block_size + clamped % block_size, 0), addressable

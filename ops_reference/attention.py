@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from ops_reference.kv_cache import AUTO, dequantize_cache
-from ops_reference.paged_cache import gather_keys, token_positions, token_sequences
+from ops_reference.paged_cache import addressable, gather_keys, token_positions, token_sequences
 
 
 def _attend(q: np.ndarray, keys: np.ndarray, sm_scale: float, d_v: int) -> tuple[np.ndarray, np.ndarray]:
@@ -22,9 +22,9 @@ def _attend(q: np.ndarray, keys: np.ndarray, sm_scale: float, d_v: int) -> tuple
 def sparse_flash_attention(
     q, kv_cache, indices, block_table, seq_lens_k, cu_seqlens_q, sm_scale, d_v=512, kv_cache_dtype=AUTO
 ):
-    """-> (out [T,H,d_v], lse [T,H]). Token t attends to the cache rows of its valid indices (>= 0 and
-    < seq_lens_k of its sequence); K = the whole row, V = its first d_v dims. A quantized cache is read as its
-    decoded values."""
+    """-> (out [T,H,d_v], lse [T,H]). Token t attends to the cache rows of its valid indices (>= 0, < seq_lens_k of
+    its sequence, and addressed by its block table: paged_cache.addressable); K = the whole row, V = its first d_v
+    dims. A quantized cache is read as its decoded values."""
     q = np.asarray(q, np.float64)
     kv_cache = dequantize_cache(kv_cache, kv_cache_dtype)
     seqs, seq_lens_k = token_sequences(cu_seqlens_q), np.asarray(seq_lens_k, np.int64)
@@ -32,6 +32,7 @@ def sparse_flash_attention(
     for t in range(q.shape[0]):
         idx = np.asarray(indices[t], np.int64)
         idx = idx[(idx >= 0) & (idx < seq_lens_k[seqs[t]])]
+        idx = idx[addressable(block_table, kv_cache.shape[0], kv_cache.shape[1], seqs[t], idx)]
         out[t], lse[t] = _attend(q[t], gather_keys(kv_cache, block_table, seqs[t], idx), sm_scale, d_v)
     return out, lse
 

@@ -6,7 +6,7 @@ import numpy as np
 
 from ops_reference.kv_cache import AUTO, dequantize_cache
 from ops_reference.norms import layer_norm
-from ops_reference.paged_cache import gather_keys, token_positions, token_sequences, write_cache
+from ops_reference.paged_cache import addressable, gather_keys, token_positions, token_sequences, write_cache
 from ops_reference.ranking import descending_nan_first
 from ops_reference.rope import rope
 
@@ -46,13 +46,15 @@ def indexer_prolog(
 
 def indexer_logits(q_idx, weights, index_k_cache, block_table, seq_lens_k, cu_seqlens_q, kv_cache_dtype=AUTO):
     """-> [T, max_blocks * block_size] scores I[t,s] = sum_j w[t,j] * ReLU(q[t,j] . k[s]); -inf where s is not
-    visible to token t (s > its position). A quantized cache is read as its decoded values."""
+    visible to token t (s > its position, or a key its block table does not address: paged_cache.addressable). A
+    quantized cache is read as its decoded values."""
     index_k_cache = dequantize_cache(index_k_cache, kv_cache_dtype)
     num_tokens, width = q_idx.shape[0], block_table.shape[1] * index_k_cache.shape[1]
     seqs, positions = token_sequences(cu_seqlens_q), token_positions(seq_lens_k, cu_seqlens_q)
     logits = np.full((num_tokens, width), -np.inf)
     for t in range(num_tokens):
-        visible = np.arange(positions[t] + 1)
+        visible = np.arange(min(positions[t] + 1, width))
+        visible = visible[addressable(block_table, index_k_cache.shape[0], index_k_cache.shape[1], seqs[t], visible)]
         keys = gather_keys(index_k_cache, block_table, seqs[t], visible)  # [S, DI]
         relu_dots = np.maximum(np.asarray(q_idx[t], np.float64) @ keys.T, 0.0)  # [HI, S]
         logits[t, visible] = np.asarray(weights[t], np.float64) @ relu_dots

@@ -27,8 +27,19 @@ def token_positions(seq_lens_k: np.ndarray, cu_seqlens_q: np.ndarray) -> np.ndar
     return np.asarray(seq_lens_k, np.int64)[seq] - q_lens[seq] + offset_in_seq
 
 
+def addressable(block_table: np.ndarray, num_blocks: int, block_size: int, b: int, positions: np.ndarray) -> np.ndarray:
+    """[len(positions)] bool: whether the block table of sequence `b` addresses each key position, i.e. the position
+    lies in the table and its entry is a block of the cache (0 <= id < num_blocks). A key it does not address is not
+    a key (docs/ops.md "Paged caches": only reachable with value checks off, which would refuse such a table)."""
+    table = np.asarray(block_table, np.int64)[b]
+    positions = np.asarray(positions, np.int64)
+    inside = (positions >= 0) & (positions < table.shape[0] * block_size)
+    blocks = table[np.where(inside, positions, 0) // block_size] if table.shape[0] else np.zeros_like(positions)
+    return inside & (blocks >= 0) & (blocks < num_blocks)
+
+
 def gather_keys(cache: np.ndarray, block_table: np.ndarray, b: int, positions: np.ndarray) -> np.ndarray:
-    """The cache rows [len(positions), D] of key `positions` (request-local) of sequence `b`."""
+    """The cache rows [len(positions), D] of key `positions` (request-local) of sequence `b` (all addressable)."""
     block_size = cache.shape[1]
     positions = np.asarray(positions, np.int64)
     blocks = np.asarray(block_table, np.int64)[b, positions // block_size]

@@ -47,7 +47,7 @@ def test_key_slots_address_the_reference_rows(block_size: int) -> None:
     indices = random_topk_indices(batch, 12, gen, invalid_fraction=0.3).to(torch.int64)
     seqs = token_sequences(batch.cu_seqlens_q, batch.num_tokens)
     valid = (indices >= 0) & (indices < batch.seq_lens_k.to(torch.int64)[seqs, None])
-    slots = layouts.key_slots(batch.block_table, seqs, indices, valid, block_size)
+    slots = layouts.key_slots(batch.block_table, seqs, indices, valid, block_size, batch.num_blocks)
     assert bool((slots[~valid] == -1).all())
     rows = cache.reshape(-1, 6)
     for t in range(batch.num_tokens):

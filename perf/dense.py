@@ -40,7 +40,7 @@ def dense_mla_attention(
         acc = torch.zeros(*qb.shape[:2], d_v, device=q.device)
         for start in range(0, k_len, KEY_CHUNK):
             keys_pos = torch.arange(start, min(start + KEY_CHUNK, k_len), device=q.device)
-            slots = key_slots(block_table, seq, keys_pos, block)[0]
+            slots = key_slots(block_table, seq, keys_pos, block, kv_cache.shape[0])[0][0]  # valid tables here
             rows = flat[slots].float()  # [S, 576]
             scores = torch.einsum("thd,sd->ths", qb, rows)
             scores = scores.masked_fill(keys_pos[None, None, :] > pos[:, None, None], -torch.inf)

@@ -18,9 +18,16 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from backends.ascend.layouts import key_slots, rope_table_halves, rope_table_pairs, tnd_prefix_sums
+from backends.ascend.layouts import (
+    blocks_outside_the_cache,
+    key_slots,
+    rope_table_halves,
+    rope_table_pairs,
+    tnd_prefix_sums,
+)
 from backends.ascend.quantized_cache import store_rows
 from backends.ascend.runtime import half_or_bf16, npu, portable
+from glm5_hal.host_reads import host_reads_allowed
 from glm5_hal.kv_formats import AUTO
 from glm5_hal.paged import token_sequences
 
@@ -123,7 +130,8 @@ def _picked_scores(q_idx, weights, index_k_cache, block_table, seqs, indices) ->
     for start in range(0, num_tokens, tile):  # tiles bound the gathered rows, not a loop over tokens
         part = slice(start, start + tile)
         valid = indices[part] >= 0
-        slots = key_slots(block_table, seqs[part], indices[part], valid, index_k_cache.shape[1])
+        blocks, block_size = index_k_cache.shape[0], index_k_cache.shape[1]
+        slots = key_slots(block_table, seqs[part], indices[part], valid, block_size, blocks)
         keys = rows[slots.clamp(min=0)].float()  # [t, topk, DI]
         dots = torch.relu(torch.einsum("thd,tkd->thk", q_idx[part].float(), keys))  # [t, HI, topk]
         picked = torch.einsum("th,thk->tk", weights[part].float(), dots)
@@ -137,24 +145,31 @@ def lightning_indexer(q_idx, weights, index_k_cache, block_table, seq_lens_k, cu
     q_idx [T, HI, DI]; weights [T, HI] fp32; index_k_cache [blocks, bs, DI]; block_table [B, max_blocks] int32;
     seq_lens_k [B] int32; cu_seqlens_q [B+1] int32. Query token i of sequence b sees keys up to its position
     seq_lens_k[b] - q_len[b] + i: exactly the kernel's sparse_mode 3 ("rightDownCausal") with these lengths.
-    A quantized key cache runs the portable path (backends/ascend/quantized_cache.py says why).
+    A quantized key cache runs the portable path (backends/ascend/quantized_cache.py says why). One host read: whether
+    a sequence uses a block outside the cache (possible only with value checks off), which the kernel cannot mask.
     """
     unsupported = lightning_indexer_unsupported(q_idx, index_k_cache, topk)
     if kv_cache_dtype != AUTO:
         unsupported = f"{kv_cache_dtype} keys: npu_quant_lightning_indexer needs separate int8 keys and int8 queries"
+    blocks, block_size = index_k_cache.shape[0], index_k_cache.shape[1]
+    outside = blocks_outside_the_cache(block_table, seq_lens_k, block_size, blocks)
+    if unsupported is None and host_reads_allowed(outside) and bool(outside.any()):
+        # Only with value checks off: the kernel reads the table itself, so it would read past the cache and rank
+        # keys that are not keys (docs/ops.md "Paged caches"); the portable path masks them.
+        unsupported = "a block a sequence uses is outside the cache (value checks off)"
     if unsupported is not None:
         return portable("lightning_indexer", unsupported)(
             q_idx, weights, index_k_cache, block_table, seq_lens_k, cu_seqlens_q, topk, kv_cache_dtype=kv_cache_dtype
         )
     num_tokens, _, head_dim = q_idx.shape
-    blocks, block_size, _ = index_k_cache.shape
     indices, _ = npu().npu_lightning_indexer(
         q_idx.contiguous(),
         index_k_cache.view(blocks, block_size, 1, head_dim),
         weights.to(q_idx.dtype).contiguous(),  # the kernel takes weights in the query's dtype
         actual_seq_lengths_query=tnd_prefix_sums(cu_seqlens_q),
         actual_seq_lengths_key=seq_lens_k.to(torch.int32).contiguous(),
-        block_table=block_table.to(torch.int32).contiguous(),
+        # While a graph is captured (no host read) an id outside the cache is clamped into it: never a read past it.
+        block_table=block_table.clamp(0, blocks - 1).to(torch.int32).contiguous(),
         layout_query="TND",
         layout_key="PA_BSND",
         sparse_count=topk,

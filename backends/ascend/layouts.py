@@ -38,10 +38,23 @@ def uniform_prefix_sums(batches: int, length: int, device: torch.device) -> Tens
     return torch.arange(1, batches + 1, dtype=torch.int32, device=device) * length
 
 
-def key_slots(block_table: Tensor, seqs: Tensor, positions: Tensor, valid: Tensor, block_size: int) -> Tensor:
+def key_slots(
+    block_table: Tensor, seqs: Tensor, positions: Tensor, valid: Tensor, block_size: int, num_blocks: int
+) -> Tensor:
     """Flat cache slots of request-local key positions [N, S] (glm5_hal.paged.key_slots), -1 where `valid` is False
-    (the layout the NPU kernels take for "no key")."""
-    return torch.where(valid, shared_key_slots(block_table, seqs, positions, block_size), -1)
+    or the block table does not address the key (the layout the NPU kernels take for "no key")."""
+    slots, addressable = shared_key_slots(block_table, seqs, positions, block_size, num_blocks)
+    return torch.where(valid & addressable, slots, -1)
+
+
+def blocks_outside_the_cache(block_table: Tensor, seq_lens_k: Tensor, block_size: int, num_blocks: int) -> Tensor:
+    """[B] bool: whether a block sequence b uses (its first ceil(seq_lens_k[b] / block_size) table entries) is not a
+    block of the cache. Validation refuses such a table where value checks run; with them off, the keys of such a
+    block are not keys (docs/ops.md "Paged caches"), which a kernel that reads the table itself cannot know."""
+    columns = torch.arange(block_table.shape[1], device=block_table.device)
+    used = columns[None, :] * block_size < seq_lens_k.to(torch.int64)[:, None]  # [B, max_blocks]
+    outside = (block_table < 0) | (block_table >= num_blocks)
+    return (used & outside).any(dim=1)
 
 
 # --------------------------------------------------------------------------------------------------------- RoPE
@@ -81,12 +94,16 @@ def valid_first(indices: Tensor, valid: Tensor) -> Tensor:
     return torch.where(valid.gather(1, order), moved, torch.full_like(moved, -1))
 
 
-def selected_positions(indices: Tensor, seq_lens_k: Tensor, seqs: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+def selected_positions(
+    indices: Tensor, seq_lens_k: Tensor, seqs: Tensor, block_table: Tensor, block_size: int, num_blocks: int
+) -> tuple[Tensor, Tensor, Tensor]:
     """The valid selections of sparse attention in the NPU kernels' order: (positions [T, k] int64, valid first,
     -1 after; their validity [T, k]; each valid entry's rank in its row [T, k] int32, -1 after), from indices
-    [T, k] (invalid: -1 or >= seq_lens_k [B] of the token's sequence seqs [T])."""
+    [T, k] (invalid: -1, >= seq_lens_k [B] of the token's sequence seqs [T], or a key the block table does not
+    address in a cache of num_blocks blocks)."""
     idx = indices.to(torch.int64)
-    valid = (idx >= 0) & (idx < seq_lens_k.to(torch.int64)[seqs, None])
+    _, addressable = shared_key_slots(block_table, seqs, idx, block_size, num_blocks)
+    valid = (idx >= 0) & (idx < seq_lens_k.to(torch.int64)[seqs, None]) & addressable
     idx = valid_first(idx, valid)
     ordered_valid = idx >= 0
     rank = torch.arange(indices.shape[1], device=indices.device)
@@ -101,7 +118,7 @@ def gathered_rows(
     referenced by the kernels, which take the validity separately). Tiles bound the rows held at once."""
     for start in range(0, idx.shape[0], tile):
         part = slice(start, start + tile)
-        slots = key_slots(block_table, seqs[part], idx[part], valid[part], block_size)
+        slots = key_slots(block_table, seqs[part], idx[part], valid[part], block_size, rows_of.shape[0] // block_size)
         yield part, rows_of[slots.clamp(min=0)]
 
 

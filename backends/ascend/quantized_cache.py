@@ -78,7 +78,9 @@ def sparse_flash_attention_int8(q, kv_cache, indices, block_table, seq_lens_k, c
     topk = indices.shape[1]
     row_bytes = kv_cache.shape[-1]
     seqs = token_sequences(cu_seqlens_q, num_tokens)
-    idx, ordered_valid, local = selected_positions(indices, seq_lens_k, seqs)  # [T, topk] each, valid first
+    idx, ordered_valid, local = selected_positions(
+        indices, seq_lens_k, seqs, block_table, kv_cache.shape[1], kv_cache.shape[0]
+    )  # [T, topk] each, valid first
     flat = kv_cache.reshape(-1, row_bytes)  # a view, or a copy of a cache whose layout has none (padded, transposed)
     blocks_per_token = -(-topk // KERNEL_BLOCK)
     padded = blocks_per_token * KERNEL_BLOCK

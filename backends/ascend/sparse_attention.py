@@ -98,7 +98,9 @@ def sparse_flash_attention(
     num_tokens, num_heads, width = q.shape
     topk = indices.shape[1]
     seqs = token_sequences(cu_seqlens_q, num_tokens)
-    idx, ordered_valid, local = selected_positions(indices, seq_lens_k, seqs)  # [T, topk] each, valid first
+    idx, ordered_valid, local = selected_positions(
+        indices, seq_lens_k, seqs, block_table, kv_cache.shape[1], kv_cache.shape[0]
+    )  # [T, topk] each, valid first
     rows_of = kv_cache.reshape(-1, width)
 
     out = torch.empty(num_tokens, num_heads, LATENT, dtype=q.dtype, device=q.device)

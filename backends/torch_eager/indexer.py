@@ -17,6 +17,7 @@ from backends.torch_eager.gemm import gemm_for
 from backends.torch_eager.paged import gather_rows
 from backends.torch_eager.primitives import COMPUTE_DTYPE, layer_norm, linear, rope_leading, rows_per_tile
 from backends.torch_eager.quantized_cache import row_reader, write_rows
+from glm5_hal.host_reads import host_reads_allowed
 from glm5_hal.kv_formats import AUTO
 from glm5_hal.native import indexer_scores as native_scores
 from glm5_hal.paged import token_positions, token_sequences
@@ -116,23 +117,40 @@ class _ScoringBatch:
         seqs, positions = self.seqs[tokens], self.positions[tokens]
         last_block = self.cache.shape[0] - 1
         if self.fused:
-            # Table entries past a sequence's blocks may hold anything: clamped, and past positions[t] anyway.
-            tables = self.block_table[seqs].clamp(0, last_block)
+            # Table entries past a sequence's blocks may hold anything: clamped (the kernel reads only real blocks),
+            # and past positions[t] anyway. A visible key in a block outside the cache (value checks off) is masked
+            # after: docs/ops.md ("Paged caches") makes it not a key.
+            raw = self.block_table[seqs]
+            tables = raw.clamp(0, last_block)
             limits = positions + 1  # key positions <= the token's own are visible
             native_scores.scores(self.q[tokens], self.weights[tokens], self.cache, tables, limits, self.width, out=out)
+            self._mask_blocks_outside_the_cache(raw, positions, out)
             return
         q = self.q[tokens].to(self.gemm.operand)  # [t, HI, DI]
         head_weights = self.weights[tokens].unsqueeze(1)  # [t, 1, HI]
         for first_block in range(0, self.block_table.shape[1], self.blocks_per_chunk):
             # Table entries past a sequence's blocks may hold anything: clamp them; their keys are masked below.
             block_ids = self.block_table[seqs, first_block : first_block + self.blocks_per_chunk].long()  # [t, nb]
+            in_cache = (block_ids >= 0) & (block_ids <= last_block)  # else not a key (docs/ops.md "Paged caches")
             keys = self.read_rows(gather_rows(self.cache, block_ids.clamp_(0, last_block)).flatten(1, 2))  # [t, c, DI]
             key_start = first_block * self.block_size
             key_pos = torch.arange(key_start, key_start + keys.shape[1], device=q.device)  # [c]
             relu_dots = self.gemm.bmm(q, keys.transpose(1, 2)).relu_()  # [t, HI, c] fp32
             scores = torch.bmm(head_weights, relu_dots).squeeze(1)  # head reduction: [t, c]
             visible = key_pos[None, :] <= positions[:, None]  # causal; also keeps s < seq_lens_k
+            visible &= in_cache.repeat_interleave(self.block_size, dim=1)
             out[:, key_start : key_start + key_pos.shape[0]] = scores.masked_fill_(~visible, float("-inf"))
+
+    def _mask_blocks_outside_the_cache(self, tables: Tensor, positions: Tensor, out: Tensor) -> None:
+        """Set to -inf the visible keys of out [t, width] whose block id in tables [t, max_blocks] is not a block of
+        the cache. Validation refuses such ids where value checks run, so this costs one small [t, max_blocks] test;
+        the [t, width] mask is built only where one is found (or a host read is not allowed)."""
+        first_key = torch.arange(tables.shape[1], device=tables.device) * self.block_size  # [max_blocks]
+        outside = ((tables < 0) | (tables >= self.cache.shape[0])) & (first_key[None, :] <= positions[:, None])
+        if host_reads_allowed(outside) and not bool(outside.any()):
+            return
+        keys = outside.repeat_interleave(self.block_size, dim=1)[:, : out.shape[1]]  # [t, width]
+        out.masked_fill_(keys, float("-inf"))
 
 
 def indexer_logits(

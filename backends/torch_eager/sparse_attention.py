@@ -67,10 +67,12 @@ def sparse_flash_attention(
     for start in range(0, num_tokens, token_tile):  # tiles of tokens bound memory; tokens are not looped
         tokens = slice(start, start + token_tile)
         idx = indices[tokens].to(torch.int64)  # [t, topk]
-        valid = (idx >= 0) & (idx < key_limit[tokens, None])  # [t, topk]
+        # A key the block table cannot address (a block id outside the cache, with value checks off) is not a key.
+        slots, addressable = key_slots(block_table, seqs[tokens], idx, block_size, kv_cache.shape[0])  # [t, topk]
+        valid = (idx >= 0) & (idx < key_limit[tokens, None]) & addressable  # [t, topk]
         if native:
             # Invalid keys get slot -1: the kernel never reads their rows (padding in the table, NaN in the slot).
-            slots = torch.where(valid, key_slots(block_table, seqs[tokens], idx, block_size), -1)  # [t, topk]
+            slots = torch.where(valid, slots, -1)
             tile_out, tile_lse = native_attention.attention(q[tokens], rows, slots, sm_scale, d_v)
             if token_tile >= num_tokens:  # one tile (decode): its results are the op's, no copy
                 return tile_out, tile_lse
@@ -79,7 +81,7 @@ def sparse_flash_attention(
         # An invalid key's table entry may be padding (any value): read slot 0 for it instead, and zero its row
         # after decoding, so that neither its address nor its contents (NaN in an unused slot, any bytes of a
         # quantized row) can reach the output.
-        slots = torch.where(valid, key_slots(block_table, seqs[tokens], idx, block_size), 0)  # [t, topk]
+        slots = torch.where(valid, slots, 0)
         kv = read_rows(gather_rows(rows, slots))  # [t, topk, D], all heads
         # Invalid keys are rare (short sequences, -1 padding): where a host read is allowed, find them once (a
         # count) and touch only their rows; masking every row with a broadcast mask costs more than the gather

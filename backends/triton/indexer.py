@@ -55,6 +55,7 @@ def _indexer_logits_kernel(
     head_dim,
     num_seqs,
     max_blocks,
+    num_blocks,
     width,
     # Strides (elements)
     stride_qt,
@@ -97,9 +98,18 @@ def _indexer_logits_kernel(
             other=0.0,
         )
         w = tl.load(weights_ptr + token * stride_wt + heads * stride_wh, mask=head_ok, other=0.0)
-        rows = key_rows(
-            block_table_ptr, stride_bt_b, seq, key_pos, max_blocks, stride_k_block, stride_k_slot, BLOCK_SIZE
+        rows, addressed = key_rows(
+            block_table_ptr,
+            stride_bt_b,
+            seq,
+            key_pos,
+            max_blocks,
+            num_blocks,
+            stride_k_block,
+            stride_k_slot,
+            BLOCK_SIZE,
         )
+        visible = visible & addressed  # a key in a block outside the cache is not a key (docs/ops.md "Paged caches")
         row_ptrs = k_ptr + rows  # [BLOCK_S]
         key_mask = visible[:, None] & dim_ok[None, :]
         keys = load_index_codes(row_ptrs[:, None], dims[None, :], key_mask, stride_kd, q.dtype, KEY_CODE)
@@ -147,6 +157,7 @@ def _fill_logits(
         head_dim=head_dim,
         num_seqs=seq_lens_k.shape[0],
         max_blocks=block_table.shape[1],
+        num_blocks=index_k_cache.shape[0],
         width=width,
         stride_qt=q_idx.stride(0),
         stride_qh=q_idx.stride(1),

@@ -51,20 +51,32 @@ def token_sequence(cu_seqlens_q_ptr, num_seqs, token, BLOCK_B: tl.constexpr):
 
 @triton.jit
 def key_rows(
-    block_table_ptr, stride_bt_b, seq, positions, max_blocks, stride_block, stride_slot, BLOCK_SIZE: tl.constexpr
+    block_table_ptr,
+    stride_bt_b,
+    seq,
+    positions,
+    max_blocks,
+    num_blocks,
+    stride_block,
+    stride_slot,
+    BLOCK_SIZE: tl.constexpr,
 ):
-    """Element offsets (int64) of the cache rows of request-local key `positions` of sequence `seq`: block
-    block_table[seq, p // BLOCK_SIZE] times the cache's block stride plus p % BLOCK_SIZE times its slot stride (so
-    a cache whose blocks have spare slots, or any other strides, is read in place).
+    """(Element offsets (int64) of the cache rows of request-local key `positions` of sequence `seq`, whether the
+    table addresses each one). A row is block block_table[seq, p // BLOCK_SIZE] times the cache's block stride plus
+    p % BLOCK_SIZE times its slot stride (so a cache whose blocks have spare slots, or any other strides, is read in
+    place).
 
-    Positions the table cannot address (negative, past the table) are clamped into it, and a -1 block becomes 0;
-    the block id of an entry a sequence does not use may be anything (padding), so the caller must mask every
-    invalid key's load (masked lanes are never read).
+    A position is addressed when it lies in the table and its entry is a block of the cache (0 <= id < num_blocks);
+    otherwise its offset is 0's and it is not a key (docs/ops.md "Paged caches": a bad id only gets here with value
+    checks off). The block id of an entry a sequence does not use may be anything (padding), so the caller must
+    also mask every invalid key's load (masked lanes are never read).
     """
-    pos = tl.maximum(positions, 0)
-    block_col = tl.minimum(pos // BLOCK_SIZE, max_blocks - 1)
-    block = tl.load(block_table_ptr + seq.to(tl.int64) * stride_bt_b + block_col)
-    return tl.maximum(block, 0).to(tl.int64) * stride_block + (pos % BLOCK_SIZE).to(tl.int64) * stride_slot
+    in_table = (positions >= 0) & (positions < max_blocks * BLOCK_SIZE)
+    pos = tl.where(in_table, positions, 0)
+    block = tl.load(block_table_ptr + seq.to(tl.int64) * stride_bt_b + pos // BLOCK_SIZE, mask=in_table, other=-1)
+    addressed = in_table & (block >= 0) & (block < num_blocks)
+    block = tl.where(addressed, block, 0)
+    return block.to(tl.int64) * stride_block + (pos % BLOCK_SIZE).to(tl.int64) * stride_slot, addressed
 
 
 # ------------------------------------------------------------------------------------------------------ kernel
@@ -84,6 +96,7 @@ def _sparse_attention_kernel(
     topk,
     num_seqs,
     max_blocks,
+    num_blocks,
     d_v,
     d_rest,  # D - d_v
     qk_scale,  # sm_scale * log2(e): the softmax runs in base 2
@@ -140,9 +153,11 @@ def _sparse_attention_kernel(
     for k0 in range(0, topk, BLOCK_N):
         ks = k0 + tl.arange(0, BLOCK_N)
         pos = tl.load(indices_ptr + token * stride_it + ks * stride_ik, mask=ks < topk, other=-1)
-        key_ok = (pos >= 0) & (pos < key_limit)
+        rows, addressed = key_rows(
+            block_table_ptr, stride_bt_b, seq, pos, max_blocks, num_blocks, stride_kv_block, stride_kv_slot, BLOCK_SIZE
+        )
+        key_ok = (pos >= 0) & (pos < key_limit) & addressed
         num_valid += tl.sum(key_ok.to(tl.int32), axis=0)
-        rows = key_rows(block_table_ptr, stride_bt_b, seq, pos, max_blocks, stride_kv_block, stride_kv_slot, BLOCK_SIZE)
         kv_rows = kv_ptr + rows[:, None]
         layout = (q_ptr.dtype.element_ty, KV_CODE, QUANT_DIMS, SCALES_OFFSET, ROPE_OFFSET)
         kv_v = load_cache_values(kv_rows, dv[None, :], key_ok[:, None] & dv_ok[None, :], stride_kv_d, *layout)
@@ -222,7 +237,8 @@ def sparse_flash_attention(
 
     q: [T, H, D] bf16/fp16/fp32. kv_cache: [num_blocks, block_size, D], q's dtype, or the uint8 rows of a
     quantized kv_cache_dtype (decoded as they are loaded); K = the whole row, V = its first d_v dims.
-    indices: [T, topk] int32 request-local key positions (-1 and >= seq_lens_k[b] ignored).
+    indices: [T, topk] int32 request-local key positions (-1, >= seq_lens_k[b] and keys the table does not address
+    ignored).
     block_table: [B, max_blocks] int32; seq_lens_k: [B] int32; cu_seqlens_q: [B+1] int32.
 
     Returns (out [T, H, d_v] q's dtype, lse [T, H] fp32 natural log); a token with no valid key gives out 0 and
@@ -256,6 +272,7 @@ def sparse_flash_attention(
         topk=topk,
         num_seqs=seq_lens_k.shape[0],
         max_blocks=block_table.shape[1],
+        num_blocks=kv_cache.shape[0],
         d_v=d_v,
         d_rest=width - d_v,
         qk_scale=float(sm_scale) * math.log2(math.e),

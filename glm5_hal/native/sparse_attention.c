@@ -1,8 +1,8 @@
 /* Sparse attention of a token over its selected keys, straight from a paged bf16 latent cache, on CPUs: one kernel
  * per token for the scores, the softmax and the value product, with the scores in a per-thread workspace that stays
  * in L2 (no gathered copy of the selected rows, no [T, topk, H] tensor in memory, no torch passes between them).
- * Per token t, over its valid selected keys n (row_n = rows + slot[t][n] * row_stride; slot -1: not a key, never
- * read):
+ * Per token t, over its valid selected keys n (row_n = rows + slot[t][n] * row_stride; a slot outside the rows, -1
+ * included, is not a key and is never read):
  *
  *   S[n][h]  = scale * sum_d q[t][h][d] * row_n[d]
  *   peak[h]  = max_n S[n][h], or 0 where that is not finite or a score is NaN (no shift then; exp stays exact 0)
@@ -302,11 +302,12 @@ static void store_output(const float *o, long heads, long dv, void *out, int out
 #endif
 
 
-/* q: [T][pairs + odd][hp][2] bf16 (hp = H rounded up to 16); slots: [T][topk] int64; out: [T][H][dv] (element
+/* q: [T][pairs + odd][hp][2] bf16 (hp = H rounded up to 16); rows: [num_slots] rows of row_stride elements;
+   slots: [T][topk] int64, a slot outside 0 .. num_slots - 1 is not a key (never read, whoever computed it); out: [T][H][dv] (element
    strides out_token, out_head), fp32 if out_fp32 else bf16; lse: [T][H] fp32 (stride lse_token). Returns 0, or -1
    if the per-thread workspace could not be allocated. */
 int glm5_sparse_attention(long heads, long dims, long dv, long topk, const uint16_t *q, const uint16_t *rows,
-                          long row_stride, const int64_t *slots, float scale, void *out, int out_fp32, long out_token,
+                          long num_slots, long row_stride, const int64_t *slots, float scale, void *out, int out_fp32, long out_token,
                           long out_head, float *lse, long lse_token, long t_begin, long t_end) {
     long pairs = dims / 2, odd = dims % 2, hp = (heads + 15) / 16 * 16;
     long value_heads = (heads + VALUE_HEADS - 1) / VALUE_HEADS * VALUE_HEADS, key_pairs = (topk + 1) / 2 + 1;
@@ -329,7 +330,7 @@ int glm5_sparse_attention(long heads, long dims, long dv, long topk, const uint1
         char *out_t = (char *)out + t * out_token * out_size;
         long n = 0;
         for (long k = 0; k < topk; k++)
-            if (st[k] >= 0) valid_rows[n++] = rows + st[k] * row_stride;
+            if (st[k] >= 0 && st[k] < num_slots) valid_rows[n++] = rows + st[k] * row_stride; /* else: not a key */
         if (n == 0) { /* no key: out 0, lse -inf */
             for (long h = 0; h < heads; h++) {
                 memset(out_t + h * out_head * out_size, 0, dv * out_size);

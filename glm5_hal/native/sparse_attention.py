@@ -6,7 +6,8 @@ the torch softmax's passes between two separate products cost a tenth of the op.
     out, lse = attention(q, rows, slots, scale, d_v)
         q     [T, H, D] bf16             the queries (absorbed MLA: D = kv_lora + rope dims)
         rows  [num_slots, D] bf16        the cache's rows, contiguous in D; V = a row's first d_v dims
-        slots [T, topk] int64            the rows each token attends over; -1 = no key (that row is never read)
+        slots [T, topk] int64            the rows each token attends over; -1, or any slot outside 0 .. num_slots - 1,
+                                         is no key (that row is never read: no slot value can reach past the rows)
         ->
         out   [T, H, d_v] bf16           softmax(scale * q . rows) @ rows[:, :d_v] over the valid slots, rounded
                                          once (fp32 with out_dtype=torch.float32); 0 for a token without keys
@@ -35,7 +36,7 @@ FAST = "avx512_bf16"
 PORTABLE = "portable"
 
 _L, _P, _F, _I = ctypes.c_long, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
-_ARGTYPES = [_L, _L, _L, _L, _P, _P, _L, _P, _F, _P, _I, _L, _L, _P, _L, _L, _L]
+_ARGTYPES = [_L, _L, _L, _L, _P, _P, _L, _L, _P, _F, _P, _I, _L, _L, _P, _L, _L, _L]
 _OUT_DTYPES = (torch.bfloat16, torch.float32)
 
 
@@ -89,7 +90,8 @@ def _attention(
     if lse.numel() == 0:
         return out, lse
     packed, slots = head_pairs(q), slots.contiguous()
-    args = (heads, dims, d_v, topk, packed.data_ptr(), rows.data_ptr(), rows.stride(0), slots.data_ptr(), scale)
+    args = (heads, dims, d_v, topk, packed.data_ptr(), rows.data_ptr(), rows.shape[0], rows.stride(0))
+    args += (slots.data_ptr(), scale)
     args += (out.data_ptr(), int(out_dtype == torch.float32), out.stride(0), out.stride(1), lse.data_ptr(), heads)
     flops = 2 * tokens * topk * heads * (dims + d_v)
     shares = threads_.split(tokens, threads_.thread_count(flops, threads))
