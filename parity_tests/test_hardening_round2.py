@@ -3,16 +3,20 @@
 1. block ids past the cache with value checks off or under torch.compile: IndexError on the fp32 path, SIGSEGV
    in the native sparse attention kernel, out-of-bounds reads on triton; the rule (docs/ops.md "Paged caches") is
    now that a key the block table cannot address is not a key, on every backend and the reference.
+2. int8_gemm.c formed the W4A8 scale gather's index in 32 bits: scale rows 2^31 / 15 elements apart or more
+   segfaulted (AVX-512 build).
 """
 
 from __future__ import annotations
 
+import mmap
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -214,3 +218,42 @@ print("survived")
 def test_defect1_the_native_attention_kernel_reads_no_slot_past_its_rows() -> None:
     # The kernel is the last line: whatever slot a caller computes, it reads only rows it was given.
     _assert_survived(_run_python(_KERNEL_SLOTS_PAST_THE_ROWS))
+
+
+# ----------------------------------------------------------------------------- 2: int8_gemm's scale row stride
+_LINUX_MAP_NORESERVE = 0x4000 if sys.platform == "linux" else 0  # the mmap module names it from Python 3.13
+
+
+def _rows_far_apart(values: torch.Tensor, row_stride: int) -> tuple[torch.Tensor, mmap.mmap]:
+    """values [N, G] fp32 as a view whose rows lie row_stride elements apart, over a private anonymous mapping
+    reserved without backing (MAP_NORESERVE): only the pages that hold the values are ever touched, so a view
+    spanning gigabytes costs a few pages. Keep the mapping alive as long as the view."""
+    n, g = values.shape
+    span = (n - 1) * row_stride + g
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_NORESERVE", _LINUX_MAP_NORESERVE)
+    mapping = mmap.mmap(-1, span * values.element_size(), flags=flags)
+    view = torch.frombuffer(mapping, dtype=values.dtype).as_strided((n, g), (row_stride, 1))
+    view.copy_(values)
+    return view, mapping
+
+
+@pytest.mark.parametrize("isa", ["avx512_vnni", "portable"])
+@pytest.mark.parametrize("row_stride", [2**31 // 15 + 1, 2**31 + 3])
+def test_defect2_w4a8_scales_with_rows_2_to_the_31_apart(isa: str, row_stride: int) -> None:
+    """The AVX-512 epilogue formed the scale gather's index j * row_stride in 32 bits: a row stride >= 2^31 / 15
+    read outside the scales (SIGSEGV). The scales of a panel are now gathered with 64-bit indices in the code both
+    builds share; this checks that path against the same scales stored contiguously."""
+    from glm5_hal.native import int8_gemm
+
+    ok, why = int8_gemm.availability(isa)
+    if not ok:
+        pytest.skip(f"{isa} build does not run here: {why}")
+    gen = torch.Generator().manual_seed(2)
+    rows, cols, depth, group = 3, 40, 64, 16  # 40 columns: two 16-wide vectors and a tail of 8
+    x_q = torch.randint(-128, 128, (rows, depth), generator=gen, dtype=torch.int8)
+    w_packed = torch.randint(0, 256, (cols, depth // 2), generator=gen, dtype=torch.uint8)
+    scales = torch.rand(cols, depth // group, generator=gen) + 0.5
+    far, _mapping = _rows_far_apart(scales, row_stride)
+    want = int8_gemm.w4a8_mm(x_q, w_packed, scales, group, isa=isa, threads=1)
+    got = int8_gemm.w4a8_mm(x_q, w_packed, far, group, isa=isa, threads=1)
+    assert torch.equal(got, want)

@@ -248,18 +248,17 @@ static void w8a8_epilogue(const Epilogue *e, const int32_t *sums, uint32_t share
     }
 }
 
-/* W4A8, group g of `groups` done for row m: total[j] = (g == 0 ? 0 : total[j] +) fp32(sums[j] - share) * S[n][g]
-   (an fp32 multiply, then an fp32 add: the torch route's order); after the last group, y = total [* x_scale[m]]. */
-static void w4a8_group_epilogue(const Epilogue *e, const int32_t *sums, float *total, uint32_t share, const float *S,
-                                long s_row, long g, long groups, long m, long n0, int cols) {
+/* W4A8, group g of `groups` done for row m: total[j] = (g == 0 ? 0 : total[j] +) fp32(sums[j] - share) * scale[j]
+   (an fp32 multiply, then an fp32 add: the torch route's order); after the last group, y = total [* x_scale[m]].
+   scale: the panel's weight scales of group g, contiguous (panel_scales). */
+static void w4a8_group_epilogue(const Epilogue *e, const int32_t *sums, float *total, uint32_t share,
+                                const float *scale, long g, long groups, long m, long n0, int cols) {
     const int last = g == groups - 1;
     int j = 0;
 #ifndef GLM5_PORTABLE
-    const __m512i columns = _mm512_mullo_epi32(
-        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), _mm512_set1_epi32((int)s_row));
     for (; j + 16 <= cols; j += 16) {
         __m512 exact = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_loadu_si512(sums + j), _mm512_set1_epi32((int)share)));
-        __m512 scaled = _mm512_mul_ps(exact, _mm512_i32gather_ps(columns, S + (n0 + j) * s_row + g, 4));
+        __m512 scaled = _mm512_mul_ps(exact, _mm512_loadu_ps(scale + j));
         __m512 sum = g == 0 ? scaled : _mm512_add_ps(_mm512_loadu_ps(total + j), scaled);
         if (!last) {
             _mm512_storeu_ps(total + j, sum);
@@ -269,13 +268,20 @@ static void w4a8_group_epilogue(const Epilogue *e, const int32_t *sums, float *t
     }
 #endif
     for (; j < cols; j++) {
-        float scaled = (float)(int32_t)((uint32_t)sums[j] - share) * S[(n0 + j) * s_row + g];
+        float scaled = (float)(int32_t)((uint32_t)sums[j] - share) * scale[j];
         float sum = g == 0 ? scaled : total[j] + scaled;
         if (!last)
             total[j] = sum;
         else
             store(e, m, n0 + j, e->x_scale ? sum * e->x_scale[m] : sum);
     }
+}
+
+/* scale[j] = S[n0 + j][g] for the panel's `cols` columns, S's rows s_row floats apart. The index is formed in 64 bits
+   here, in the code both builds share: a 32-bit gather index (j * s_row in a vector lane) read outside S for row
+   strides >= 2^31 / 15. Once per panel and group, for every row block that follows. */
+static void panel_scales(const float *S, long s_row, long g, long n0, int cols, float scale[PC]) {
+    for (int j = 0; j < cols; j++) scale[j] = S[(long)(n0 + j) * s_row + g];
 }
 
 /* zero * the sum of each group of `group` columns of each row of X, modulo 2^32: share[m * groups + g] (the weight
@@ -350,6 +356,8 @@ int glm5_w4a8_gemm_nt(long M, long K, long groups, const int8_t *X, long x_row, 
         const int cols = n_end - n0 < PC ? (int)(n_end - n0) : PC;
         for (long g = 0; g < groups; g++) {
             const long g_end = (g + 1) * group;
+            float scale[PC];
+            panel_scales(S, s_row, g, n0, cols, scale);
             for (long k0 = g * group; k0 < g_end;) {
                 long k1 = g_end - k0 > KP4 ? k0 + KP4 : g_end;
                 for (long m = 0; m < M; m += PR) {
@@ -359,7 +367,7 @@ int glm5_w4a8_gemm_nt(long M, long K, long groups, const int8_t *X, long x_row, 
                     if (k1 == g_end)
                         for (int r = 0; r < rows; r++)
                             w4a8_group_epilogue(&e, sums + (m + r) * PC, total + (m + r) * PC,
-                                                share[(m + r) * groups + g], S, s_row, g, groups, m + r, n0, cols);
+                                                share[(m + r) * groups + g], scale, g, groups, m + r, n0, cols);
                 }
                 k0 = k1;
             }
