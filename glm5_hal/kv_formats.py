@@ -67,6 +67,7 @@ __all__ = [
     "dispatch_kwargs",
     "encode_rows",
     "formats_for",
+    "write_rows",
 ]
 
 
@@ -178,6 +179,21 @@ def encode_rows(rows: Tensor, fmt: KVCacheFormat) -> Tensor:
     if fmt.rope_dims:
         out[:, fmt.rope_offset :] = x[:, fmt.quantized_dims :].to(torch.bfloat16).contiguous().view(CACHE_DTYPE)
     return out
+
+
+def write_rows(cache: Tensor, slot_mapping: Tensor, rows: Tensor, kv_cache_dtype: str = AUTO) -> None:
+    """Write rows [T, width] into cache [num_blocks, block_size, D] at the flat slots slot_mapping [T] (int64,
+    block * block_size + offset; -1 = skip the row, a padding token). For a quantized cache (kv_cache_dtype a
+    format of FORMATS) each row is encoded first (encode_rows) and D is the format's row_bytes; for "auto" the rows
+    are cast to the cache's dtype. What the prologs do for their cache, for callers that compute the rows
+    themselves (a decomposed prolog, a serving engine's own projections)."""
+    keep = slot_mapping >= 0
+    kept = rows[keep] if kv_cache_dtype == AUTO else encode_rows(rows[keep], FORMATS[kv_cache_dtype])
+    slots = slot_mapping[keep]
+    # (block, offset) indexing rather than a flat view: the cache may be a strided view (an engine's pages can be
+    # longer than block_size rows), which has no flat view.
+    block_size = cache.shape[1]
+    cache[slots // block_size, slots % block_size] = kept.to(cache.dtype)
 
 
 def _reinterpret(data: Tensor, dtype: torch.dtype) -> Tensor:

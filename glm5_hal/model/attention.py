@@ -20,7 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from glm5_hal.config import ModelConfig
-from glm5_hal.kv_formats import AUTO, FORMATS, encode_rows
+from glm5_hal.kv_formats import AUTO, write_rows
 from glm5_hal.model.cache import StepMetadata
 from glm5_hal.model.linear import Linear
 from glm5_hal.model.norms import LayerNorm, RMSNorm, compute_dtype
@@ -31,14 +31,6 @@ from glm5_hal.ops import indexer_prolog, lightning_indexer, mla_prolog, sparse_f
 def _all_dense(*modules: nn.Module) -> bool:
     # Exact type: a subclass (e.g. an activation recorder or a quantized linear) takes the decomposed path.
     return all(type(m) is Linear for m in modules)
-
-
-def _write_rows(cache: Tensor, slot_mapping: Tensor, rows: Tensor, kv_cache_dtype: str = AUTO) -> None:
-    """cache [num_blocks, block_size, D]; rows [T, D] go to the flat slots slot_mapping [T] (-1 = skip), encoded
-    first for a quantized cache (kv_cache_dtype a format of glm5_hal.kv_formats; rows then [T, row_bytes])."""
-    keep = slot_mapping >= 0
-    kept = rows[keep] if kv_cache_dtype == AUTO else encode_rows(rows[keep], FORMATS[kv_cache_dtype])
-    cache.view(-1, cache.shape[-1])[slot_mapping[keep]] = kept.to(cache.dtype)
 
 
 class Indexer(nn.Module):
@@ -89,7 +81,7 @@ class Indexer(nn.Module):
         interleaved = cfg.indexer_rope_interleaved
         q = torch.cat([apply_rope(q[..., :rope], cos, sin, interleaved=interleaved), q[..., rope:]], -1)
         k = torch.cat([apply_rope(k[..., :rope], cos, sin, interleaved=interleaved), k[..., rope:]], -1)
-        _write_rows(cache, step.slot_mapping, k, kv_cache_dtype)
+        write_rows(cache, step.slot_mapping, k, kv_cache_dtype)
         weights = self.weights_proj(x).to(compute_dtype(x)) * cfg.indexer_weight_scale
         return q, weights
 
@@ -187,7 +179,7 @@ class MLAAttention(nn.Module):
             ],
             -1,
         )
-        _write_rows(kv_cache, step.slot_mapping, row, kv_cache_dtype)
+        write_rows(kv_cache, step.slot_mapping, row, kv_cache_dtype)
         return q_lat, q_pe, q_norm
 
     def forward(
