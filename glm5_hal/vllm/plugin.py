@@ -1,0 +1,141 @@
+"""Turning the plugin on inside one vLLM process (`activate`, called by `glm5_hal.vllm.register`).
+
+Order of what it does, once per process:
+1. GLM5_HAL_VLLM=0, or a vLLM outside TESTED_VLLM: one log line, nothing else.
+2. The platform's attention choice: for sparse MLA (`use_mla` and `use_sparse`) it asks the platform first and
+   takes glm5-hal's backend only where the platform has none (it raises), or always with GLM5_HAL_VLLM=1.
+3. The platform's config hook: on a CPU whose `rotary_embedding` op is defective (rope.py), MLA models run vLLM's
+   PyTorch RoPE instead.
+4. Out-of-tree layers: the MLA layer (mla_layer.py) that runs glm5-hal's indexer where glm5-hal's backend was
+   chosen, the routed-experts method behind GLM5_HAL_VLLM_MOE=1 (moe.py), and the compressed-tensors W8A8 / W4A8
+   schemes (quant.py).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from glm5_hal.environment import setting
+from glm5_hal.vllm import TESTED_VLLM
+
+MODE_ENV = "GLM5_HAL_VLLM"
+MOE_ENV = "GLM5_HAL_VLLM_MOE"
+AUTO, ON, OFF = "auto", "1", "0"
+_MODES = (AUTO, ON, OFF)
+
+# Where vLLM finds the backend (AttentionBackend classes are named by their import path).
+SPARSE_MLA_BACKEND = "glm5_hal.vllm.sparse_mla.Glm5HalSparseMLABackend"
+
+_activated: bool | None = None  # None: not asked yet in this process; then whether the plugin is on
+
+
+def plugin_mode() -> str:
+    """GLM5_HAL_VLLM: "auto" (unset or empty too), "1" or "0"; a ValueError names any other value."""
+    value = setting(MODE_ENV, AUTO).strip().lower() or AUTO
+    if value not in _MODES:
+        raise ValueError(f"{MODE_ENV}: expected one of {_MODES}, got {value!r}")
+    return value
+
+
+def moe_enabled() -> bool:
+    """GLM5_HAL_VLLM_MOE: "1" runs unquantized routed experts through glm5_hal.fused_moe; "0" / unset does not."""
+    value = setting(MOE_ENV, OFF).strip() or OFF
+    if value not in (ON, OFF):
+        raise ValueError(f"{MOE_ENV}: expected '0' or '1', got {value!r}")
+    return value == ON
+
+
+def minor_version(version: str) -> tuple[int, int] | None:
+    """(major, minor) of a vLLM version string ("0.32.0", "0.32.1+cpu", "0.32.0rc1.dev12"); None if unreadable."""
+    match = re.match(r"\s*v?(\d+)\.(\d+)", version)
+    return (int(match.group(1)), int(match.group(2))) if match else None
+
+
+def version_supported(version: str) -> bool:
+    """Whether a vLLM version lies in the tested window (TESTED_VLLM, by minor version)."""
+    return minor_version(version) in TESTED_VLLM
+
+
+def window_text() -> str:
+    return ", ".join(f"{major}.{minor}.x" for major, minor in TESTED_VLLM)
+
+
+def activate() -> bool:
+    """Turn the plugin on in this process if its settings and vLLM's version allow (module docstring); returns
+    whether it is on. Later calls return the first answer."""
+    global _activated
+    if _activated is not None:
+        return _activated
+    from vllm.logger import init_logger
+
+    logger = init_logger("glm5_hal.vllm")
+    mode = plugin_mode()
+    if mode == OFF:
+        logger.info("glm5-hal vLLM plugin: %s=0, doing nothing", MODE_ENV)
+        _activated = False
+        return False
+    import vllm
+
+    if not version_supported(vllm.__version__):
+        logger.warning(
+            "glm5-hal vLLM plugin: tested with vLLM %s, found %s; the plugin does nothing (vLLM runs as without it)",
+            window_text(),
+            vllm.__version__,
+        )
+        _activated = False
+        return False
+    from vllm.platforms import current_platform
+
+    from glm5_hal.vllm.mla_layer import register_mla_layer
+
+    _install_platform_hooks(type(current_platform), mode)
+    register_mla_layer()
+    _activated = True
+    return True
+
+
+def _selector_config(args: tuple, kwargs: dict) -> Any:
+    """The AttentionSelectorConfig of a get_attn_backend_cls(selected_backend, attn_selector_config, num_heads)
+    call, however vLLM passed it."""
+    return kwargs["attn_selector_config"] if "attn_selector_config" in kwargs else args[1]
+
+
+def _install_platform_hooks(platform_cls: type, mode: str) -> None:
+    """Wrap the platform class's attention choice and config hook (the wrappers are installed once per class)."""
+    if getattr(platform_cls, "_glm5_hal_hooks", False):
+        return
+    from vllm.logger import init_logger
+
+    from glm5_hal.vllm.rope import apply_rope_workaround
+
+    logger = init_logger("glm5_hal.vllm")
+    choose = platform_cls.get_attn_backend_cls  # bound to the class: call without it
+    update = platform_cls.check_and_update_config
+
+    def get_attn_backend_cls(cls, *args: Any, **kwargs: Any) -> str:
+        selector = _selector_config(args, kwargs)
+        if not (selector.use_mla and selector.use_sparse):
+            return choose(*args, **kwargs)
+        if mode == AUTO:
+            try:
+                return choose(*args, **kwargs)
+            except (NotImplementedError, ValueError) as exc:
+                logger.info_once(
+                    "glm5-hal vLLM plugin: %s has no sparse MLA backend (%s); using glm5-hal's (%s)",
+                    platform_cls.__name__,
+                    exc,
+                    SPARSE_MLA_BACKEND,
+                )
+        from glm5_hal.vllm.sparse_mla import check_selection
+
+        check_selection(selector)
+        return SPARSE_MLA_BACKEND
+
+    def check_and_update_config(cls, vllm_config: Any) -> None:
+        update(vllm_config)
+        apply_rope_workaround(cls, vllm_config)
+
+    platform_cls.get_attn_backend_cls = classmethod(get_attn_backend_cls)
+    platform_cls.check_and_update_config = classmethod(check_and_update_config)
+    platform_cls._glm5_hal_hooks = True
