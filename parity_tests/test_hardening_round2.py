@@ -5,6 +5,11 @@
    now that a key the block table cannot address is not a key, on every backend and the reference.
 2. int8_gemm.c formed the W4A8 scale gather's index in 32 bits: scale rows 2^31 / 15 elements apart or more
    segfaulted (AVX-512 build).
+3. a truncated or torn library in the build cache killed later processes with SIGBUS in dlopen; a library lacking
+   a symbol raised AttributeError from the op;
+4. a hanging compiler stalled each kernel's first call for the whole timeout and left its processes running;
+5. with HOME unset and a uid without a passwd entry the cache went to a relative '~/.cache/glm5_hal';
+6. a read-only cache dir reported "built but did not load".
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import mmap
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -257,3 +263,218 @@ def test_defect2_w4a8_scales_with_rows_2_to_the_31_apart(isa: str, row_stride: i
     want = int8_gemm.w4a8_mm(x_q, w_packed, scales, group, isa=isa, threads=1)
     got = int8_gemm.w4a8_mm(x_q, w_packed, far, group, isa=isa, threads=1)
     assert torch.equal(got, want)
+
+
+# ------------------------------------------------------------------------------- 3-6: the native kernels' builder
+@pytest.fixture
+def fresh_builds(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
+    """Builds into an empty cache, with what build.load() remembered cleared before and after."""
+    from glm5_hal.native import build
+
+    cache = tmp_path / "cache"
+    monkeypatch.setenv(build.ENV_CACHE_DIR, str(cache))
+    build.forget()
+    yield cache
+    build.forget()
+
+
+def _topk_library(cache: Path) -> Path:
+    from glm5_hal.native import topk
+
+    ok, why = topk.availability()
+    if not ok:
+        pytest.skip(f"no native top-k here: {why}")
+    (library,) = cache.glob("topk_portable-*.so")
+    return library
+
+
+_TOPK_IN_A_NEW_PROCESS = r"""
+import torch
+from glm5_hal.native import topk
+
+assert topk.availability()[0], topk.availability()
+scores = torch.tensor([[0.5, 2.0, -1.0, 2.0]])
+values, columns = topk.topk(scores, 2, threads=1)
+assert columns.tolist() == [[1, 3]], columns
+print("survived")
+"""
+
+
+@pytest.mark.parametrize("damage", ["truncated", "torn"])
+def test_defect3_a_damaged_library_in_the_cache_is_rebuilt(fresh_builds: Path, damage: str) -> None:
+    """A crash mid-write leaves a short file (or one with a stretch of zeros where the page cache was not flushed)
+    under the final name. dlopen of a short one killed every later process with SIGBUS; now the build's recorded
+    size and checksum are verified first, and a library that does not match is built again."""
+    library = _topk_library(fresh_builds)
+    good = library.read_bytes()
+    if damage == "truncated":
+        library.write_bytes(good[: len(good) // 2])
+    else:
+        middle = len(good) // 2
+        library.write_bytes(good[:middle] + bytes(4096) + good[middle + 4096 :])
+    done = _run_python(_TOPK_IN_A_NEW_PROCESS, {"GLM5_HAL_CACHE_DIR": str(fresh_builds)})
+    _assert_survived(done)
+    assert library.read_bytes() == good  # rebuilt, the same bytes as the first build
+
+
+def test_defect3_a_library_lacking_a_symbol_turns_the_route_off(fresh_builds: Path, tmp_path: Path) -> None:
+    """A library that loads but lacks the kernel's function (here: one built from another source, with a record
+    that matches it) raised AttributeError from the op; now it is a reason, and the op takes the torch route."""
+    from glm5_hal.cli.info import collect
+    from glm5_hal.native import build, topk
+    from glm5_hal.topk import topk_lower_position_ties
+
+    # Built by another process: this one must not have loaded the library's path already (dlopen would hand back
+    # the library it has under that name).
+    _assert_survived(_run_python(_TOPK_IN_A_NEW_PROCESS, {"GLM5_HAL_CACHE_DIR": str(fresh_builds)}))
+    (library,) = fresh_builds.glob("topk_portable-*.so")
+    empty = tmp_path / "empty.c"
+    empty.write_text("int glm5_something_else(void) { return 0; }\n")
+    subprocess.run(["cc", "-shared", "-fPIC", "-o", str(library), str(empty)], check=True)
+    build.record_library(library)  # a matching record: only the symbol check can tell
+    build.forget()
+    ok, why = topk.availability()
+    assert not ok and "glm5_topk" in why, why
+    scores = torch.tensor([[0.5, 2.0, -1.0, 2.0], [3.0, 1.0, 1.0, 0.0]])
+    values, columns = topk_lower_position_ties(scores, 2)  # the torch route, not an AttributeError
+    assert columns.tolist() == [[1, 3], [0, 1]] and values.tolist() == [[2.0, 2.0], [3.0, 1.0]]
+    kernels = collect()["native_kernels"]["kernels"]
+    assert "glm5_topk" in kernels["topk_portable"], kernels
+
+
+_HANGING_COMPILER = """#!/bin/sh
+sleep 300 &
+echo $! >> "{pids}"
+echo $$ >> "{pids}"
+wait
+"""
+
+
+def test_defect4_a_hanging_compiler_costs_one_bounded_attempt(fresh_builds: Path, tmp_path: Path, monkeypatch) -> None:
+    """A compiler that never returns stalled the first call of every kernel for the whole timeout, and the
+    processes it started were left running. Now the whole process group is killed at the timeout, and the compiler
+    is not tried again in this process."""
+    from glm5_hal.native import bf16_gemm, build, indexer_scores, topk
+
+    pids = tmp_path / "pids"
+    compiler = tmp_path / "hanging-cc"
+    compiler.write_text(_HANGING_COMPILER.format(pids=pids))
+    compiler.chmod(0o755)
+    monkeypatch.setenv("CC", str(compiler))
+    monkeypatch.setattr(build, "BUILD_TIMEOUT_S", 1.0)
+    started = time.monotonic()
+    ok, why = topk.availability()
+    assert not ok and "timed out" in why, why
+    for module in (bf16_gemm, indexer_scores):
+        ok, again = module.availability("portable")
+        assert not ok and "timed out" in again, again
+    assert time.monotonic() - started < 10  # one timeout, not three
+    spawned = [int(line) for line in pids.read_text().split()]
+    assert len(spawned) == 2  # the compiler ran once: one shell and its sleep
+    deadline = time.monotonic() + 5
+    while any(_alive(pid) for pid in spawned) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(_alive(pid) for pid in spawned), "the compiler's processes outlived the timeout"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie (exited, not yet reaped by its parent) counts as gone.
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except OSError:
+        return False
+
+
+def test_defect5_no_home_and_no_passwd_entry_never_caches_under_a_relative_tilde(
+    fresh_builds: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """expanduser('~') returns '~' itself when HOME is unset and the uid has no passwd entry (common in containers):
+    the cache went to a folder literally named '~' in the working directory. Now the cache falls back to a private
+    folder under the temporary directory, and `glm5-hal info` says why."""
+    import pwd
+    import tempfile
+
+    from glm5_hal.cli.info import collect
+    from glm5_hal.native import build, topk
+
+    def no_entry(uid: int) -> pwd.struct_passwd:
+        raise KeyError(f"getpwuid(): uid not found: {uid}")
+
+    work, temp = tmp_path / "work", tmp_path / "tmp"
+    work.mkdir()
+    temp.mkdir()
+    for name in ("HOME", "XDG_CACHE_HOME", build.ENV_CACHE_DIR):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(pwd, "getpwuid", no_entry)
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
+    monkeypatch.chdir(work)
+    assert os.path.expanduser("~") == "~"  # the situation of the report
+
+    ok, why = topk.availability()
+    assert not (work / "~").exists(), "a folder named '~' was created in the working directory"
+    assert ok, why  # the private temporary cache builds and loads
+    where = build.cache_location()
+    assert where.path is not None and where.path.is_absolute() and where.path.parent == temp, where
+    assert "HOME" in where.note, where
+    assert (where.path.stat().st_mode & 0o777) == 0o700  # nobody else may plant a library there
+    info = collect()["native_kernels"]
+    assert info["cache_dir"] == str(where.path) and "HOME" in info["cache_note"], info
+
+
+def test_defect5_a_temporary_cache_someone_else_can_write_is_refused(
+    fresh_builds: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The fallback folder has a predictable name in a shared directory: if it exists and others can write it (or it
+    is not ours), loading a library from it would run their code. Then there are no native kernels, and a reason."""
+    import tempfile
+
+    from glm5_hal.native import build, topk
+
+    for name in ("HOME", "XDG_CACHE_HOME", build.ENV_CACHE_DIR):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(os.path, "expanduser", lambda path: path)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    planted = tmp_path / f"glm5_hal-{os.getuid()}"
+    planted.mkdir()
+    planted.chmod(0o777)
+    where = build.cache_location()
+    assert where.path is None and "writable by others" in where.note, where
+    ok, why = topk.availability()
+    assert not ok and "writable by others" in why, why
+
+
+_READ_ONLY_CACHE = r"""
+import os
+from glm5_hal.native import topk  # imported before dropping root: the interpreter may live where others cannot read
+
+if os.geteuid() == 0:  # root writes anywhere: drop to a plain uid for the read-only folder to be read-only
+    os.setgid(54321)
+    os.setuid(54321)
+ok, why = topk.availability()
+print(why)
+assert not ok
+assert "did not load" not in why and "built but" not in why, why
+assert "cannot write" in why and "nothing was built" in why, why
+print("survived")
+"""
+
+
+def test_defect6_a_read_only_cache_says_nothing_was_built() -> None:
+    """A cache folder that exists but may not be written: the build never ran, yet the reason said "built but did not
+    load: Permission denied". (Outside pytest's own temporary folders, which only their owner may enter.)"""
+    import shutil
+    import tempfile
+
+    parent = Path(tempfile.mkdtemp(prefix="glm5-hal-read-only-"))
+    try:
+        parent.chmod(0o755)
+        cache = parent / "cache"
+        cache.mkdir(mode=0o555)
+        cache.chmod(0o555)
+        _assert_survived(_run_python(_READ_ONLY_CACHE, {"GLM5_HAL_CACHE_DIR": str(cache)}))
+    finally:
+        shutil.rmtree(parent)

@@ -247,8 +247,8 @@ def test_a_cpu_without_the_flags_is_a_reason(fresh_builds, monkeypatch: pytest.M
 def test_a_failing_or_missing_compiler_is_a_reason_asked_once(fresh_builds, monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setenv("CC", "false")  # a compiler that exits 1
     calls = []
-    real_run = build.subprocess.run
-    monkeypatch.setattr(build.subprocess, "run", lambda *a, **k: calls.append(a) or real_run(*a, **k))
+    real_popen = build.subprocess.Popen
+    monkeypatch.setattr(build.subprocess, "Popen", lambda *a, **k: calls.append(a) or real_popen(*a, **k))
     for _ in range(2):
         ok, why = bf16_gemm.availability("portable")
         assert not ok and why.startswith("false failed to build bf16_gemm_portable (exit 1)")

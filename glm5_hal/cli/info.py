@@ -10,6 +10,8 @@ import platform
 import torch
 
 from glm5_hal.capabilities import capabilities
+from glm5_hal.native import bf16_gemm, build, indexer_scores, int8_gemm, sparse_attention
+from glm5_hal.native import topk as native_topk
 from glm5_hal.registry import ALL_OP_NAMES, OP_NAMES, registry
 from glm5_hal.selection import BackendError, requested_backend, resolve
 
@@ -65,6 +67,14 @@ def fast_paths() -> dict[str, dict[str, object]]:
     return found
 
 
+def native_kernels() -> dict[str, object]:
+    """glm5_hal.native's state: on or off, the build cache (and why it is where it is, or why there is none), and
+    each kernel build the routes use on this CPU, asked for here (built on first use): loaded, or why not."""
+    for module in (bf16_gemm, indexer_scores, sparse_attention, int8_gemm, native_topk):
+        module.availability()  # the build each route takes; the answer lands in build.status()
+    return build.status()
+
+
 def collect() -> dict[str, object]:
     reg = registry()
     backends = []
@@ -99,6 +109,7 @@ def collect() -> dict[str, object]:
         "strict": strict,
         "backends": backends,
         "cpu_selection": selection,
+        "native_kernels": native_kernels(),
     }
 
 
@@ -133,6 +144,13 @@ def run(args: argparse.Namespace) -> int:
     for device, choice in data["fast_paths"].items():
         for line in choice.get("summary", [f"{device}: {choice.get('error')}"]):
             print(f"  {line}")
+    native = data["native_kernels"]
+    state = "on" if native["enabled"] else "off (GLM5_HAL_NATIVE)"
+    print(f"\nnative CPU kernels (glm5_hal/native): {state}; build cache {native['cache_dir'] or 'none'}")
+    if native["cache_note"]:
+        print(f"  cache: {native['cache_note']}")
+    for kernel, how in native["kernels"].items():
+        print(f"  {kernel:<28} {how}")
     print("\nwho runs each op on cpu tensors now")
     for op, sel in data["cpu_selection"].items():
         # The backends list above already says why the others were not considered; keep one line per op.

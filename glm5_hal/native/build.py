@@ -2,13 +2,21 @@
 compiler into a per-user cache, loaded with ctypes.
 
 Nothing here runs at import. `load(kernel, isa)` returns the loaded library or raises NativeUnavailable with the
-reason (native kernels switched off, the CPU lacks the instruction set, no compiler, the compiler failed): callers
-turn that into "keep the torch path" (glm5_hal.capabilities), never into a crash.
+reason (native kernels switched off, the CPU lacks the instruction set, no compiler, the compiler failed or hung, no
+writable cache, a library without the kernel's functions): callers turn that into "keep the torch path"
+(glm5_hal.capabilities), never into a crash. `glm5-hal info` shows the cache and each kernel's state (`status`).
 
 - GLM5_HAL_NATIVE=0 switches the native kernels off (the torch paths run; for bisecting numerics or speed).
-- GLM5_HAL_CACHE_DIR: where built libraries go (default $XDG_CACHE_HOME/glm5_hal, else ~/.cache/glm5_hal). A
-  library's file name is a hash of its source, compiler and flags, so an edit or another compiler builds anew;
-  the file appears by an atomic rename, so processes building at once (test ranks) never load a partial one.
+- GLM5_HAL_CACHE_DIR: where built libraries go (default $XDG_CACHE_HOME/glm5_hal, else ~/.cache/glm5_hal; where
+  neither names an absolute folder, as with HOME unset and a uid without a passwd entry, a private folder of this
+  user in the temporary directory, with the reason in `glm5-hal info`). A library's file name is a hash of its
+  source, compiler and flags, so an edit or another compiler builds anew.
+- A library is written whole before it gets its name (compiled in a scratch folder, flushed to disk, renamed), and
+  its size and SHA-256 go to a record beside it the same way; a library is loaded only if it matches its record,
+  and built again otherwise. So processes building at once (test ranks) never load a partial one, and a file torn
+  by a crash mid-write is rebuilt instead of killing every later process with SIGBUS inside dlopen.
+- The compiler runs in a process group of its own, at most BUILD_TIMEOUT_S; one that times out is killed with its
+  whole group and not tried again in this process (a hanging compiler costs one timeout, not one per kernel).
 - CC: the compiler (default `cc`, else `gcc`).
 """
 
@@ -16,8 +24,11 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import json
 import os
 import shutil
+import signal
+import stat
 import subprocess
 import tempfile
 import threading
@@ -68,7 +79,16 @@ ISAS: dict[str, Isa] = {
         Isa("portable", ("-DGLM5_PORTABLE",), ()),
     )
 }
-KERNELS = ("bf16_gemm", "indexer_scores", "sparse_attention", "int8_gemm", "topk")  # <name>.c in this folder
+# <name>.c in this folder -> the functions its library must export (a library without one turns the route off).
+SYMBOLS: dict[str, tuple[str, ...]] = {
+    "bf16_gemm": ("glm5_bf16_gemm_nt",),
+    "indexer_scores": ("glm5_indexer_scores",),
+    "sparse_attention": ("glm5_sparse_attention",),
+    "int8_gemm": ("glm5_w8a8_gemm_nt", "glm5_w4a8_gemm_nt"),
+    "topk": ("glm5_topk",),
+}
+KERNELS = tuple(SYMBOLS)
+RECORD_SUFFIX = ".record"  # <library>.record: {"size": bytes, "sha256": hex} of the library as built
 
 _lock = threading.Lock()
 
@@ -81,11 +101,57 @@ def native_enabled() -> bool:
     return parsed_setting(ENV_NATIVE, _parse_enabled)
 
 
+@dataclass(frozen=True)
+class CacheLocation:
+    """Where built libraries go. path None: nowhere usable (no native kernels). note: why the cache is not the
+    configured one (a temporary fallback, or none), else empty."""
+
+    path: Path | None
+    note: str = ""
+
+
+def cache_location() -> CacheLocation:
+    """The build cache folder (see the module docstring). Never a relative path: expanduser('~') stays '~' when HOME
+    is unset and the uid has no passwd entry, which would put the cache in a folder named '~' wherever the process
+    happens to run."""
+    explicit = os.environ.get(ENV_CACHE_DIR)
+    if explicit:
+        return CacheLocation(Path(os.path.abspath(os.path.expanduser(explicit))))
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    if xdg and os.path.isabs(xdg):  # the XDG spec: a relative value is invalid and ignored
+        return CacheLocation(Path(xdg) / "glm5_hal")
+    home = os.path.expanduser("~")
+    if os.path.isabs(home):
+        return CacheLocation(Path(home) / ".cache" / "glm5_hal")
+    return _private_temporary_cache("HOME is unset and this uid has no passwd entry (no home folder to cache in)")
+
+
+def _private_temporary_cache(why: str) -> CacheLocation:
+    """A folder of this user's own in the temporary directory. Its name is predictable in a shared directory, so it is
+    used only if it is a real folder, ours, and writable by nobody else: a library planted there would be loaded
+    and run."""
+    folder = Path(tempfile.gettempdir()) / f"glm5_hal-{os.getuid()}"
+    advice = f"set {ENV_CACHE_DIR} to keep builds"
+    try:
+        folder.mkdir(mode=0o700, exist_ok=True)
+        found = os.lstat(folder)
+    except OSError as exc:
+        return CacheLocation(None, f"{why}, and the temporary cache {folder} cannot be made ({exc}); {advice}")
+    if not stat.S_ISDIR(found.st_mode) or found.st_uid != os.getuid() or found.st_mode & 0o022:
+        return CacheLocation(
+            None,
+            f"{why}, and the temporary cache {folder} is not a private folder of this user (a link, another owner,"
+            f" or writable by others): no native kernels; {advice}",
+        )
+    return CacheLocation(folder, f"{why}: building in {folder}; {advice}")
+
+
 def cache_dir() -> Path:
-    if os.environ.get(ENV_CACHE_DIR):
-        return Path(os.environ[ENV_CACHE_DIR])
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "glm5_hal"
+    """The build cache folder (cache_location), NativeUnavailable where there is none."""
+    where = cache_location()
+    if where.path is None:
+        raise NativeUnavailable(where.note)
+    return where.path
 
 
 def _compiler() -> str:
@@ -93,6 +159,92 @@ def _compiler() -> str:
         if name and shutil.which(name):
             return name
     raise NativeUnavailable("no C compiler (set CC, or install gcc / clang)")
+
+
+def _digest(data: bytes) -> dict[str, object]:
+    return {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+
+def _record_path(library: Path) -> Path:
+    return library.with_name(library.name + RECORD_SUFFIX)
+
+
+def _fsync_folder(folder: Path) -> None:
+    """Make renames in `folder` durable (a crash after a rename must not lose it); best effort where a folder cannot
+    be opened for that."""
+    try:
+        handle = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(handle)
+    except OSError:
+        pass
+    finally:
+        os.close(handle)
+
+
+def _write_durably(path: Path, data: bytes) -> None:
+    """`data` under `path`, all or nothing: written to a scratch file in the same folder, flushed, then renamed."""
+    handle, scratch = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(handle, "wb") as out:
+            out.write(data)
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(scratch, path)
+    except BaseException:
+        Path(scratch).unlink(missing_ok=True)
+        raise
+    _fsync_folder(path.parent)
+
+
+def record_library(library: Path) -> None:
+    """Write the record of `library` as it is now (size and SHA-256), durably. The build does this after the
+    library's own rename, so a record never describes a library that is not complete on disk."""
+    _write_durably(_record_path(library), json.dumps(_digest(library.read_bytes())).encode())
+
+
+def _matches_record(library: Path) -> bool:
+    """Whether `library` exists and is the file its record describes (no record: not trusted, built again)."""
+    try:
+        recorded = json.loads(_record_path(library).read_text())
+        data = library.read_bytes()
+    except (OSError, ValueError):
+        return False
+    return isinstance(recorded, dict) and recorded == _digest(data)
+
+
+_hung: dict[str, str] = {}  # compiler -> why it is not run again in this process (it timed out once)
+
+
+def _run_compiler(compiler: str, command: list[str], name: str) -> None:
+    """Run one compile in a process group of its own, at most BUILD_TIMEOUT_S. On a timeout the whole group is
+    killed (a compiler driver's children too) and the compiler is not tried again in this process."""
+    if compiler in _hung:
+        raise NativeUnavailable(_hung[compiler])
+    try:
+        process = subprocess.Popen(
+            command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+        )
+    except OSError as exc:
+        raise NativeUnavailable(f"{compiler} could not build {name}: {exc}") from exc
+    try:
+        _, stderr = process.communicate(timeout=BUILD_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(process.pid, signal.SIGKILL)
+        except OSError:  # the group is gone already
+            pass
+        process.communicate()  # reap it; its pipes close once the whole group is dead
+        _hung[compiler] = (
+            f"{compiler} timed out after {BUILD_TIMEOUT_S:g} s building {name} (its process group was killed; it is"
+            " not tried again in this process)"
+        )
+        raise NativeUnavailable(_hung[compiler]) from None
+    if process.returncode != 0:
+        first_lines = " | ".join(stderr.strip().splitlines()[:3])
+        raise NativeUnavailable(f"{compiler} failed to build {name} (exit {process.returncode}): {first_lines}")
 
 
 def _build(kernel: str, isa: Isa) -> Path:
@@ -106,28 +258,28 @@ def _build(kernel: str, isa: Isa) -> Path:
     name = f"{kernel}_{isa.name}"
     directory = cache_dir()
     library = directory / f"{name}-{key}.so"
-    if library.exists():
+    if _matches_record(library):
         return library
     try:
         directory.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise NativeUnavailable(f"cannot create the build cache {directory} ({exc}); set {ENV_CACHE_DIR}") from exc
-    with tempfile.TemporaryDirectory(dir=directory) as scratch:
+    unwritable = f"cannot write the build cache {directory}, so nothing was built; set {ENV_CACHE_DIR}"
+    try:
+        scratch_folder = tempfile.TemporaryDirectory(dir=directory)
+    except OSError as exc:
+        raise NativeUnavailable(f"{unwritable} ({exc})") from exc
+    with scratch_folder as scratch:
         partial = Path(scratch) / library.name
+        _run_compiler(compiler, [compiler, *flags, "-o", str(partial), str(source)], name)
         try:
-            done = subprocess.run(
-                [compiler, *flags, "-o", str(partial), str(source)],
-                capture_output=True,
-                text=True,
-                timeout=BUILD_TIMEOUT_S,
-            )
-        except (OSError, subprocess.TimeoutExpired) as exc:
-            raise NativeUnavailable(f"{compiler} could not build {name}: {exc}") from exc
-        if done.returncode != 0:
-            first_lines = " | ".join(done.stderr.strip().splitlines()[:3])
-            failed = f"{compiler} failed to build {name} (exit {done.returncode})"
-            raise NativeUnavailable(f"{failed}: {first_lines}")
-        os.replace(partial, library)
+            with open(partial, "rb+") as built:  # on disk before it has its name
+                os.fsync(built.fileno())
+            os.replace(partial, library)
+            _fsync_folder(directory)
+            record_library(library)
+        except OSError as exc:
+            raise NativeUnavailable(f"{unwritable} ({exc})") from exc
     return library
 
 
@@ -136,10 +288,16 @@ def _load(kernel: str, isa: Isa) -> ctypes.CDLL:
     missing = [f for f in isa.cpu_flags if flags is None or f not in flags]
     if missing:
         raise NativeUnavailable(f"{kernel}_{isa.name} needs CPU flags {', '.join(missing)}, which this CPU lacks")
+    library = _build(kernel, isa)
     try:
-        return ctypes.CDLL(str(_build(kernel, isa)))
-    except OSError as exc:  # a library that does not load (wrong architecture, a broken file in the cache)
-        raise NativeUnavailable(f"{kernel}_{isa.name} built but did not load: {exc}") from exc
+        loaded = ctypes.CDLL(str(library))
+    except OSError as exc:  # a library that does not load (wrong architecture, a missing runtime library)
+        raise NativeUnavailable(f"{kernel}_{isa.name} was built but does not load: {exc}") from exc
+    absent = [symbol for symbol in SYMBOLS[kernel] if not hasattr(loaded, symbol)]
+    if absent:
+        lacks = ", ".join(absent)
+        raise NativeUnavailable(f"{kernel}_{isa.name} ({library}) lacks {lacks}: the native route stays off")
+    return loaded
 
 
 _loaded: dict[tuple[str, str], ctypes.CDLL | NativeUnavailable] = {}  # the library, or why there is none
@@ -168,14 +326,19 @@ def load(kernel: str, isa: str) -> ctypes.CDLL:
 
 
 def forget() -> None:
-    """Drop what load() remembered (tests that fake a CPU or a compiler)."""
+    """Drop what load() remembered, hung compilers included (tests that fake a CPU or a compiler)."""
     with _lock:
         _loaded.clear()
+        _hung.clear()
 
 
 def function(kernel: str, isa: str, name: str, argtypes: list, restype: object = None) -> ctypes._CFuncPtr:
-    """The C function `name` of load(kernel, isa), with its ctypes signature set (NativeUnavailable as load)."""
-    found = getattr(load(kernel, isa), name)
+    """The C function `name` of load(kernel, isa), with its ctypes signature set (NativeUnavailable as load, and for
+    a function the library does not export)."""
+    try:
+        found = getattr(load(kernel, isa), name)
+    except AttributeError as exc:
+        raise NativeUnavailable(f"{kernel}_{isa} lacks {name}") from exc
     if found.argtypes is None:
         found.argtypes, found.restype = argtypes, restype
     return found
@@ -188,3 +351,19 @@ def availability(kernel: str, isa: str) -> tuple[bool, str]:
     except NativeUnavailable as exc:
         return False, str(exc)
     return True, f"{kernel}_{isa} (glm5_hal/native/{kernel}.c)"
+
+
+def status() -> dict[str, object]:
+    """What `glm5-hal info` shows: whether native kernels are on, the cache folder and why it is there (or why there
+    is none), and each kernel build this process has tried: where it was loaded from, or why not."""
+    where = cache_location()
+    kernels: dict[str, str] = {}
+    with _lock:
+        for (kernel, isa), found in sorted(_loaded.items()):
+            kernels[f"{kernel}_{isa}"] = str(found) if isinstance(found, NativeUnavailable) else f"loaded {found._name}"
+    return {
+        "enabled": native_enabled(),
+        "cache_dir": str(where.path) if where.path is not None else None,
+        "cache_note": where.note,
+        "kernels": kernels,
+    }
