@@ -64,8 +64,10 @@ def topk_lower_position_ties(scores: Tensor, k: int) -> tuple[Tensor, Tensor]:
     if not host_reads_allowed(scores):
         return _composite_topk(scores, k)
     if scores.device.type == "cpu" and scores.dtype == torch.float32 and scores.dim() == 2:
-        # The native op has no backward: scores that need a gradient keep torch's differentiable select.
-        if not (scores.requires_grad and torch.is_grad_enabled()) and native_topk.availability()[0]:
+        # The native op has no backward: scores that need a gradient keep torch's differentiable select. It keeps
+        # columns in 32 bits: longer rows (2^31 scores and more) keep torch's select too.
+        differentiable = scores.requires_grad and torch.is_grad_enabled()
+        if not differentiable and scores.shape[1] <= native_topk.MAX_WIDTH and native_topk.availability()[0]:
             return native_topk.topk(scores, k)
     return _torch_topk(scores, k)
 

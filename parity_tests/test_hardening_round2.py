@@ -9,7 +9,7 @@
    a symbol raised AttributeError from the op;
 4. a hanging compiler stalled each kernel's first call for the whole timeout and left its processes running;
 5. with HOME unset and a uid without a passwd entry the cache went to a relative '~/.cache/glm5_hal';
-6. a read-only cache dir reported "built but did not load".
+6. a read-only cache dir reported "built but did not load"; top-k rows past 2^31 scores raised ValueError.
 """
 
 from __future__ import annotations
@@ -478,3 +478,26 @@ def test_defect6_a_read_only_cache_says_nothing_was_built() -> None:
         _assert_survived(_run_python(_READ_ONLY_CACHE, {"GLM5_HAL_CACHE_DIR": str(cache)}))
     finally:
         shutil.rmtree(parent)
+
+
+def test_defect6_rows_past_the_native_top_k_width_take_the_torch_route(monkeypatch: pytest.MonkeyPatch) -> None:
+    """topk.c keeps columns in 32 bits: a row of 2^31 or more scores raised ValueError from the native wrapper. Such
+    rows now take the torch route. A row of 2^31 fp32 scores is 8 GiB, so the limit is lowered here to 64; the
+    route decision reads the same constant."""
+    from glm5_hal import topk as topk_module
+    from glm5_hal.native import topk as native_topk
+
+    if not native_topk.availability()[0]:
+        pytest.skip(f"no native top-k here: {native_topk.availability()[1]}")
+    calls: list[int] = []
+    real = native_topk.topk
+    monkeypatch.setattr(native_topk, "topk", lambda scores, k, **kw: calls.append(scores.shape[1]) or real(scores, k))
+    monkeypatch.setattr(native_topk, "MAX_WIDTH", 64)
+    gen = torch.Generator().manual_seed(6)
+    for width in (64, 65, 200):
+        scores = torch.randn(3, width, generator=gen)
+        scores[:, 7] = scores[:, 3]  # a tie: the lower column first
+        values, columns = topk_module.topk_lower_position_ties(scores, 16)
+        order = sorted(range(width), key=lambda c: (-scores[0, c].item(), c))[:16]
+        assert columns[0].tolist() == order and torch.equal(values[0], scores[0, order])
+    assert calls == [64], calls  # the native kernel took the row it can hold, torch the wider ones
