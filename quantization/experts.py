@@ -9,10 +9,9 @@ token on its own.
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor, nn
 
-import glm5_hal
+from glm5_hal.quant_layers import routed_expert_mlps, swiglu
 from quantization.linear import QuantLinear
 
 
@@ -42,14 +41,6 @@ class QuantRoutedExperts(nn.Module):
         return len(self.gate_up)
 
     def forward(self, x: Tensor, topk_weights: Tensor, topk_ids: Tensor) -> Tensor:
-        x_sorted, expert_offsets, src_index = glm5_hal.moe_dispatch(x, topk_ids, self.num_experts)
-        y_sorted = torch.zeros_like(x_sorted)
-        offsets = expert_offsets.tolist()
-        for e in range(self.num_experts):
-            rows = slice(offsets[e], offsets[e + 1])
-            if rows.start == rows.stop:
-                continue  # no token chose this expert
-            h = self.gate_up[e](x_sorted[rows])
-            act = nn.functional.silu(h[:, : self.intermediate]) * h[:, self.intermediate :]
-            y_sorted[rows] = self.down[e](act)
-        return glm5_hal.moe_combine(y_sorted, src_index, topk_weights)
+        return routed_expert_mlps(
+            x, topk_weights, topk_ids, self.num_experts, lambda e, rows: self.down[e](swiglu(self.gate_up[e](rows)))
+        )

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-import glm5_hal
+from glm5_hal.quant_layers import int_linear
 from quantization.quantizers import QuantizedWeight, WeightQuantSpec, rtn_quantize
 
 # Scheme names, as written in a quantized checkpoint's JSON description.
@@ -63,13 +63,7 @@ class QuantLinear(nn.Module):
         if x.shape[-1] != self.in_features:
             raise ValueError(f"x: expected a last dim of {self.in_features}, got shape {tuple(x.shape)}")
         rows = x.reshape(-1, self.in_features)
-        x_q, x_scale = glm5_hal.dynamic_quant(rows)
-        if self.scheme == W8A8:
-            y = glm5_hal.quant_matmul(x_q, x_scale, self.weight, self.weight_scale, self.bias, out_dtype=x.dtype)
-        else:
-            y = glm5_hal.w4a8_matmul(x_q, x_scale, self.weight, self.weight_scale, self.group_size, out_dtype=x.dtype)
-            if self.bias is not None:
-                y = y + self.bias.to(y.dtype)
+        y = int_linear(rows, self.weight, self.weight_scale, group_size=self.group_size, bias=self.bias)
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
