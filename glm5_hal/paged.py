@@ -9,6 +9,9 @@ Nothing here reads a value back to the host.
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
@@ -28,13 +31,21 @@ def token_positions(seq_lens_k: Tensor, cu_seqlens_q: Tensor, seqs: Tensor) -> T
 
 
 def key_slots(
-    block_table: Tensor, seqs: Tensor, positions: Tensor, block_size: int, num_blocks: int
+    block_table: Tensor,
+    seqs: Tensor,
+    positions: Tensor,
+    block_size: int,
+    num_blocks: int,
+    *,
+    block_step: int | None = None,
+    row_step: int = 1,
 ) -> tuple[Tensor, Tensor]:
     """Flat cache slots of request-local key positions, and whether the block table addresses each one.
 
     block_table: [B, max_blocks] int32. seqs: [N] int64, a sequence per row. positions: [S] (shared by all rows)
     or [N, S] (one set per row), any integer dtype. num_blocks: the cache's blocks. Returns (slots [N, S] int64,
-    addressable [N, S] bool).
+    addressable [N, S] bool). A slot is block * block_step + offset * row_step: the flat slot (block_size, 1) by
+    default, or the row of a strided view of the cache that reads it in place (slot_rows).
 
     A position is addressable when it lies in the table (0 <= p < max_blocks * block_size) and its table entry is a
     block of the cache (0 <= id < num_blocks). With value checks on, the blocks a sequence uses always are; with
@@ -51,4 +62,33 @@ def key_slots(
     clamped = positions.clamp(0, max_position)
     blocks = block_table.to(torch.int64)[seqs[:, None], clamped // block_size]  # [N, S]
     addressable = (positions == clamped) & (blocks >= 0) & (blocks < num_blocks)
-    return torch.where(addressable, blocks * block_size + clamped % block_size, 0), addressable
+    block_step = block_size if block_step is None else block_step
+    slots = blocks * block_step + (clamped % block_size) * row_step
+    return torch.where(addressable, slots, 0), addressable
+
+
+@dataclass(frozen=True)
+class SlotRows:
+    """A paged cache [num_blocks, block_size, D] read in place as the rows of one 2-D view: slot (block b, offset o)
+    is row b * block_step + o * row_step of `rows` [R, D]. For a contiguous cache that is flatten(0, 1) (block_step =
+    block_size, row_step = 1); for a view whose blocks have spare slots, or lie any number of elements apart, `rows`
+    is a strided view over the same storage (rows at the gcd of the block and slot strides, so some rows overlap
+    or fall between slots: only the ones slots name are read)."""
+
+    rows: Tensor
+    block_step: int
+    row_step: int
+
+
+def slot_rows(cache: Tensor) -> SlotRows:
+    """The rows of cache [num_blocks, block_size, D] as a view (SlotRows), never a copy: flatten(0, 1) of a view
+    whose blocks are not one run of rows copied the whole cache on every call."""
+    num_blocks, block_size, width = cache.shape
+    block_stride, slot_stride, dim_stride = cache.stride()
+    if num_blocks * block_size == 0:
+        return SlotRows(cache.new_empty(0, width), block_size, 1)
+    unit = math.gcd(block_stride, slot_stride) or 1  # both 0: every slot is the same row
+    block_step, row_step = block_stride // unit, slot_stride // unit
+    count = (num_blocks - 1) * block_step + (block_size - 1) * row_step + 1
+    # Its last element is the cache's last element: the view stays inside the cache's own span of its storage.
+    return SlotRows(cache.as_strided((count, width), (unit, dim_stride)), block_step, row_step)

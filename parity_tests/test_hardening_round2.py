@@ -9,7 +9,8 @@
    a symbol raised AttributeError from the op;
 4. a hanging compiler stalled each kernel's first call for the whole timeout and left its processes running;
 5. with HOME unset and a uid without a passwd entry the cache went to a relative '~/.cache/glm5_hal';
-6. a read-only cache dir reported "built but did not load"; top-k rows past 2^31 scores raised ValueError.
+6. a read-only cache dir reported "built but did not load"; top-k rows past 2^31 scores raised ValueError;
+7. sparse attention copied a cache view with spare slots per block whole on every call (fp32 and native paths).
 """
 
 from __future__ import annotations
@@ -501,3 +502,89 @@ def test_defect6_rows_past_the_native_top_k_width_take_the_torch_route(monkeypat
         order = sorted(range(width), key=lambda c: (-scores[0, c].item(), c))[:16]
         assert columns[0].tolist() == order and torch.equal(values[0], scores[0, order])
     assert calls == [64], calls  # the native kernel took the row it can hold, torch the wider ones
+
+
+# --------------------------------------------------------------------------- 7: a cache view is read in place
+def _route_torch_attention_through_the_portable_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The torch backend's bf16 sparse attention on glm5_hal.native's portable build, as a CPU with AVX-512 BF16 runs
+    it on the fast one (the same loops and the same Python side; this machine may lack the instructions)."""
+    import functools
+    import math
+
+    import backends.torch_eager.sparse_attention as attention
+    from backends.torch_eager.gemm import Gemm
+    from glm5_hal.native import sparse_attention as kernel
+
+    ok, why = kernel.availability("portable")
+    if not ok:
+        pytest.skip(f"no portable sparse attention kernel here: {why}")
+    native = Gemm(torch.bfloat16, True, 1, math.inf, True)
+    portable = type(
+        "Portable",
+        (),
+        {
+            "availability": staticmethod(lambda isa="portable": kernel.availability("portable")),
+            "attention": staticmethod(functools.partial(kernel.attention, isa="portable")),
+        },
+    )
+    monkeypatch.setattr(attention, "gemm_for", lambda dtype, device: native)
+    monkeypatch.setattr(attention, "native_attention", portable)
+
+
+class _LargeResults(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records every aten op whose result holds at least `elements` elements (a copy of the cache would)."""
+
+    def __init__(self, elements: int) -> None:
+        super().__init__()
+        self.elements, self.seen = elements, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        result = func(*args, **(kwargs or {}))
+        inputs = torch.utils._pytree.tree_leaves((args, kwargs))
+        storages = {t.untyped_storage().data_ptr() for t in inputs if isinstance(t, torch.Tensor)}
+        for t in torch.utils._pytree.tree_leaves(result):
+            # Views of an input (its storage) are no copy; a new result that large is.
+            new = isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in storages
+            if new and t.numel() >= self.elements:
+                self.seen.append((str(func), tuple(t.shape)))
+        return result
+
+
+def _cache_view(layout: str, blocks: int, block_size: int, width: int, dtype: torch.dtype) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(7)
+    if layout == "spare_slots":  # [blocks, block_size, width] out of [blocks, block_size + 4, width]
+        return torch.randn(blocks, block_size + 4, width, generator=gen).to(dtype)[:, 2 : block_size + 2]
+    # Blocks an odd number of elements apart: no row stride divides the block stride.
+    block_stride = block_size * width + 5
+    storage = torch.randn(blocks * block_stride, generator=gen).to(dtype)
+    return storage.as_strided((blocks, block_size, width), (block_stride, width, 1))
+
+
+@pytest.mark.parametrize("layout", ["spare_slots", "odd_block_stride"])
+@pytest.mark.parametrize("path", ["fp32", "native"])
+def test_defect7_a_cache_view_is_read_in_place(path: str, layout: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A cache view whose slots are not one flat run of rows was copied whole (flatten) on every call: 0.6 GB more
+    and 6x the time for a 0.6 GB cache. No op result may now be as large as the cache, and the results are the
+    contiguous cache's, bit for bit."""
+    import backends.torch_eager.sparse_attention as torch_backend
+    import glm5_hal
+    from glm5_hal.parity.cases import SeqSpec
+    from glm5_hal.parity.inputs import paged_batch, random_topk_indices
+
+    dtype = torch.float32 if path == "fp32" else torch.bfloat16
+    if path == "native":
+        _route_torch_attention_through_the_portable_kernel(monkeypatch)
+    gen = torch.Generator().manual_seed(0)
+    batch = paged_batch([SeqSpec(2, 300), SeqSpec(1, 180)], 16, gen)
+    cache = _cache_view(layout, batch.num_blocks, 16, 576, dtype)
+    q = torch.randn(batch.num_tokens, 4, 576, generator=gen).to(dtype)
+    indices = random_topk_indices(batch, 32, gen)
+    args = (indices, batch.block_table, batch.seq_lens_k, batch.cu_seqlens_q, 0.05, 512)
+    with glm5_hal.use_backend("torch", strict=True):
+        want = glm5_hal.sparse_flash_attention(q, cache.contiguous(), *args)
+        got = glm5_hal.sparse_flash_attention(q, cache, *args)
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+    # The backend's body itself under the spy: a dispatch mode does not see inside the custom op it intercepts.
+    with _LargeResults(cache.numel() // 2) as spy:
+        torch_backend.sparse_flash_attention(q, cache, *args)
+    assert not spy.seen, f"results as large as the cache: {spy.seen}"

@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from glm5_hal.paged import key_slots as shared_key_slots
+from glm5_hal.paged import slot_rows
 
 
 # ------------------------------------------------------------------------------------------------ ragged batches
@@ -111,15 +112,20 @@ def selected_positions(
 
 
 def gathered_rows(
-    rows_of: Tensor, block_table: Tensor, seqs: Tensor, idx: Tensor, valid: Tensor, block_size: int, tile: int
+    cache: Tensor, block_table: Tensor, seqs: Tensor, idx: Tensor, valid: Tensor, tile: int
 ) -> Iterator[tuple[slice, Tensor]]:
-    """(tokens, their selected cache rows [t, k, row]) for tiles of `tile` tokens: rows_of [slots, row] is the
-    cache as flat slots, idx / valid [T, k] from selected_positions. Rows of invalid entries are slot 0's (never
-    referenced by the kernels, which take the validity separately). Tiles bound the rows held at once."""
+    """(tokens, their selected cache rows [t, k, row]) for tiles of `tile` tokens: cache [blocks, bs, row] read in
+    place (glm5_hal.paged.slot_rows: a view with spare slots per block is not copied), idx / valid [T, k] from
+    selected_positions. Rows of invalid entries are some valid row's (never referenced by the kernels, which take
+    the validity separately). Tiles bound the rows held at once."""
+    view = slot_rows(cache)
+    steps = {"block_step": view.block_step, "row_step": view.row_step}
     for start in range(0, idx.shape[0], tile):
         part = slice(start, start + tile)
-        slots = key_slots(block_table, seqs[part], idx[part], valid[part], block_size, rows_of.shape[0] // block_size)
-        yield part, rows_of[slots.clamp(min=0)]
+        slots, addressable = shared_key_slots(
+            block_table, seqs[part], idx[part], cache.shape[1], cache.shape[0], **steps
+        )
+        yield part, view.rows[torch.where(valid[part] & addressable, slots, 0)]
 
 
 def natural_lse(softmax_max: Tensor, softmax_sum: Tensor) -> Tensor:

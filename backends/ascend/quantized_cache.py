@@ -81,14 +81,13 @@ def sparse_flash_attention_int8(q, kv_cache, indices, block_table, seq_lens_k, c
     idx, ordered_valid, local = selected_positions(
         indices, seq_lens_k, seqs, block_table, kv_cache.shape[1], kv_cache.shape[0]
     )  # [T, topk] each, valid first
-    flat = kv_cache.reshape(-1, row_bytes)  # a view, or a copy of a cache whose layout has none (padded, transposed)
     blocks_per_token = -(-topk // KERNEL_BLOCK)
     padded = blocks_per_token * KERNEL_BLOCK
 
     out = torch.empty(num_tokens, num_heads, 512, dtype=q.dtype, device=q.device)
     lse = torch.empty(num_tokens, num_heads, dtype=torch.float32, device=q.device)
     tile = max(1, GATHER_BUDGET // (padded * row_bytes))
-    for part, rows in gathered_rows(flat, block_table, seqs, idx, ordered_valid, kv_cache.shape[1], tile):
+    for part, rows in gathered_rows(kv_cache, block_table, seqs, idx, ordered_valid, tile):
         tokens = rows.shape[0]  # rows: [t, topk, 656]
         scratch = torch.zeros(tokens, padded, row_bytes, dtype=torch.int8, device=q.device)
         scratch[:, :topk] = kernel_rows(rows)

@@ -101,12 +101,11 @@ def sparse_flash_attention(
     idx, ordered_valid, local = selected_positions(
         indices, seq_lens_k, seqs, block_table, kv_cache.shape[1], kv_cache.shape[0]
     )  # [T, topk] each, valid first
-    rows_of = kv_cache.reshape(-1, width)
 
     out = torch.empty(num_tokens, num_heads, LATENT, dtype=q.dtype, device=q.device)
     lse = torch.empty(num_tokens, num_heads, dtype=torch.float32, device=q.device)
     tile = max(1, GATHER_BUDGET // (topk * width))
-    for part, rows in gathered_rows(rows_of, block_table, seqs, idx, ordered_valid, kv_cache.shape[1], tile):
+    for part, rows in gathered_rows(kv_cache, block_table, seqs, idx, ordered_valid, tile):
         out[part], lse[part] = _attend_tile(q[part], rows, local[part], float(sm_scale))  # rows [t, topk, 576]
     # The kernel leaves a row without any valid index undefined; the contract says out = 0 and lse = -inf.
     empty = ~ordered_valid.any(dim=1)

@@ -1,5 +1,5 @@
-"""Paged-cache access of the torch backend: the cache as flat slot rows, and cache writes. Token sequences,
-positions and key slots are shared by every backend (glm5_hal.paged).
+"""Paged-cache access of the torch backend: row gathers and cache writes. Token sequences, positions, key slots and
+the cache read in place as rows (slot_rows) are shared by every backend (glm5_hal.paged).
 
 Sequence b owns query tokens cu_seqlens_q[b] : cu_seqlens_q[b+1] and key positions 0 .. seq_lens_k[b] - 1. Query
 token t of sequence b sits at position seq_lens_k[b] - cu_seqlens_q[b+1] + t and sees the keys at positions <= it.
@@ -14,15 +14,10 @@ from __future__ import annotations
 from torch import Tensor
 
 
-def slot_rows(cache: Tensor) -> Tensor:
-    """cache [num_blocks, block_size, D] as [num_slots, D] (a view for the usual contiguous cache), so a gather of
-    flat slots is one index_select-style read."""
-    return cache.flatten(0, 1)
-
-
 def gather_rows(table: Tensor, index: Tensor) -> Tensor:
     """table [R, ...] rows picked by index [...] (int64, all in range): [*index.shape, ...]. index_select copies whole
-    rows (7-9x faster on CPU than advanced indexing `table[index]`, which moves bf16 rows element by element)."""
+    rows (7-9x faster on CPU than advanced indexing `table[index]`, which moves bf16 rows element by element), and
+    reads a strided table in place."""
     return table.index_select(0, index.reshape(-1)).view(*index.shape, *table.shape[1:])
 
 

@@ -14,13 +14,13 @@ import torch
 from torch import Tensor
 
 from backends.torch_eager.gemm import gemm_for
-from backends.torch_eager.paged import gather_rows, slot_rows
+from backends.torch_eager.paged import gather_rows
 from backends.torch_eager.primitives import COMPUTE_DTYPE, rows_per_tile
 from backends.torch_eager.quantized_cache import row_reader
 from glm5_hal.host_reads import host_reads_allowed
 from glm5_hal.kv_formats import AUTO
 from glm5_hal.native import sparse_attention as native_attention
-from glm5_hal.paged import key_slots, token_sequences
+from glm5_hal.paged import key_slots, slot_rows, token_sequences
 
 
 def sparse_flash_attention(
@@ -47,7 +47,8 @@ def sparse_flash_attention(
     num_tokens, num_heads, width = q.shape
     topk = indices.shape[1]
     block_size = kv_cache.shape[1]
-    rows = slot_rows(kv_cache)  # [num_slots, D] (or [num_slots, row_bytes] uint8)
+    view = slot_rows(kv_cache)  # the cache read in place as rows [R, D] (or [R, row_bytes] uint8)
+    rows = view.rows
     seqs = token_sequences(cu_seqlens_q, num_tokens)  # [T]
     key_limit = seq_lens_k.to(torch.int64)[seqs]  # [T]
     gemm = gemm_for(q.dtype, q.device)  # logits on gemm.logits; the softmax statistics stay fp32
@@ -68,7 +69,15 @@ def sparse_flash_attention(
         tokens = slice(start, start + token_tile)
         idx = indices[tokens].to(torch.int64)  # [t, topk]
         # A key the block table cannot address (a block id outside the cache, with value checks off) is not a key.
-        slots, addressable = key_slots(block_table, seqs[tokens], idx, block_size, kv_cache.shape[0])  # [t, topk]
+        slots, addressable = key_slots(
+            block_table,
+            seqs[tokens],
+            idx,
+            block_size,
+            kv_cache.shape[0],
+            block_step=view.block_step,
+            row_step=view.row_step,
+        )  # [t, topk] rows of the view
         valid = (idx >= 0) & (idx < key_limit[tokens, None]) & addressable  # [t, topk]
         if native:
             # Invalid keys get slot -1: the kernel never reads their rows (padding in the table, NaN in the slot).
