@@ -588,3 +588,16 @@ def test_defect7_a_cache_view_is_read_in_place(path: str, layout: str, monkeypat
     with _LargeResults(cache.numel() // 2) as spy:
         torch_backend.sparse_flash_attention(q, cache, *args)
     assert not spy.seen, f"results as large as the cache: {spy.seen}"
+
+
+# ---------------------------------------------------------------------- 8: the transformers bound the tests need
+def test_defect8_the_test_extra_allows_no_transformers_the_layer_test_fails_on() -> None:
+    """perf/test_layer_bench.py::test_both_layers_compute_the_same_layer fails on transformers 5.23 (its DSA indexer's
+    attention-mask shape) and passes on 5.24: a bound that admits 5.23 promises an environment that fails."""
+    import tomllib
+    from packaging.requirements import Requirement
+
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    (spec,) = [Requirement(line).specifier for line in extras["test"] if Requirement(line).name == "transformers"]
+    assert "5.23.0" not in spec and "5.23.9" not in spec, spec
+    assert "5.24.0" in spec, spec
