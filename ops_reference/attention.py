@@ -9,14 +9,23 @@ from ops_reference.paged_cache import addressable, gather_keys, token_positions,
 
 
 def _attend(q: np.ndarray, keys: np.ndarray, sm_scale: float, d_v: int) -> tuple[np.ndarray, np.ndarray]:
-    """q [H, D] over keys [S, D] (V = first d_v dims) -> (out [H, d_v], natural-log lse [H]); S = 0 -> (0, -inf)."""
+    """q [H, D] over keys [S, D] (V = first d_v dims) -> (out [H, d_v], natural-log lse [H]); S = 0 -> (0, -inf).
+
+    A head whose scores are all -inf (infinite inputs) is an empty softmax: out = 0 and lse = log(0) = -inf, as for
+    no key at all, whatever V holds (docs/ops.md "Edge rules"). NaN and +inf scores propagate."""
     if keys.shape[0] == 0:
         return np.zeros((q.shape[0], d_v)), np.full(q.shape[0], -np.inf)
     scores = sm_scale * (q @ keys.T)  # [H, S]
     peak = scores.max(axis=1, keepdims=True)
+    peak = np.where(peak == -np.inf, 0.0, peak)  # all -inf: shift by 0 (-inf - -inf would be NaN); exp gives 0
     p = np.exp(scores - peak)
     total = p.sum(axis=1, keepdims=True)
-    return (p / total) @ keys[:, :d_v], (peak + np.log(total))[:, 0]
+    with np.errstate(divide="ignore"):  # log(0) = -inf is the answer for an empty softmax
+        lse = (peak + np.log(total))[:, 0]
+    empty = total == 0  # [H, 1]
+    with np.errstate(invalid="ignore"):  # 0 * inf in an empty head's product: replaced by 0 below
+        out = (p / np.where(empty, 1.0, total)) @ keys[:, :d_v]
+    return np.where(empty, 0.0, out), lse
 
 
 def sparse_flash_attention(

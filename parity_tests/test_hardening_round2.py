@@ -25,6 +25,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from fakes.ascend.fixture import fake_torch_npu_fixture, torch_npu_schemas_fixture  # noqa: F401 (fixtures)
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -512,7 +514,7 @@ def _route_torch_attention_through_the_portable_kernel(monkeypatch: pytest.Monke
     import math
 
     import backends.torch_eager.sparse_attention as attention
-    from backends.torch_eager.gemm import Gemm
+    from backends.torch_eager.gemm import FP32, Gemm
     from glm5_hal.native import sparse_attention as kernel
 
     ok, why = kernel.availability("portable")
@@ -527,7 +529,7 @@ def _route_torch_attention_through_the_portable_kernel(monkeypatch: pytest.Monke
             "attention": staticmethod(functools.partial(kernel.attention, isa="portable")),
         },
     )
-    monkeypatch.setattr(attention, "gemm_for", lambda dtype, device: native)
+    monkeypatch.setattr(attention, "gemm_for", lambda dtype, device: native if dtype == torch.bfloat16 else FP32)
     monkeypatch.setattr(attention, "native_attention", portable)
 
 
@@ -601,3 +603,72 @@ def test_defect8_the_test_extra_allows_no_transformers_the_layer_test_fails_on()
     (spec,) = [Requirement(line).specifier for line in extras["test"] if Requirement(line).name == "transformers"]
     assert "5.23.0" not in spec and "5.23.9" not in spec, spec
     assert "5.24.0" in spec, spec
+
+
+# ------------------------------------------------------------------------------------------------ edge rules
+# docs/ops.md "Edge rules": decided for the contract, followed by the reference and every backend.
+_EDGE_BACKENDS = ["reference", "torch", "native", "triton", "ascend"]
+
+
+@pytest.fixture
+def edge_backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The backend to run on: 'native' is the torch backend on glm5_hal.native's portable kernel (bf16 only); 'ascend'
+    the strict torch_npu fake (skipped with the reason where its wheel is missing)."""
+    name = request.param
+    if name == "native":
+        _route_torch_attention_through_the_portable_kernel(monkeypatch)
+        return "torch"
+    if name == "ascend":
+        request.getfixturevalue("fake_torch_npu")
+    return name
+
+
+def _copy(value: object) -> object:
+    return value.clone() if isinstance(value, torch.Tensor) else value
+
+
+def _all_minus_inf_inputs(dtype: torch.dtype) -> dict:
+    """Token 0 head 0 scores -inf against every key (its q holds -inf where every row holds 1); the rest finite."""
+    gen = torch.Generator().manual_seed(31)
+    cache = torch.randn(2, 16, 576, generator=gen) * 0.1
+    cache[..., 0] = 1.0
+    q = torch.randn(2, 2, 576, generator=gen)
+    q[0, 0, 0] = float("-inf")
+    indices = torch.tensor([[0, 3, 17, 20, -1], [1, 2, 18, 30, 5]], dtype=torch.int32)
+    return {
+        "q": q.to(dtype),
+        "kv_cache": cache.to(dtype),
+        "indices": indices,
+        "block_table": torch.tensor([[1, 0]], dtype=torch.int32),
+        "seq_lens_k": torch.tensor([32], dtype=torch.int32),
+        "cu_seqlens_q": torch.tensor([0, 2], dtype=torch.int32),
+        "sm_scale": 0.05,
+        "d_v": 512,
+    }
+
+
+@pytest.mark.parametrize("edge_backend", _EDGE_BACKENDS, indirect=True)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_edge_all_minus_inf_scores_are_an_empty_softmax(edge_backend: str, dtype: torch.dtype) -> None:
+    """Valid keys whose scores are all -inf (infinite inputs): the reference gave NaN, the torch backend out 0 and
+    lse -inf. The contract now says: every probability is 0 (the softmax of an empty sum), so out = 0 and lse = -inf,
+    as for a row without keys; the other heads and tokens are untouched."""
+    import glm5_hal
+    from glm5_hal.parity.runner import run_inputs
+
+    inputs = _all_minus_inf_inputs(dtype)
+    with glm5_hal.use_backend(edge_backend, strict=True):
+        out, lse = glm5_hal.sparse_flash_attention(**{k: _copy(v) for k, v in inputs.items()})
+    empty = bool((out[0, 0] == 0).all()) and float(lse[0, 0]) == float("-inf")
+    assert empty, f"all -inf scores gave out {out[0, 0, :3].tolist()}..., lse {float(lse[0, 0])}"
+    assert torch.isfinite(out[1]).all() and torch.isfinite(lse[1]).all() and torch.isfinite(lse[0, 1])
+    result = run_inputs("sparse_flash_attention", inputs, edge_backend, dtype)
+    assert result.passed, f"{result.status}: {result.detail}"
+    # out = 0 whatever V holds: an inf in a selected row's V (0 * inf would be NaN in a plain product).
+    # V is part of K: with q's dim 5 negative, that row's score stays -inf for head 0.
+    inputs["kv_cache"][1, 0, 5] = float("inf")  # key position 0 (block table [1, 0])
+    inputs["q"][0, 0, 5] = -1.0
+    with glm5_hal.use_backend(edge_backend, strict=True):
+        out, lse = glm5_hal.sparse_flash_attention(**inputs)
+    empty = bool((out[0, 0] == 0).all()) and float(lse[0, 0]) == float("-inf")
+    assert empty, f"with inf in V: out {out[0, 0, :6].tolist()}..., lse {float(lse[0, 0])}"

@@ -131,11 +131,13 @@ def gathered_rows(
 def natural_lse(softmax_max: Tensor, softmax_sum: Tensor) -> Tensor:
     """[N2, T, G] row max and sum of exp(score - max) -> [T, N2 * G] fp32 natural-log logsumexp.
 
-    A row whose sum is 0 (no valid key) gets -inf, the log of an empty sum, whatever the kernel left in its max; a
-    NaN sum (a NaN score) stays NaN (docs/ops.md "NaN").
+    A row whose sum is 0 (no valid key: whatever the kernel left in its max) or whose max is -inf (only -inf scores,
+    an empty softmax) gets -inf, the log of an empty sum; a NaN sum (a NaN score) stays NaN (docs/ops.md "NaN").
     """
     lse = softmax_max.to(torch.float32) + torch.log(softmax_sum.to(torch.float32))
-    lse = torch.where(softmax_sum == 0, torch.full_like(lse, float("-inf")), lse)
+    # A max of -inf: the kernel's sum exp(score - max) may be NaN there (-inf - -inf), the contract's lse is -inf.
+    empty = (softmax_sum == 0) | (softmax_max == float("-inf"))
+    lse = torch.where(empty, torch.full_like(lse, float("-inf")), lse)
     return lse.permute(1, 0, 2).reshape(lse.shape[1], -1)
 
 

@@ -107,8 +107,9 @@ def sparse_flash_attention(
     tile = max(1, GATHER_BUDGET // (topk * width))
     for part, rows in gathered_rows(kv_cache, block_table, seqs, idx, ordered_valid, tile):
         out[part], lse[part] = _attend_tile(q[part], rows, local[part], float(sm_scale))  # rows [t, topk, 576]
-    # The kernel leaves a row without any valid index undefined; the contract says out = 0 and lse = -inf.
+    # The kernel leaves a row without any valid index undefined; the contract says out = 0 and lse = -inf. A head
+    # whose scores were all -inf (lse -inf: an empty softmax, docs/ops.md "Edge rules") gets out = 0 as well.
     empty = ~ordered_valid.any(dim=1)
-    out = out.masked_fill(empty[:, None, None], 0)
     lse = lse.masked_fill(empty[:, None], float("-inf"))
+    out = out.masked_fill((lse == float("-inf"))[..., None], 0)
     return out, lse

@@ -106,8 +106,14 @@ def sparse_flash_attention(
         scores = gemm.logits.bmm(q[tokens], kv.transpose(1, 2)).mul_(sm_scale)  # [t, H, topk] fp32
         if any_invalid:
             scores.masked_fill_(~valid[:, None, :], float("-inf"))
-        probs, lse[tokens] = _softmax(scores)
-        out[tokens] = gemm.bmm(probs, kv[..., :d_v], output=True).to(q.dtype)  # [t, H, d_v]
+        probs, tile_lse = _softmax(scores)
+        tile_out = gemm.bmm(probs, kv[..., :d_v], output=True)  # [t, H, d_v] fp32
+        # A head whose scores are all -inf (an empty softmax, lse -inf) gets out = 0 whatever V holds (docs/ops.md
+        # "Edge rules"): its product is 0, or NaN where V holds inf. Rare: masked only where one is found.
+        empty = tile_lse == float("-inf")
+        if not host_reads_allowed(empty) or bool(empty.any()):
+            tile_out.masked_fill_(empty[..., None], 0.0)
+        out[tokens], lse[tokens] = tile_out.to(q.dtype), tile_lse
     return out, lse
 
 

@@ -182,7 +182,10 @@ def _sparse_attention_kernel(
 
     # Decided by the count, not by running_sum > 0: a NaN score makes the sum NaN, and NaN must reach out and lse.
     has_keys = num_valid > 0
-    out = acc / tl.where(has_keys, running_sum, 1.0)[:, None]
+    # A sum of 0 (no key, or every score -inf: an empty softmax, docs/ops.md "Edge rules") gives out 0, whatever V
+    # holds (acc may hold 0 * inf there); a NaN sum is not 0 and reaches out.
+    empty = running_sum == 0.0
+    out = tl.where(empty[:, None], 0.0, acc / tl.where(empty, 1.0, running_sum)[:, None])
     lse = tl.where(has_keys, (running_max + tl.math.log2(tl.where(has_keys, running_sum, 1.0))) * _LN2, float("-inf"))
     tl.store(
         out_ptr + token * stride_ot + heads[:, None] * stride_oh + dv[None, :] * stride_od,

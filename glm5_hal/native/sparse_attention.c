@@ -8,7 +8,8 @@
  *   peak[h]  = max_n S[n][h], or 0 where that is not finite or a score is NaN (no shift then; exp stays exact 0)
  *   E[n][h]  = exp(S[n][h] - peak[h]),  total[h] = sum_n E[n][h]
  *   lse[t][h] = peak[h] + log(total[h])                      (-inf for a token without valid keys)
- *   O[t][h][d] = sum_n (E[n][h] / max(total[h], FLT_MIN)) * row_n[d],  d < dv     (0 without valid keys)
+ *   O[t][h][d] = sum_n (E[n][h] / max(total[h], FLT_MIN)) * row_n[d],  d < dv     (0 without valid keys, and 0
+ *                where lse is -inf: every score -inf, an empty softmax)
  *
  * Scores: heads are vector lanes (q packed as [D / 2][Hp][2], as in indexer_scores.c), a tile is KEYS keys x 64
  * heads, VDPBF16PS on exact bf16 products with fp32 sums. Softmax in fp32 (exp to ~1 ulp). Values: the normalised
@@ -366,6 +367,8 @@ int glm5_sparse_attention(long heads, long dims, long dv, long topk, const uint1
                 value_tile(valid_rows, vp, n, (const uint16_t *)s, hp, h0, d0, dv, o, dv);
         }
         store_output(o, heads, dv, out_t, out_fp32, out_head);
+        for (long h = 0; h < heads; h++) /* all scores -inf: an empty softmax, out 0 whatever V holds (0 * inf) */
+            if (lse[t * lse_token + h] == -INFINITY) memset(out_t + h * out_head * out_size, 0, dv * out_size);
     }
     free(valid_rows);
     free(s);
