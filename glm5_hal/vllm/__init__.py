@@ -9,15 +9,19 @@ What the plugin supplies, when it is active (docs/vllm.md):
   `glm5_hal.sparse_flash_attention` over vLLM's paged 576-wide latent cache, in place;
 - the lightning indexer (indexer.py): `indexer_prolog` + `lightning_indexer` over vLLM's 132-byte index-key rows
   (glm5-hal's `fp8_index` format), with a metadata builder that needs no Triton;
-- with GLM5_HAL_VLLM_MOE=1, the routed experts through `glm5_hal.fused_moe` (moe.py);
-- the W8A8 / W4A8 compressed-tensors schemes that vLLM's CPU build cannot run (quant.py).
+- the routed experts of the W8A8 / W4A8 compressed-tensors checkpoints that vLLM's CPU build cannot run, and with
+  GLM5_HAL_VLLM_MOE=1 every routed-experts layer (`glm5_hal.fused_moe`, or the quantized ops) (moe.py).
 The ops run on the glm5-hal backend `GLM5_HAL_BACKEND` selects, on vLLM's device.
 
 Settings (environment):
     GLM5_HAL_VLLM=auto   (default) supply sparse MLA where the platform has no sparse MLA backend
     GLM5_HAL_VLLM=1      supply it on every platform, in place of the platform's own
     GLM5_HAL_VLLM=0      the plugin does nothing
-    GLM5_HAL_VLLM_MOE=1  also run the unquantized routed experts through glm5_hal.fused_moe (default 0)
+    GLM5_HAL_VLLM_MOE=1  run every routed-experts layer glm5-hal can through its ops (default 0: only the
+                         quantized ones vLLM has no kernel for)
+    GLM5_HAL_VLLM_QUANT_LINEAR=1  run compressed-tensors W8A8 linear layers through glm5-hal too (default 0:
+                         vLLM's own int8 kernels); with both switches vLLM computes what glm5-hal's quantized
+                         CausalLM computes
 
 The plugin is tested with one vLLM minor version (`TESTED_VLLM`); with any other it logs one line and does nothing.
 This package is the only place glm5-hal imports vLLM, and importing it imports nothing of vLLM: `register` does.
@@ -27,8 +31,10 @@ from __future__ import annotations
 
 # The vLLM minor versions the plugin was written against and is tested with (major, minor).
 TESTED_VLLM: tuple[tuple[int, int], ...] = ((0, 32),)
+# The plugin's log lines go through vLLM's logging (its "vllm" logger tree, so they show with vLLM's own).
+LOGGER = "vllm.glm5_hal"
 
-__all__ = ["TESTED_VLLM", "register"]
+__all__ = ["LOGGER", "TESTED_VLLM", "register"]
 
 
 def register() -> None:

@@ -18,10 +18,11 @@ from vllm.model_executor.layers.mla import MultiHeadLatentAttentionWrapper
 
 from glm5_hal.config import ModelConfig
 from glm5_hal.model.hf_config import config_from_hf
+from glm5_hal.vllm import LOGGER
 from glm5_hal.vllm.indexer import bind_indexer
 from glm5_hal.vllm.sparse_mla import Glm5HalSparseMLAImpl
 
-logger = init_logger("glm5_hal.vllm")
+logger = init_logger(LOGGER)
 
 # vLLM renames a YaRN rope_type in the shared HF config object when it builds a DeepSeek attention layer.
 _VLLM_ROPE_TYPES = {"deepseek_yarn": "yarn"}

@@ -6,9 +6,11 @@ Order of what it does, once per process:
    takes glm5-hal's backend only where the platform has none (it raises), or always with GLM5_HAL_VLLM=1.
 3. The platform's config hook: on a CPU whose `rotary_embedding` op is defective (rope.py), MLA models run vLLM's
    PyTorch RoPE instead.
-4. Out-of-tree layers: the MLA layer (mla_layer.py) that runs glm5-hal's indexer where glm5-hal's backend was
-   chosen, the routed-experts method behind GLM5_HAL_VLLM_MOE=1 (moe.py), and the compressed-tensors W8A8 / W4A8
-   schemes (quant.py).
+4. Out-of-tree layers (mla_layer.py): the MLA layer that runs glm5-hal's indexer where glm5-hal's backend was
+   chosen.
+5. MoE methods (moe.py): the compressed-tensors W8A8 / W4A8 experts where vLLM has no kernel for them; with
+   GLM5_HAL_VLLM_MOE=1, every routed-experts layer glm5-hal can run.
+6. With GLM5_HAL_VLLM_QUANT_LINEAR=1, compressed-tensors W8A8 linear layers through glm5-hal (quant_linear.py).
 """
 
 from __future__ import annotations
@@ -17,10 +19,11 @@ import re
 from typing import Any
 
 from glm5_hal.environment import setting
-from glm5_hal.vllm import TESTED_VLLM
+from glm5_hal.vllm import LOGGER, TESTED_VLLM
 
 MODE_ENV = "GLM5_HAL_VLLM"
 MOE_ENV = "GLM5_HAL_VLLM_MOE"
+QUANT_LINEAR_ENV = "GLM5_HAL_VLLM_QUANT_LINEAR"
 AUTO, ON, OFF = "auto", "1", "0"
 _MODES = (AUTO, ON, OFF)
 
@@ -38,11 +41,11 @@ def plugin_mode() -> str:
     return value
 
 
-def moe_enabled() -> bool:
-    """GLM5_HAL_VLLM_MOE: "1" runs unquantized routed experts through glm5_hal.fused_moe; "0" / unset does not."""
-    value = setting(MOE_ENV, OFF).strip() or OFF
+def switch(name: str) -> bool:
+    """A 0 / 1 setting (unset or empty: 0); a ValueError names any other value."""
+    value = setting(name, OFF).strip() or OFF
     if value not in (ON, OFF):
-        raise ValueError(f"{MOE_ENV}: expected '0' or '1', got {value!r}")
+        raise ValueError(f"{name}: expected '0' or '1', got {value!r}")
     return value == ON
 
 
@@ -69,7 +72,7 @@ def activate() -> bool:
         return _activated
     from vllm.logger import init_logger
 
-    logger = init_logger("glm5_hal.vllm")
+    logger = init_logger(LOGGER)
     mode = plugin_mode()
     if mode == OFF:
         logger.info("glm5-hal vLLM plugin: %s=0, doing nothing", MODE_ENV)
@@ -88,9 +91,14 @@ def activate() -> bool:
     from vllm.platforms import current_platform
 
     from glm5_hal.vllm.mla_layer import register_mla_layer
+    from glm5_hal.vllm.moe import register_moe
+    from glm5_hal.vllm.quant_linear import register_quant_linear
 
     _install_platform_hooks(type(current_platform), mode)
     register_mla_layer()
+    register_moe(enabled=switch(MOE_ENV))
+    if switch(QUANT_LINEAR_ENV):
+        register_quant_linear()
     _activated = True
     return True
 
@@ -109,7 +117,7 @@ def _install_platform_hooks(platform_cls: type, mode: str) -> None:
 
     from glm5_hal.vllm.rope import apply_rope_workaround
 
-    logger = init_logger("glm5_hal.vllm")
+    logger = init_logger(LOGGER)
     choose = platform_cls.get_attn_backend_cls  # bound to the class: call without it
     update = platform_cls.check_and_update_config
 

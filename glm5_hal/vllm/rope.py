@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from glm5_hal.model.rope import apply_rope
+from glm5_hal.vllm import LOGGER
 
 _OP_NAME = "rotary_embedding"  # vLLM's CustomOp name of RotaryEmbedding
 
@@ -56,7 +57,7 @@ def apply_rope_workaround(platform_cls: Any, vllm_config: Any) -> None:
     custom_ops = vllm_config.compilation_config.custom_ops
     if f"-{_OP_NAME}" in custom_ops or not rotary_op_defective():
         return
-    logger = init_logger("glm5_hal.vllm")
+    logger = init_logger(LOGGER)
     if f"+{_OP_NAME}" in custom_ops:
         logger.warning(
             "glm5-hal vLLM plugin: the CPU rotary_embedding op rotates MLA queries wrongly, but custom_ops asks for "
