@@ -672,3 +672,93 @@ def test_edge_all_minus_inf_scores_are_an_empty_softmax(edge_backend: str, dtype
         out, lse = glm5_hal.sparse_flash_attention(**inputs)
     empty = bool((out[0, 0] == 0).all()) and float(lse[0, 0]) == float("-inf")
     assert empty, f"with inf in V: out {out[0, 0, :6].tolist()}..., lse {float(lse[0, 0])}"
+
+
+def _near_float_max_moe(dtype: torch.dtype = torch.bfloat16) -> dict:
+    """fused_moe whose SwiGLU activation of token 0 is 2^127 * 1.99957 (0.02% below FLT_MAX, finite in fp32) and
+    whose second GEMM weighs it by 0 and by 1e-30: the true outputs are 0 and ~3.4e8. A bf16 high part rounded to
+    nearest is 2^128 = inf there: inf, and NaN through the zero weight."""
+    experts, inter, hidden = 2, 2, 2
+    w13 = torch.zeros(experts, 2 * inter, hidden)
+    w13[:, 0, 0] = 2.0**63 * 1.4140625  # gate of unit 0 (181 / 128: exact in bf16)
+    w13[:, inter, 0] = 2.0**64 * 1.4140625  # up of unit 0: gate * up = 2^127 * 32761 / 16384, past bf16's max
+    w13[:, 1, 1] = w13[:, inter + 1, 1] = 1.0  # unit 1: an ordinary value
+    w2 = torch.zeros(experts, hidden, inter)
+    w2[:, 1, 0] = 1e-30
+    w2[:, :, 1] = 0.5
+    return {
+        "x": torch.tensor([[1.0, 0.25], [0.5, 1.0]]).to(dtype),
+        "topk_weights": torch.tensor([[1.0], [1.0]]),
+        "topk_ids": torch.tensor([[0], [1]], dtype=torch.int32),
+        "w13": w13.to(dtype),
+        "w2": w2.to(dtype),
+    }
+
+
+@pytest.mark.parametrize("backend", ["reference", "torch", "triton", "ascend"])
+def test_edge_fp32_operands_near_float_max_split_without_overflow(backend: str, request: pytest.FixtureRequest) -> None:
+    """An fp32 operand of a half-precision GEMM enters as hi + lo parts; hi rounded to nearest overflowed for values
+    within 0.4% of FLT_MAX (past bf16's largest finite number). hi is now that largest number there, lo the rest,
+    so the product is the finite one (torch backend with every fast path on, triton's split in registers)."""
+    import glm5_hal
+    from glm5_hal.capabilities import fast_paths
+    from glm5_hal.parity.runner import run_inputs
+
+    if backend == "ascend":
+        request.getfixturevalue("fake_torch_npu")
+    inputs = _near_float_max_moe()
+    with fast_paths("1"):
+        result = run_inputs("fused_moe", inputs, backend, torch.bfloat16)
+        with glm5_hal.use_backend(backend, strict=True):
+            out = glm5_hal.fused_moe(**{k: _copy(v) for k, v in inputs.items()})
+    assert torch.isfinite(out).all(), out
+    assert result.passed, f"{result.status}: {result.detail}"
+
+
+_TOP_OF_FP32 = [3.3895314e38, 3.3961e38, 3.4021e38, 3.4028235e38, -3.4028235e38, 1.0, float("inf"), float("nan")]
+
+
+def _check_parts(hi: torch.Tensor, lo: torch.Tensor) -> None:
+    """hi + lo of _TOP_OF_FP32: finite parts summing to each finite value (to the split's 2^-16), the infinity as
+    a finite hi plus an infinite lo, NaN as NaN."""
+    top = torch.tensor(_TOP_OF_FP32, dtype=torch.float64)
+    total = hi.double() + lo.double()
+    finite = top.isfinite()
+    assert hi.isfinite()[finite].all() and lo.isfinite()[finite].all(), (hi, lo)
+    assert ((total - top).abs()[finite] <= 2.0**-16 * top.abs()[finite]).all(), (total, top)
+    assert total[6] == float("inf") and total[7].isnan()
+
+
+def test_edge_the_torch_split_keeps_every_finite_fp32_value() -> None:
+    """_stacked_parts (the torch backend's hi + lo split) over the top of the fp32 range."""
+    from backends.torch_eager.gemm import _stacked_parts
+
+    parts, count = _stacked_parts(torch.tensor(_TOP_OF_FP32)[None, :], torch.bfloat16, 0)
+    assert count == 2
+    _check_parts(parts[0], parts[1])
+
+
+try:  # a module-level kernel: triton resolves the names a kernel uses among its module's globals
+    import triton
+    import triton.language as tl
+
+    from backends.triton.matmul import split_hi_lo
+
+    @triton.jit
+    def _split_kernel(x_ptr, hi_ptr, lo_ptr, N: tl.constexpr):
+        i = tl.arange(0, N)
+        hi, lo = split_hi_lo(tl.load(x_ptr + i), tl.bfloat16)
+        tl.store(hi_ptr + i, hi)
+        tl.store(lo_ptr + i, lo)
+except ImportError:  # no triton: its test is skipped
+    _split_kernel = None
+
+
+def test_edge_the_triton_split_keeps_every_finite_fp32_value() -> None:
+    """split_hi_lo (triton's split in registers) over the top of the fp32 range, in a one-program kernel."""
+    if _split_kernel is None:
+        pytest.skip("triton is not installed")
+    x = torch.tensor(_TOP_OF_FP32)
+    hi, lo = torch.empty(8, dtype=torch.bfloat16), torch.empty(8, dtype=torch.bfloat16)
+    _split_kernel[(1,)](x, hi, lo, 8)
+    _check_parts(hi, lo)

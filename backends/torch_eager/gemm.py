@@ -51,19 +51,27 @@ from glm5_hal.native import bf16_gemm
 
 def _stacked_parts(t: Tensor, dtype: torch.dtype, dim: int) -> tuple[Tensor, int]:
     """t as a sum of `dtype` parts stacked along `dim`, and their count: (t, 1) if t already is `dtype`, else
-    ([hi, lo] along dim, 2) with hi = t rounded and lo = the rounding error rounded (0 where hi is not finite, so
-    inf and NaN pass through hi alone). Written into one buffer: no separate copies of the parts to concatenate."""
+    ([hi, lo] along dim, 2) with hi = t clamped to dtype's largest finite value, rounded, and lo = the rest, rounded.
+    Written into one buffer: no separate copies of the parts to concatenate.
+
+    The clamp keeps hi finite for every finite t: rounded to nearest, an fp32 value within 0.4% of FLT_MAX (past
+    bf16's largest finite number) became inf, so its product was inf, and NaN through a zero weight, where the true
+    product is finite (docs/ops.md "Edge rules"). There hi is that largest number and lo the exact rest. An
+    infinite t gives hi the largest number and lo the infinity, and NaN both parts NaN, so a split value propagates
+    inf and NaN through a product as the unsplit one does."""
     if t.dtype == dtype:
         return t, 1
     size = t.shape[dim]
     shape = list(t.shape)
     shape[dim] = 2 * size
     stacked = t.new_empty(shape, dtype=dtype)
-    hi = stacked.narrow(dim, 0, size).copy_(t)
-    # t - hi is exact in fp32 where hi is finite, and inf or NaN exactly where hi is not (t = +-inf / NaN, or a
-    # finite t that rounded to inf): nan_to_num zeroes those in the same pass.
-    error = torch.sub(t, hi).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
-    stacked.narrow(dim, size, size).copy_(error)
+    largest = torch.finfo(dtype).max
+    # Rounded as it is stored, then the values that rounded past the largest (and the infinities) clamped to it:
+    # an in-place pass over the half-precision part, no fp32 temporary.
+    hi = stacked.narrow(dim, 0, size).copy_(t).clamp_(-largest, largest)
+    # t - hi is exact in fp32 where t is finite (t and hi share a binade past bf16's largest number); inf - largest
+    # is inf, NaN stays NaN.
+    stacked.narrow(dim, size, size).copy_(torch.sub(t, hi))
     return stacked, 2
 
 

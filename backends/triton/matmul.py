@@ -26,11 +26,18 @@ from backends.triton.runtime import DOT_UPCAST, interpreting
 
 @triton.jit
 def split_hi_lo(a, dtype: tl.constexpr):
-    """a (fp32) -> (hi, lo) in `dtype`: hi = a rounded to dtype, lo = what that rounding lost, rounded to dtype.
-    NaN and +-inf stay in hi with lo 0, so a split value propagates them as the unsplit one does."""
-    hi = cast_for_store(a, dtype)
-    hi32 = hi.to(tl.float32)
-    lo = cast_for_store(tl.where(tl.abs(hi32) < float("inf"), a - hi32, 0.0), dtype)
+    """a (fp32) -> (hi, lo) in `dtype`: hi = a clamped to dtype's largest finite value, rounded; lo = the rest,
+    rounded. The clamp keeps hi finite for every finite a (rounded to nearest, fp32 values within 0.4% of FLT_MAX
+    became inf in bf16: an inf product, NaN through a zero weight; docs/ops.md "Edge rules"). An infinite a gives hi
+    the largest value and lo the infinity, NaN both parts NaN: a split value propagates them as the unsplit one."""
+    if dtype == tl.bfloat16:
+        largest: tl.constexpr = 3.3895313892515355e38
+    else:
+        largest: tl.constexpr = 65504.0
+    # Selects, not tl.minimum / tl.maximum: those may drop NaN (fmin on GPUs, nanmin in the interpreter).
+    clamped = tl.where(a > largest, largest, tl.where(a < -largest, -largest, a))
+    hi = cast_for_store(clamped, dtype)
+    lo = cast_for_store(a - hi.to(tl.float32), dtype)
     return hi, lo
 
 
