@@ -762,3 +762,89 @@ def test_edge_the_triton_split_keeps_every_finite_fp32_value() -> None:
     hi, lo = torch.empty(8, dtype=torch.bfloat16), torch.empty(8, dtype=torch.bfloat16)
     _split_kernel[(1,)](x, hi, lo, 8)
     _check_parts(hi, lo)
+
+
+def _tiny_cache_inputs(dtype: torch.dtype) -> dict:
+    """Sparse attention over a cache whose rows are ~1e-36 (normal fp32 / bf16 numbers), 96 keys a token: each
+    product P_j * V_j is ~1e-38, below fp32's smallest normal number, where fast paths flush to zero."""
+    from glm5_hal.parity.cases import SeqSpec
+    from glm5_hal.parity.inputs import paged_batch, random_topk_indices
+
+    gen = torch.Generator().manual_seed(36)
+    batch = paged_batch([SeqSpec(2, 128)], 16, gen)
+    return {
+        "q": torch.randn(batch.num_tokens, 2, 576, generator=gen).to(dtype),
+        "kv_cache": (torch.rand(batch.num_blocks, 16, 576, generator=gen) * 1e-36 + 1e-36).to(dtype),
+        "indices": random_topk_indices(batch, 96, gen),
+        "block_table": batch.block_table,
+        "seq_lens_k": batch.seq_lens_k,
+        "cu_seqlens_q": batch.cu_seqlens_q,
+        "sm_scale": 0.05,
+        "d_v": 512,
+    }
+
+
+def test_edge_the_absolute_floor_is_what_the_judge_allows() -> None:
+    """docs/ops.md "Edge rules": beyond the relative tolerances an output may miss the reference by ABSOLUTE_FLOOR
+    (2^-110), no more: 1e-36 read as 0 passes, 1e-30 read as 0 or 1e-36 read as 1e-33 does not."""
+    import numpy as np
+
+    from glm5_hal.parity.compare import ABSOLUTE_FLOOR, TOLERANCE, compare_float
+
+    assert ABSOLUTE_FLOOR == 2.0**-110
+    tiny = np.full((4, 8), 1e-36)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        assert compare_float("out", torch.zeros(4, 8), tiny, dtype).passed
+        assert not compare_float("out", torch.zeros(4, 8), tiny * 1e6, dtype).passed
+        assert not compare_float("out", torch.full((4, 8), 1e-33), tiny, dtype).passed
+        assert compare_float("out", torch.from_numpy(tiny * (1 + 0.1 * TOLERANCE[dtype])), tiny, dtype).passed
+
+
+def test_edge_a_flushing_fast_path_meets_the_floor() -> None:
+    """What a bf16 unit does (VDPBF16PS, AMX and tensor cores flush subnormal products): the native kernel's
+    portable build under FTZ / DAZ reads the 1e-36 rows as out = 0, a relative error of 1. The contract's absolute
+    floor admits it; the same kernel without the flush is exact."""
+    import numpy as np
+
+    from glm5_hal.native import sparse_attention as kernel
+    from glm5_hal.parity.compare import compare_float
+
+    if not kernel.availability("portable")[0]:
+        pytest.skip(f"no portable sparse attention kernel here: {kernel.availability('portable')[1]}")
+    gen = torch.Generator().manual_seed(2)
+    # 256 keys of 0.5e-36 .. 1e-36: every product P_j * V_j (P ~ 1 / 256) is below 2^-126, all flushed.
+    rows = (torch.rand(300, 64, generator=gen) * 0.5e-36 + 0.5e-36).bfloat16()
+    q = torch.randn(2, 3, 64, generator=gen).bfloat16()
+    slots = torch.stack([torch.randperm(300, generator=gen)[:256] for _ in range(2)])
+    keys = rows.double()[slots]  # [T, k, D]
+    probs = torch.softmax(0.1 * torch.einsum("thd,tkd->thk", q.double(), keys), dim=-1)
+    want = torch.einsum("thk,tkd->thd", probs, keys[..., :32]).numpy()
+
+    exact, _ = kernel.attention(q, rows, slots, 0.1, 32, out_dtype=torch.float32, isa="portable", threads=1)
+    verdict = compare_float("out", exact, want, torch.bfloat16)  # the dtype of the op this kernel serves
+    assert bool(exact.all()) and verdict.passed, verdict
+    if not torch.set_flush_denormal(True):
+        pytest.skip("this CPU cannot flush subnormals (no FTZ / DAZ)")
+    try:
+        flushed, _ = kernel.attention(q, rows, slots, 0.1, 32, out_dtype=torch.float32, isa="portable", threads=1)
+    finally:
+        torch.set_flush_denormal(False)
+    assert not bool(flushed.any()) and np.abs(want).min() > 0  # every output flushed to 0: relative error 1
+    assert compare_float("out", flushed, want, torch.bfloat16).passed
+
+
+@pytest.mark.parametrize("edge_backend", _EDGE_BACKENDS, indirect=True)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_edge_tiny_cache_rows_on_every_backend(edge_backend: str, dtype: torch.dtype) -> None:
+    """A cache of ~1e-36 rows on every backend: within the contract (the judge's floor), and not flushed where the
+    path is fp32 (torch's fp32 path, the reference): there the result keeps its relative accuracy."""
+    import glm5_hal
+    from glm5_hal.parity.runner import run_inputs
+
+    inputs = _tiny_cache_inputs(dtype)
+    result = run_inputs("sparse_flash_attention", inputs, edge_backend, dtype)
+    assert result.passed, f"{result.status}: {result.detail}"
+    if dtype == torch.float32:
+        with glm5_hal.use_backend(edge_backend, strict=True):
+            out, _ = glm5_hal.sparse_flash_attention(**{k: _copy(v) for k, v in inputs.items()})
+        assert bool((out != 0).all()), "an fp32 path flushed a normal fp32 result"
