@@ -3,7 +3,10 @@
 - Floating outputs: inf/nan positions must match exactly first; then the norm-relative error
   ||out - ref|| / ||ref|| and every element's error |out - ref| <= tol * (|ref| + max|ref|) must be within the
   tolerance of the case's activation dtype (fp32 1e-5, bf16 1.6e-2, fp16 1e-3: FlagGems' resolutions), each
-  element's error counted beyond the contract's absolute floor (ABSOLUTE_FLOOR, 2^-110).
+  element's error counted beyond the contract's absolute floor (ABSOLUTE_FLOOR, 2^-110) or the output format's own
+  rounding among its subnormals where that is coarser (fp16: 2^-25). Some outputs are judged against another
+  scale than |ref| (`scale`): lse against max(1, |lse|) (an fp32 sum's error is absolute in its log), indexer
+  scores against the sum of their terms' magnitudes (a weighted sum over heads cancels).
 - Integer outputs (ids, offsets, int32 accumulators): exactly equal.
 - Top-k index sets: checked for validity exactly (range, causality, uniqueness, -1 tail of the right length)
   and compared as sets through the reference scores, so any correct top-k set passes ties.
@@ -43,8 +46,25 @@ def to_numpy(t: torch.Tensor | np.ndarray) -> np.ndarray:
     return (t.to(torch.float64) if t.is_floating_point() else t).numpy()
 
 
-def compare_float(name: str, out: torch.Tensor, ref: np.ndarray, dtype: torch.dtype) -> Verdict:
+def output_floor(dtype: torch.dtype) -> float:
+    """The absolute error an output stored in `dtype` may carry beyond the tolerances: ABSOLUTE_FLOOR, or rounding
+    to `dtype` itself where that is coarser. Below its smallest normal number a format's values are evenly spaced
+    (fp16: 2^-24 apart), so rounding there is an absolute error of up to half that spacing (fp16: 2^-25, ~3e-8),
+    which no relative tolerance holds: an fp16 output of 1e-6 is rounded by up to 3%."""
+    if not dtype.is_floating_point:
+        return ABSOLUTE_FLOOR
+    info = torch.finfo(dtype)
+    return max(ABSOLUTE_FLOOR, info.tiny * info.eps / 2)
+
+
+def compare_float(
+    name: str, out: torch.Tensor, ref: np.ndarray, dtype: torch.dtype, *, scale: np.ndarray | None = None
+) -> Verdict:
+    """out against the float64 ref at the tolerance of activation dtype `dtype` (module docstring). scale: what each
+    element's error is relative to, where that is not |ref| (same shape as ref): a quantity whose fp32 error is
+    absolute (lse: max(1, |lse|)), or a sum with cancellation (judged against the sum of its terms' magnitudes)."""
     tol = TOLERANCE[dtype]
+    floor = output_floor(out.dtype) if isinstance(out, torch.Tensor) else ABSOLUTE_FLOOR
     got = to_numpy(out).astype(np.float64)
     want = np.asarray(ref, dtype=np.float64)
     if got.shape != want.shape:
@@ -57,17 +77,18 @@ def compare_float(name: str, out: torch.Tensor, ref: np.ndarray, dtype: torch.dt
         return Verdict(name, False, float("inf"), f"{bad} inf/nan positions differ from the reference")
     if not np.isfinite(got[~special]).all():
         return Verdict(name, False, float("inf"), "inf/nan where the reference is finite")
-    # Errors within the absolute floor are no error (values of ~1e-36 flushed to 0 by a half-precision unit).
-    diff = np.maximum(np.abs(got[~special] - want[~special]) - ABSOLUTE_FLOOR, 0.0)
-    ref_abs = np.abs(want[~special])
-    ref_norm = float(np.linalg.norm(want[~special]))
+    # Errors within the floor are no error (values of ~1e-36 flushed to 0 by a half-precision unit; an fp16 output
+    # rounded among its subnormals).
+    diff = np.maximum(np.abs(got[~special] - want[~special]) - floor, 0.0)
+    ref_abs = np.abs(want[~special]) if scale is None else np.abs(np.asarray(scale, np.float64)[~special])
+    ref_norm = float(np.linalg.norm(ref_abs))
     rel = float(np.linalg.norm(diff)) / ref_norm if ref_norm > 0 else float(np.linalg.norm(diff))
-    scale = float(ref_abs.max()) if ref_abs.size else 0.0
-    elem_ok = diff <= tol * (ref_abs + scale)
+    largest = float(ref_abs.max()) if ref_abs.size else 0.0
+    elem_ok = diff <= tol * (ref_abs + largest)
     if rel > tol:
         return Verdict(name, False, rel, f"relative error {rel:.3g} > {tol:g}")
     if not elem_ok.all():
-        worst = float((diff / (ref_abs + scale + 1e-300)).max())
+        worst = float((diff / (ref_abs + largest + 1e-300)).max())
         return Verdict(name, False, rel, f"{int((~elem_ok).sum())} elements off by up to {worst:.3g} x tolerance scale")
     return Verdict(name, True, rel)
 
@@ -83,8 +104,17 @@ def compare_exact(name: str, out: torch.Tensor, ref: np.ndarray) -> Verdict:
     return Verdict(name, True, 0.0)
 
 
-def compare_topk(name: str, indices: torch.Tensor, ref_logits: np.ndarray, topk: int, dtype: torch.dtype) -> Verdict:
-    """Indices [T, topk] against the reference logits [T, S] (-inf = not visible).
+def compare_topk(
+    name: str,
+    indices: torch.Tensor,
+    ref_logits: np.ndarray,
+    topk: int,
+    dtype: torch.dtype,
+    *,
+    magnitudes: np.ndarray | None = None,
+) -> Verdict:
+    """Indices [T, topk] against the reference logits [T, S] (-inf = not visible). magnitudes [T, S]: what each
+    logit's rounding is relative to (the sum of its terms' magnitudes), else the row's largest |logit|.
 
     NaN ranks above every number (docs/ops.md "NaN"): the keys the reference scores NaN must all be picked (or,
     when there are more of them than topk, the lowest-positioned ones: NaN ties NaN); the rest is judged as a
@@ -122,7 +152,9 @@ def compare_topk(name: str, indices: torch.Tensor, ref_logits: np.ndarray, topk:
         # Any set whose weakest member is at least the true k-th best score (up to rounding) is a top-k set.
         kth_best = np.sort(scores[visible])[::-1][n_valid - 1]
         weakest = scores[head].min()
-        row_scale = np.abs(scores[visible][np.isfinite(scores[visible])]).max(initial=0.0) or 1.0
+        finite = visible[np.isfinite(scores[visible])]
+        sizes = np.abs(scores[finite]) if magnitudes is None else np.abs(magnitudes[t, finite])
+        row_scale = sizes.max(initial=0.0) or 1.0
         shortfall = (kth_best - weakest) / row_scale
         worst = max(worst, float(shortfall))
         if shortfall > tol:
