@@ -109,6 +109,24 @@ def _selector_config(args: tuple, kwargs: dict) -> Any:
     return kwargs["attn_selector_config"] if "attn_selector_config" in kwargs else args[1]
 
 
+_SCHEDULING = (
+    ("scheduler_config", "enable_chunked_prefill"),
+    ("scheduler_config", "max_num_batched_tokens"),
+    ("cache_config", "enable_prefix_caching"),
+)
+
+
+def _scheduling(vllm_config: Any) -> tuple:
+    """The scheduling settings the CPU platform overrides for MLA models (chunked prefill, the token budget per
+    step, prefix caching)."""
+    return tuple(getattr(getattr(vllm_config, part), name) for part, name in _SCHEDULING)
+
+
+def _restore_scheduling(vllm_config: Any, values: tuple) -> None:
+    for (part, name), value in zip(_SCHEDULING, values, strict=True):
+        setattr(getattr(vllm_config, part), name, value)
+
+
 def _install_platform_hooks(platform_cls: type, mode: str) -> None:
     """Wrap the platform class's attention choice and config hook (the wrappers are installed once per class)."""
     if getattr(platform_cls, "_glm5_hal_hooks", False):
@@ -141,8 +159,31 @@ def _install_platform_hooks(platform_cls: type, mode: str) -> None:
         return SPARSE_MLA_BACKEND
 
     def check_and_update_config(cls, vllm_config: Any) -> None:
+        kept = _scheduling(vllm_config)
         update(vllm_config)
+        if _serves_sparse_mla(vllm_config) and _scheduling(vllm_config) != kept:
+            # vLLM's CPU platform turns chunked prefill and prefix caching off for every MLA model because its own CPU
+            # MLA prefill cannot take them; glm5-hal's sparse MLA backend takes any batch of new tokens over any
+            # cached context, so a DSA model it serves keeps what the user (or vLLM's defaults) chose.
+            _restore_scheduling(vllm_config, kept)
+            logger.info(
+                "glm5-hal vLLM plugin: chunked prefill and prefix caching stay as configured for this DSA model "
+                "(glm5-hal's sparse MLA takes them)"
+            )
         apply_rope_workaround(cls, vllm_config)
+
+    def _serves_sparse_mla(vllm_config: Any) -> bool:
+        """Whether glm5-hal's backend will serve the model's attention: a DSA model (MLA with an indexer) on a
+        platform without sparse MLA, or any platform with GLM5_HAL_VLLM=1. Platforms say they lack sparse MLA by
+        raising from their choice; the CPU platform does."""
+        model_config = getattr(vllm_config, "model_config", None)
+        if model_config is None or not getattr(model_config, "use_mla", False):
+            return False
+        if getattr(model_config.hf_text_config, "index_topk", None) is None:
+            return False
+        from vllm.platforms import current_platform
+
+        return mode == ON or current_platform.is_cpu()
 
     platform_cls.get_attn_backend_cls = classmethod(get_attn_backend_cls)
     platform_cls.check_and_update_config = classmethod(check_and_update_config)

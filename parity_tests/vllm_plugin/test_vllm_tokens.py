@@ -1,0 +1,72 @@
+"""vLLM + the glm5-hal plugin generates, in fp32, the same greedy tokens as glm5_hal.model.CausalLM.generate.
+
+The reference reads the index keys as vLLM stores them (132-byte fp8_index rows), so both select keys from the same
+quantized keys. Every case runs four ragged prompts (three longer than index_topk 64, the longest chunked over
+several steps), then a second request that shares the first prompt's first 400 tokens (served from vLLM's prefix
+cache), 32 new tokens each.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from pathlib import Path
+
+import pytest
+
+from glm5_hal.model import CausalLM
+from plugin_fixtures import NEW_TOKENS, prompts
+
+SHARED_PREFIX = 400
+CASES = {
+    # name: (model_type, engine settings, environment)
+    "glm_moe_dsa-eager": ("glm_moe_dsa", {"enforce_eager": True}, {}),
+    # vLLM's default for GlmMoeDsaForCausalLM / DeepseekV32ForCausalLM: breakable CUDA graphs, no torch.compile
+    "glm_moe_dsa-default": ("glm_moe_dsa", {}, {}),
+    # vLLM's compiled CPU mode (Dynamo traced once, Inductor), what other architectures get by default
+    "glm_moe_dsa-compiled": ("glm_moe_dsa", {}, {"VLLM_USE_BREAKABLE_CUDAGRAPH": "0"}),
+    "glm_moe_dsa-multiprocess": ("glm_moe_dsa", {"enforce_eager": True}, {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}),
+    "glm_moe_dsa-fused_moe": ("glm_moe_dsa", {"enforce_eager": True}, {"GLM5_HAL_VLLM_MOE": "1"}),
+    "deepseek_v32-eager": ("deepseek_v32", {"enforce_eager": True}, {}),
+    "deepseek_v32-compiled": ("deepseek_v32", {}, {"VLLM_USE_BREAKABLE_CUDAGRAPH": "0"}),
+}
+
+
+def requests() -> tuple[list[list[int]], list[list[int]]]:
+    """(the first batch's four prompts, the second batch's one prompt sharing the first's prefix)."""
+    first = prompts()
+    second = [first[0][:SHARED_PREFIX] + prompts((50,), seed=2)[0]]
+    return first, second
+
+
+@cache
+def reference(model: Path) -> list[list[int]]:
+    """CausalLM.generate's greedy tokens for the first batch's prompts, then the second's."""
+    first, second = requests()
+    hal = CausalLM.from_pretrained(model)
+    return [
+        *hal.generate(first, NEW_TOKENS, index_cache_dtype="fp8_index").tokens,
+        *hal.generate(second, NEW_TOKENS, index_cache_dtype="fp8_index").tokens,
+    ]
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_fp32_tokens_equal_glm5_hal(case: str, checkpoints: dict[str, Path], vllm) -> None:
+    model_type, engine, env = CASES[case]
+    first, second = requests()
+    batches = [{"prompts": first, "max_tokens": NEW_TOKENS}, {"prompts": second, "max_tokens": NEW_TOKENS}]
+    served = vllm(checkpoints[model_type], batches, engine=engine, env=env)
+
+    tokens = served["batches"][0]["tokens"] + served["batches"][1]["tokens"]
+    expected = reference(checkpoints[model_type])
+    agree = [
+        next((i for i, (a, b) in enumerate(zip(t, e)) if a != b), min(len(t), len(e))) for t, e in zip(tokens, expected)
+    ]
+    assert tokens == expected, f"{case}: tokens agree for {agree} of {NEW_TOKENS} per request"
+
+    layers = served["layers"]  # the plugin really served the model
+    assert layers["attention"] == ["GLM5_HAL_SPARSE_MLA"], layers
+    assert layers["indexer_cache"] == ["GLM5_HAL_INDEXER"], layers
+    expected_moe = "Glm5HalUnquantizedMoEMethod" if env.get("GLM5_HAL_VLLM_MOE") == "1" else "UnquantizedFusedMoEMethod"
+    assert layers["moe"] == [expected_moe], layers
+    # the second request reused the first one's cached blocks (whole blocks of its shared 400 tokens)
+    assert served["prefix_cache_hits"] >= SHARED_PREFIX - 16, served["prefix_cache_hits"]
