@@ -113,18 +113,24 @@ _SCHEDULING = (
     ("scheduler_config", "enable_chunked_prefill"),
     ("scheduler_config", "max_num_batched_tokens"),
     ("cache_config", "enable_prefix_caching"),
+    ("cache_config", "block_size"),  # last: restored only where the user chose it
 )
 
 
 def _scheduling(vllm_config: Any) -> tuple:
-    """The scheduling settings the CPU platform overrides for MLA models (chunked prefill, the token budget per
-    step, prefix caching)."""
+    """The settings the CPU platform overrides for MLA models (chunked prefill, the token budget per step, prefix
+    caching, the block size)."""
     return tuple(getattr(getattr(vllm_config, part), name) for part, name in _SCHEDULING)
 
 
 def _restore_scheduling(vllm_config: Any, values: tuple) -> None:
-    for (part, name), value in zip(_SCHEDULING, values, strict=True):
+    for (part, name), value in zip(_SCHEDULING[:-1], values[:-1], strict=True):
         setattr(getattr(vllm_config, part), name, value)
+    # A block size the user chose is kept too (the CPU platform forces 16 for its own MLA decode kernel; glm5-hal's
+    # ops take any block size); without one, the platform's choice stands.
+    cache = vllm_config.cache_config
+    if getattr(cache, "user_specified_block_size", False) and cache.block_size != values[-1]:
+        cache.block_size = values[-1]
 
 
 def _install_platform_hooks(platform_cls: type, mode: str) -> None:
@@ -163,12 +169,13 @@ def _install_platform_hooks(platform_cls: type, mode: str) -> None:
         update(vllm_config)
         if _serves_sparse_mla(vllm_config) and _scheduling(vllm_config) != kept:
             # vLLM's CPU platform turns chunked prefill and prefix caching off for every MLA model because its own CPU
-            # MLA prefill cannot take them; glm5-hal's sparse MLA backend takes any batch of new tokens over any
-            # cached context, so a DSA model it serves keeps what the user (or vLLM's defaults) chose.
+            # MLA prefill cannot take them, and forces block size 16 for its decode kernel; glm5-hal's sparse MLA
+            # takes any batch of new tokens over any cached context in blocks of any size, so a DSA model it serves
+            # keeps what the user (or vLLM's defaults) chose.
             _restore_scheduling(vllm_config, kept)
             logger.info(
-                "glm5-hal vLLM plugin: chunked prefill and prefix caching stay as configured for this DSA model "
-                "(glm5-hal's sparse MLA takes them)"
+                "glm5-hal vLLM plugin: chunked prefill, prefix caching and a chosen block size stay as configured "
+                "for this DSA model (glm5-hal's sparse MLA takes them)"
             )
         apply_rope_workaround(cls, vllm_config)
 
