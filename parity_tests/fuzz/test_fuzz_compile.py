@@ -33,16 +33,30 @@ CONFIG_IDS = [label.replace(" ", "-") for _, _, label in CONFIGS]
 
 def _laid_out(case: FuzzCase) -> dict:
     return {
-        k: (with_layout(v, _opcheck_layout(v, case.layouts.get(k, "contiguous"))) if isinstance(v, torch.Tensor) else v)
+        k: (_opcheck_input(v, case.layouts.get(k, "contiguous")) if isinstance(v, torch.Tensor) else v)
         for k, v in case.inputs.items()
     }
 
 
-def _opcheck_layout(t: torch.Tensor, layout: str) -> str:
-    # opcheck copies its inputs with torch's clone_input, which sizes the copy as sum((n - 1) * stride) + 32: negative
-    # for an empty view with large strides (shape (0, 0, 16) every other element: -2), a crash in the test harness,
-    # not in the op. Empty tensors hold no values, so their layout only matters to the parity and canary tests.
-    return "contiguous" if t.numel() == 0 else layout
+def _opcheck_input(t: torch.Tensor, layout: str) -> torch.Tensor:
+    """t in `layout`, except an empty t: opcheck copies its inputs with torch's clone_input, which sizes the copy as
+    sum((n - 1) * stride) + 32, negative for an empty tensor with two empty dims even when contiguous ((0, 0, 32):
+    -33 + 32 = -1; the long fuzz profile drew it for hadamard_transform) or with large strides: a crash in the test
+    harness, not in the op. Empty tensors hold no values, so they get unit strides (Σ(n - 1) >= -ndim), and their
+    layout only matters to the parity and canary tests."""
+    if t.numel() == 0:
+        return torch.empty_strided(t.shape, (1,) * t.dim(), dtype=t.dtype, device=t.device)
+    return with_layout(t, layout)
+
+
+def test_opcheck_takes_inputs_with_two_empty_dims() -> None:
+    """The long profile's failing example: hadamard_transform of a (0, 0, 32) tensor, through the same helper."""
+    inputs = _laid_out(FuzzCase("hadamard_transform", {"x": torch.zeros(0, 0, 32), "scale": None}, torch.float32, {}))
+    torch.library.opcheck(
+        torch.ops.glm5_hal.hadamard_transform.default,
+        custom_op_arguments("hadamard_transform", inputs),
+        test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"),
+    )
 
 
 def _count(label: str) -> int:
