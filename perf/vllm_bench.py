@@ -1,0 +1,196 @@
+"""Decode speed of vLLM + the glm5-hal plugin against vLLM's own dense MLA and against glm5-hal's CausalLM.generate.
+
+    .venv-vllm/bin/python -m perf.vllm_bench --contexts 4096,16384,32768 --json docs/perf/vllm_cpu.json \
+        --markdown docs/perf/vllm_cpu.md
+
+Run it in the vLLM environment (docs/vllm.md). One random checkpoint with glm5-mini's dimensions and GLM-5's
+index_topk 2048 (so DSA reads 2048 of the context's keys, as GLM-5 does), in bf16 (vLLM's CPU MLA packs weights for
+AMX where the CPU has it and refuses fp32 there). Per context length, one prompt of that many random tokens, then
+NEW_TOKENS greedy tokens; decode tokens per second = (generated - 1) / (time of the last token - time of the
+first), so the prompt's prefill is not in it. Three ways, each in a fresh process, each after a warm-up request
+(native kernels built, first-call costs paid):
+
+- `vllm+glm5-hal`: vLLM serving the DSA checkpoint through the plugin;
+- `vllm dense`: the same weights without the indexer, labelled `deepseek_v3`: vLLM's own CPU MLA over every key;
+- `glm5-hal generate`: CausalLM.generate (index keys as fp8_index rows, as vLLM stores them).
+
+Medians over --repeats requests per way and context. The machine's CPU goes into the results.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from glm5_hal.config import GLM5_MINI, ModelConfig
+
+NEW_TOKENS = 33  # 32 decode steps after the first token
+BENCH_CONFIG: ModelConfig = GLM5_MINI.with_overrides(name="glm5-mini-topk2048", index_topk=2048)
+WAYS = ("vllm+glm5-hal", "vllm dense", "glm5-hal generate")
+
+
+def cpu_name() -> str:
+    """The CPU's model name and the vector extensions that matter here (lscpu's view)."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or "unknown CPU"
+    model = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "?")
+    flags = next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), [])
+    units = [f for f in ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8") if f in flags]
+    return f"{model}, {os.cpu_count()} CPUs, {' '.join(units) or 'no AVX2'}"
+
+
+def write_checkpoints(root: Path) -> dict[str, Path]:
+    """The DSA checkpoint and its dense relabelling (no indexer tensors, model_type deepseek_v3)."""
+    import safetensors.torch
+    import torch
+
+    from glm5_hal.model import config_to_hf, random_state_dict
+
+    state = random_state_dict(BENCH_CONFIG, seed=0, dtype=torch.bfloat16)
+    config = config_to_hf(BENCH_CONFIG)
+    config["max_position_embeddings"] = 65536
+    paths = {"dsa": root / "dsa", "dense": root / "dense"}
+    for path in paths.values():
+        path.mkdir(parents=True)
+    safetensors.torch.save_file(state, str(paths["dsa"] / "model.safetensors"))
+    (paths["dsa"] / "config.json").write_text(json.dumps(config))
+    dense_state = {k: v for k, v in state.items() if ".indexer." not in k}
+    safetensors.torch.save_file(dense_state, str(paths["dense"] / "model.safetensors"))
+    dense = {k: v for k, v in config.items() if not k.startswith("index") and k != "indexer_rope_interleave"}
+    dense.update(model_type="deepseek_v3", architectures=["DeepseekV3ForCausalLM"])
+    (paths["dense"] / "config.json").write_text(json.dumps(dense))
+    return paths
+
+
+def prompt(length: int, seed: int) -> list[int]:
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, BENCH_CONFIG.vocab_size, (length,), generator=generator).tolist()
+
+
+def _vllm_worker(model: str, context: int, repeats: int) -> list[float]:
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm = LLM(
+        model=model,
+        dtype="bfloat16",
+        skip_tokenizer_init=True,
+        max_model_len=context + NEW_TOKENS + 16,
+        enable_prefix_caching=False,  # each request pays its own prefill, and none is in the decode timing
+        disable_log_stats=False,  # the per-request token timestamps
+    )
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, detokenize=False)
+    llm.generate([TokensPrompt(prompt_token_ids=prompt(64, seed=0))], params)  # warm-up
+    rates = []
+    for r in range(repeats):
+        out = llm.generate([TokensPrompt(prompt_token_ids=prompt(context, seed=1 + r))], params)[0]
+        stats = out.metrics
+        generated = len(out.outputs[0].token_ids)
+        rates.append((generated - 1) / (stats.last_token_ts - stats.first_token_ts))
+    return rates
+
+
+def _generate_worker(model: str, context: int, repeats: int) -> list[float]:
+    import torch
+
+    from glm5_hal.model import CausalLM
+
+    hal = CausalLM.from_pretrained(model, dtype=torch.bfloat16)
+    hal.generate([prompt(64, seed=0)], NEW_TOKENS, index_cache_dtype="fp8_index")  # warm-up
+    rates = []
+    for r in range(repeats):
+        stats = hal.generate([prompt(context, seed=1 + r)], NEW_TOKENS, index_cache_dtype="fp8_index").stats
+        rates.append(stats.decode_tokens_per_s)
+    return rates
+
+
+def run_way(way: str, paths: dict[str, Path], context: int, repeats: int, timeout_s: float) -> list[float]:
+    """Decode tokens/s of one way at one context, in a fresh process (its own engine, caches and threads)."""
+    model = paths["dense" if way == "vllm dense" else "dsa"]
+    worker = "generate" if way == "glm5-hal generate" else "vllm"
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "4"}
+    command = [sys.executable, "-m", "perf.vllm_bench", "--worker", worker, str(model), str(context), str(repeats)]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout_s)
+    if done.returncode != 0:
+        raise RuntimeError(f"{way} at {context}: exit {done.returncode}\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def markdown(results: dict) -> str:
+    lines = [
+        f"vLLM {results['vllm']}, torch {results['torch']}, {results['cpu']}; {results['model']}, bf16, one prompt, "
+        f"{NEW_TOKENS - 1} decode tokens, median of {results['repeats']} requests ({results['date']})",
+        "",
+        "| context | vllm+glm5-hal tok/s | vllm dense tok/s | glm5-hal generate tok/s | plugin / dense | "
+        "plugin / generate |",
+        "|---|---|---|---|---|---|",
+    ]
+    for row in results["rows"]:
+        plugin, dense, own = (row[w] for w in WAYS)
+        ratios = f"{plugin / dense:.2f}x | {plugin / own:.2f}x"
+        lines.append(f"| {row['context']} | {plugin:.2f} | {dense:.2f} | {own:.2f} | {ratios} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--contexts", default="4096,16384,32768", help="prompt lengths, comma-separated")
+    parser.add_argument("--repeats", type=int, default=2, help="timed requests per way and context (median)")
+    parser.add_argument("--ways", default=",".join(WAYS), help=f"a subset of {WAYS}")
+    parser.add_argument("--timeout", type=float, default=3600, help="seconds per way and context")
+    parser.add_argument("--json", type=Path, help="write the results here")
+    parser.add_argument("--markdown", type=Path, help="write the table here")
+    parser.add_argument("--worker", nargs=4, metavar=("KIND", "MODEL", "CONTEXT", "REPEATS"), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        kind, model, context, repeats = args.worker
+        worker = _generate_worker if kind == "generate" else _vllm_worker
+        print(json.dumps(worker(model, int(context), int(repeats))))
+        return
+    import torch
+    import vllm
+
+    ways = [w.strip() for w in args.ways.split(",")]
+    unknown = sorted(set(ways) - set(WAYS))
+    if unknown:
+        parser.error(f"--ways: expected names from {WAYS}, got {unknown}")
+    results = {
+        "cpu": cpu_name(),
+        "vllm": vllm.__version__,
+        "torch": torch.__version__,
+        "model": f"{BENCH_CONFIG.name} (glm5-mini dims, index_topk {BENCH_CONFIG.index_topk})",
+        "repeats": args.repeats,
+        "date": time.strftime("%Y-%m-%d"),
+        "rows": [],
+    }
+    with tempfile.TemporaryDirectory() as tmp:
+        paths = write_checkpoints(Path(tmp))
+        for context in (int(c) for c in args.contexts.split(",")):
+            row: dict = {"context": context}
+            for way in ways:
+                rates = run_way(way, paths, context, args.repeats, args.timeout)
+                row[way] = statistics.median(rates)
+                row[f"{way} all"] = rates
+                print(f"{context:>6} {way:<18} {row[way]:8.2f} tok/s  {rates}", flush=True)
+            results["rows"].append(row)
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1))
+    if args.markdown and all(w in ways for w in WAYS):
+        args.markdown.write_text(markdown(results))
+    print(markdown(results) if all(w in ways for w in WAYS) else json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
