@@ -123,6 +123,8 @@ def cache_location() -> CacheLocation:
     home = os.path.expanduser("~")
     if os.path.isabs(home):
         return CacheLocation(Path(home) / ".cache" / "glm5_hal")
+    if os.environ.get("HOME"):
+        return _private_temporary_cache(f"HOME={os.environ['HOME']!r} is not an absolute path")
     return _private_temporary_cache("HOME is unset and this uid has no passwd entry (no home folder to cache in)")
 
 
