@@ -25,6 +25,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor, nn
 from vllm.forward_context import get_forward_context
+from vllm.model_executor.layers.linear import UnquantizedLinearMethod
 from vllm.v1.attention.backend import AttentionBackend, MultipleOf
 
 from glm5_hal.config import ModelConfig
@@ -102,7 +103,7 @@ _BINDINGS: dict[str, IndexerBinding] = {}  # layer name -> binding, in the proce
 
 def _is_unquantized(layer: nn.Module) -> bool:
     method = getattr(layer, "quant_method", None)
-    return method is None or type(method).__name__ == "UnquantizedLinearMethod"
+    return method is None or isinstance(method, UnquantizedLinearMethod)
 
 
 def _glm5_hal_indexer(vllm_indexer: nn.Module, cfg: ModelConfig) -> Indexer:

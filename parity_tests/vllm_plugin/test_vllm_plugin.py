@@ -124,7 +124,7 @@ def test_unsupported_kv_cache_dtype_stops_the_engine(checkpoints: dict[str, Path
         vllm(checkpoints["glm_moe_dsa"], [batch], engine={"kv_cache_dtype": "fp8"}, inspect=False)
 
 
-@pytest.mark.parametrize("block_size, kv_cache_dtype", [(7, "auto"), (64, "auto"), (16, "fp8_ds_mla")])
+@pytest.mark.parametrize("block_size, kv_cache_dtype", [(7, "fp8_ds_mla"), (64, "auto")])
 def test_block_sizes_and_the_fp8_latent_cache(
     block_size: int, kv_cache_dtype: str, checkpoints: dict[str, Path], vllm
 ) -> None:

@@ -55,14 +55,20 @@ def test_quantized_checkpoint_serves_and_matches(scheme: str, quantized: dict[st
     assert served["layers"]["linear_schemes"] == ["Glm5HalW8A8Linear"], served["layers"]
     exact = served_logprobs(served)
     error, agree = relative_error(exact, hal), top1_agreement(exact, hal)
-    served = teacher_forced(vllm, model, prompt)  # vLLM's own int8 linear kernels
-    assert served["layers"]["moe"] == ["Glm5HalIntMoEMethod"], served["layers"]
-    own = served_logprobs(served)
-    own_error, own_agree = relative_error(own, hal), top1_agreement(own, hal)
-    print(
-        f"{scheme}: glm5-hal linears: relative difference {error:.2e}, top-1 agreement {agree:.3f}; "
-        f"vLLM's linears: {own_error:.2e}, {own_agree:.3f}"
-    )
-    # measured on the CPU of this change: 2.4e-4 and 1.000 (W8A8 and W4A8); vLLM's linears 2.1e-2 and 0.83-0.86
+    print(f"{scheme}: glm5-hal linears: relative difference {error:.2e}, top-1 agreement {agree:.3f}")
+    # measured on the CPU of this change: 2.4e-4 and 1.000 (W8A8 and W4A8)
     assert error <= 1e-3 and agree >= 0.99, (error, agree)
-    assert own_error <= 5e-2, own_error
+
+
+def test_w8a8_with_vllms_own_linear_kernels(quantized: dict[str, Path], vllm) -> None:
+    """The default: vLLM's int8 linear kernels, glm5-hal's int8 experts. vLLM quantizes activations its own way, so
+    the distributions are further from glm5-hal's (2.1e-2, top token 86% the same, measured; 34.4 dB from the
+    float model where glm5-hal's W8A8 gives 37.1 dB), but the model is served."""
+    model = quantized["w8a8"]
+    prompt = prompts((PROMPT_LENGTH,), seed=3)[0]
+    served = teacher_forced(vllm, model, prompt)
+    assert served["layers"]["moe"] == ["Glm5HalIntMoEMethod"], served["layers"]
+    assert "Glm5HalW8A8Linear" not in served["layers"]["linear_schemes"], served["layers"]
+    error = relative_error(served_logprobs(served), glm5_hal_logprobs(model, prompt, torch.float32))
+    print(f"w8a8, vLLM's linears: relative difference {error:.2e}")
+    assert error <= 5e-2, error

@@ -20,14 +20,13 @@ SHARED_PREFIX = 400
 CASES = {
     # name: (model_type, engine settings, environment)
     "glm_moe_dsa-eager": ("glm_moe_dsa", {"enforce_eager": True}, {}),
-    # vLLM's default for GlmMoeDsaForCausalLM / DeepseekV32ForCausalLM: breakable CUDA graphs, no torch.compile
-    "glm_moe_dsa-default": ("glm_moe_dsa", {}, {}),
-    # vLLM's compiled CPU mode (Dynamo traced once, Inductor), what other architectures get by default
+    # vLLM's compiled CPU mode (Dynamo traced once, Inductor): what other architectures get by default
     "glm_moe_dsa-compiled": ("glm_moe_dsa", {}, {"VLLM_USE_BREAKABLE_CUDAGRAPH": "0"}),
-    "glm_moe_dsa-multiprocess": ("glm_moe_dsa", {"enforce_eager": True}, {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}),
-    "glm_moe_dsa-fused_moe": ("glm_moe_dsa", {"enforce_eager": True}, {"GLM5_HAL_VLLM_MOE": "1"}),
-    "deepseek_v32-eager": ("deepseek_v32", {"enforce_eager": True}, {}),
-    "deepseek_v32-compiled": ("deepseek_v32", {}, {"VLLM_USE_BREAKABLE_CUDAGRAPH": "0"}),
+    # vLLM's default for GlmMoeDsaForCausalLM / DeepseekV32ForCausalLM (breakable CUDA graphs: no torch.compile on
+    # a CPU), with the engine core in its own process as `vllm serve` runs it
+    "glm_moe_dsa-default-multiprocess": ("glm_moe_dsa", {}, {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}),
+    # YaRN RoPE, the half-split indexer RoPE, grouped routing; the routed experts through glm5_hal.fused_moe
+    "deepseek_v32-eager-fused_moe": ("deepseek_v32", {"enforce_eager": True}, {"GLM5_HAL_VLLM_MOE": "1"}),
 }
 
 
