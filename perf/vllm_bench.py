@@ -14,7 +14,9 @@ first), so the prompt's prefill is not in it. Three ways, each in a fresh proces
 - `vllm dense`: the same weights without the indexer, labelled `deepseek_v3`: vLLM's own CPU MLA over every key;
 - `glm5-hal generate`: CausalLM.generate (index keys as fp8_index rows, as vLLM stores them).
 
-Medians over --repeats requests per way and context. The machine's CPU goes into the results.
+Medians over --repeats requests per way and context, one torch thread each (OMP_NUM_THREADS=1). The machine's CPU
+goes into the results; run it on a quiet machine (other processes make OpenMP's spinning workers many times
+slower).
 """
 
 from __future__ import annotations
@@ -107,6 +109,7 @@ def _generate_worker(model: str, context: int, repeats: int) -> list[float]:
 
     from glm5_hal.model import CausalLM
 
+    torch.set_num_threads(1)
     hal = CausalLM.from_pretrained(model, dtype=torch.bfloat16)
     hal.generate([prompt(64, seed=0)], NEW_TOKENS, index_cache_dtype="fp8_index")  # warm-up
     rates = []
@@ -120,7 +123,9 @@ def run_way(way: str, paths: dict[str, Path], context: int, repeats: int, timeou
     """Decode tokens/s of one way at one context, in a fresh process (its own engine, caches and threads)."""
     model = paths["dense" if way == "vllm dense" else "dsa"]
     worker = "generate" if way == "glm5-hal generate" else "vllm"
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "4"}
+    # One thread for every way: vLLM's CPU worker serves with one torch thread on this machine's 2 cores anyway, and
+    # OpenMP workers spinning against each other (or anything else running) distort the small decode GEMMs.
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "4", "OMP_NUM_THREADS": "1"}
     command = [sys.executable, "-m", "perf.vllm_bench", "--worker", worker, str(model), str(context), str(repeats)]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout_s)
     if done.returncode != 0:
