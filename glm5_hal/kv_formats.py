@@ -204,6 +204,20 @@ def _reinterpret(data: Tensor, dtype: torch.dtype) -> Tensor:
         return data.contiguous().view(dtype)
 
 
+# e4m3 code -> its fp32 value, all 256 codes (NaN codes included), made by torch's own conversion: a lookup in it
+# gives the conversion's bits. On a CPU torch converts float8 elementwise without vectors: at 16K index-key rows of
+# 128 codes (one decode step's lightning_indexer at 16K keys) 54 ms, against 8.6 ms for the lookup (1 thread).
+_E4M3_TABLE = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).to(torch.float32)
+
+
+def _e4m3_values(codes: Tensor) -> Tensor:
+    """uint8 e4m3 codes [...] -> fp32 values [...], bit for bit torch's float8_e4m3fn conversion."""
+    if codes.device.type != "cpu":  # devices convert float8 at full speed
+        return codes.view(torch.float8_e4m3fn).to(torch.float32)
+    flat = _E4M3_TABLE.index_select(0, codes.reshape(-1).to(torch.int32))
+    return flat.view(codes.shape)
+
+
 def decode_rows(data: Tensor, fmt: KVCacheFormat) -> Tensor:
     """Cache rows uint8 [..., row_bytes] -> their values, fp32 [..., width] (code * scale; bf16 RoPE as stored).
 
@@ -212,7 +226,7 @@ def decode_rows(data: Tensor, fmt: KVCacheFormat) -> Tensor:
     """
     lead = data.shape[:-1]
     codes = data[..., : fmt.scales_offset]
-    values = codes.view(torch.float8_e4m3fn if fmt.code == "e4m3" else torch.int8).to(torch.float32)
+    values = _e4m3_values(codes) if fmt.code == "e4m3" else codes.view(torch.int8).to(torch.float32)
     scales = _reinterpret(data[..., fmt.scales_offset : fmt.rope_offset], torch.float32)  # [..., tiles]
     quantized = (values.reshape(*lead, fmt.num_scales, TILE) * scales[..., None]).reshape(*lead, fmt.quantized_dims)
     if not fmt.rope_dims:

@@ -76,6 +76,25 @@ def test_numpy_bf16_rounding_is_torchs_bit_for_bit():
 
 
 # ------------------------------------------------------------------------------------------------ row layouts
+def test_cpu_e4m3_decode_is_torchs_conversion_bit_for_bit():
+    """decode_rows reads e4m3 codes on a CPU through a 256-entry table (torch's float8 conversion is scalar there):
+    every code, NaN codes included, in strided and empty slices, decodes to the conversion's exact bits."""
+    from glm5_hal.kv_formats import _e4m3_values
+
+    every = torch.arange(256, dtype=torch.uint8)
+    rows = torch.stack([every, every.flip(0)]).repeat(3, 1)  # [6, 256]
+    for codes in (rows, rows[:, 1::3], rows.t(), rows[:0]):
+        expected = codes.contiguous().view(torch.float8_e4m3fn).to(torch.float32)
+        got = _e4m3_values(codes)
+        assert got.shape == codes.shape and got.dtype == torch.float32
+        assert torch.equal(got.view(torch.int32), expected.view(torch.int32))
+    fmt = FORMATS["fp8_index"]
+    data = encode_rows(torch.randn(5, 128), fmt)
+    reference = data[:, :128].contiguous().view(torch.float8_e4m3fn).to(torch.float32)
+    scales = data[:, 128:].contiguous().view(torch.float32)
+    assert torch.equal(decode_rows(data, fmt), reference * scales)
+
+
 def test_row_layouts_byte_by_byte():
     assert {n: (f.row_bytes, f.scales_offset, f.rope_offset) for n, f in FORMATS.items()} == {
         "fp8_ds_mla": (656, 512, 528),
