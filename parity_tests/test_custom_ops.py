@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import glm5_hal
+from glm5_hal import capabilities as caps
 from glm5_hal.kv_formats import OP_CACHE
 from glm5_hal.ops import common
 from glm5_hal.parity.cases import cases_for
@@ -172,6 +173,18 @@ def test_interceptors_see_the_custom_op(context: str, monkeypatch: pytest.Monkey
     if context == "needs grad":
         with pytest.raises(RuntimeError, match="no autograd formula"):
             got.float().sum().backward()
+
+
+@pytest.mark.parametrize("op", OP_NAMES)
+def test_autocast_changes_no_op_result(op: str) -> None:
+    # The ops fix their own compute and output dtypes: under bf16 autocast every op (float32 inputs, the chunked-fp32
+    # int8 route that every CPU has) returns the same tensors as without it. Autocast is on only around the call.
+    args = _op_args(op)
+    with caps.fast_paths("0"):
+        want = getattr(torch.ops.glm5_hal, op)(*_cloned(args))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            got = getattr(torch.ops.glm5_hal, op)(*_cloned(args))
+    torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
 
 
 def test_torch_compile_graph_holds_the_custom_op() -> None:

@@ -3,6 +3,7 @@ dispatch to the selected backend, and the paged ragged-batch checks."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable
 from typing import TypeVar
 
@@ -37,11 +38,30 @@ def custom_op(name: str, mutates_args: tuple[str, ...] = ()) -> Callable[[Body],
     that call_op can run it without the op's dispatch in plain eager mode."""
 
     def register(body: Body) -> CustomOpDef:
-        op = torch.library.custom_op(f"{NAMESPACE}::{name}", mutates_args=mutates_args)(body)
+        # The schema from the body itself: its annotations resolve in its own module.
+        schema = torch.library.infer_schema(body, mutates_args=mutates_args)
+        op = torch.library.custom_op(f"{NAMESPACE}::{name}", mutates_args=mutates_args, schema=schema)(
+            _without_autocast(body)
+        )
         _BODIES[op] = body
         return op
 
     return register
+
+
+def _without_autocast(body: Body) -> Body:
+    """`body` run with autocast off. Why: a custom op has no autocast rule of its own, so under `torch.autocast` the
+    dispatcher falls through to the body with autocast still on, and the body's own fp32 GEMMs (the chunked-fp32
+    int8 route, fp32 accumulations) would silently run in bf16. The ops define their output dtypes themselves."""
+
+    @functools.wraps(body)
+    def run(*args: object) -> object:
+        if not _autocast():
+            return body(*args)
+        with torch._C._DisableAutocast():
+            return body(*args)
+
+    return run  # type: ignore[return-value]
 
 
 def call_op(op: CustomOpDef, *args: object) -> object:
