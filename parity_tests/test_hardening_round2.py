@@ -317,11 +317,13 @@ def test_defect3_a_damaged_library_in_the_cache_is_rebuilt(fresh_builds: Path, d
     size and checksum are verified first, and a library that does not match is built again."""
     library = _topk_library(fresh_builds)
     good = library.read_bytes()
-    if damage == "truncated":
-        library.write_bytes(good[: len(good) // 2])
-    else:
-        middle = len(good) // 2
-        library.write_bytes(good[:middle] + bytes(4096) + good[middle + 4096 :])
+    middle = len(good) // 2
+    damaged = good[:middle] if damage == "truncated" else good[:middle] + bytes(4096) + good[middle + 4096 :]
+    # A new file under the library's name, not the old one rewritten: this process has the old one mapped
+    # (_topk_library loaded it), and a mapped library cut short under a running process is this defect's SIGBUS
+    # in pytest itself (it killed CI at exit).
+    library.unlink()
+    library.write_bytes(damaged)
     done = _run_python(_TOPK_IN_A_NEW_PROCESS, {"GLM5_HAL_CACHE_DIR": str(fresh_builds)})
     _assert_survived(done)
     assert library.read_bytes() == good  # rebuilt, the same bytes as the first build
