@@ -370,14 +370,25 @@ def _runnable_routes() -> list[int8_gemms.Int8Gemm]:
 
 @pytest.mark.parametrize("route", _runnable_routes(), ids=lambda r: r.name)
 @pytest.mark.parametrize("depth", [16384, 40960])
-def test_int8_routes_are_bit_exact_at_large_k_with_extreme_codes(route: int8_gemms.Int8Gemm, depth: int):
+def test_int8_routes_are_bit_exact_at_large_k_or_never_chosen(route: int8_gemms.Int8Gemm, depth: int):
     cases = int8_gemms.exactness_cases(torch.Generator().manual_seed(depth), depth)
     # The all-extreme rows are past fp32's exact integers, so fp32 accumulation could not pass.
     assert max(float(want.abs().max()) for _, _, want in cases) > 2**24
     ok, why = int8_gemms.is_exact(route, torch.device("cpu"), cases)
     if not ok and "does not run here" in why:
         pytest.skip(f"{route.name} {why}")
-    assert ok, why
+    if ok:
+        return
+    # Not exact on this CPU (oneDNN without VNNI / AMX sums u8 x s8 pairs into saturating int16, AVX2's
+    # vpmaddubsw): the probe must find that too and never choose the route, in auto mode or forced.
+    assert "accumulators differ" in why, why
+    probe = DeviceProbe(torch.device("cpu"))
+    assert not probe.int8_exact(route)[0]
+    for mode in (AUTO, FORCE):
+        chosen = decide(caps.device_facts(torch.device("cpu")), probe, mode)
+        assert chosen.int8_route() is not route, (mode, chosen.int8)
+        if route is int8_gemms.NATIVE_VNNI:  # nor as the few-rows kernel
+            assert chosen.int8.native_rows == 0, (mode, chosen.int8)
 
 
 def _saturating_pair_sums(x_q: torch.Tensor, w_q: torch.Tensor) -> torch.Tensor:
