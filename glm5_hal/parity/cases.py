@@ -8,12 +8,10 @@ of paged ops pass `batch_options` on to glm5_hal.parity.inputs.paged_batch (garb
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
-
 import torch
 
 from glm5_hal.config import DEEPSEEK_V32, GLM5, GLM5_MINI, ModelConfig
+from glm5_hal.parity.case import FP32_ONLY, Build, Case
 from glm5_hal.parity.inputs import (
     SeqSpec,
     mla_weights,
@@ -23,28 +21,6 @@ from glm5_hal.parity.inputs import (
     rope_tables,
 )
 from glm5_hal.parity.quantized_cache import quantized_variants
-
-FP32_BF16 = (torch.float32, torch.bfloat16)
-FP32_ONLY = (torch.float32,)
-Build = Callable[[torch.Generator, torch.dtype], dict]
-
-
-@dataclass(frozen=True)
-class Case:
-    """One parity case of one op. `exact`: every output must match the reference exactly (integer results)."""
-
-    op: str
-    name: str
-    group: str
-    build: Build
-    dtypes: tuple[torch.dtype, ...] = FP32_BF16
-    exact: bool = False
-    slow: bool = False  # real model dims: skipped by `--quick`
-
-    @property
-    def id(self) -> str:
-        return f"{self.op}/{self.name}"
-
 
 # Ragged layouts: (q_len, k_len) per sequence.
 PREFILL = [SeqSpec(12, 12)]

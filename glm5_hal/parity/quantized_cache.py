@@ -18,21 +18,18 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from glm5_hal.kv_formats import CACHE_ARGUMENT, OP_CACHE
 from glm5_hal.kv_formats import encode_rows as torch_encode_rows
+from glm5_hal.parity.case import Build, Case
 from glm5_hal.parity.compare import TOLERANCE, Verdict, to_numpy
 from ops_reference.kv_cache import FORMATS, TILE, KVCacheFormat, decode_bf16, decode_rows, encode_bf16, encode_rows
 
 WRITERS = ("mla_prolog", "indexer_prolog")
 ZERO_TILE_EVERY = 7  # every 7th cache slot's first tile is zeroed before encoding (scale 1, codes 0)
-
-if TYPE_CHECKING:  # cases.py builds its list with quantized_variants(), so it cannot be imported from here
-    from glm5_hal.parity.cases import Build, Case
 
 
 def formats_of(op: str) -> list[str]:
