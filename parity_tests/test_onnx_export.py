@@ -28,7 +28,8 @@ pytest.importorskip("onnxruntime", reason="the onnx extra is not installed: pip 
 import glm5_hal  # noqa: E402
 from glm5_hal.config import PRESETS  # noqa: E402
 from glm5_hal.onnx_export import CUSTOM_DOMAIN, OP_GRAPHS, OPSET, check, contract_outputs, export_like, export_op  # noqa: E402
-from glm5_hal.onnx_export.custom import op_type, reference_ops  # noqa: E402
+from glm5_hal.onnx_export.custom import op_type  # noqa: E402
+from glm5_hal.onnx_export.custom_reference import reference_ops  # noqa: E402
 from glm5_hal.onnx_export.export import read_example  # noqa: E402
 from glm5_hal.onnx_export.opgraph import CACHE_OUT_SUFFIX, is_runtime  # noqa: E402
 from glm5_hal.onnx_export.runtime import run, session  # noqa: E402

@@ -14,7 +14,7 @@ Schema of `glm5_hal::<OpType>` (domain version 1), for every op (OpType = the op
   routed_scaling_factor, scale), ints (topk, d_v, top_k, n_group, topk_group, num_experts, group_size;
   booleans rope_interleaved and norm_topk_prob as 0 / 1), strings (scoring; out_dtype as "float32" ...).
   An argument that is None is left out.
-- semantics: exactly the op's reference in ops_reference (`reference_ops` runs it so).
+- semantics: exactly the op's reference in ops_reference (custom_reference.reference_ops runs it so).
 """
 
 from __future__ import annotations
@@ -53,42 +53,3 @@ def custom_node(
     """Append one glm5_hal::<OpType> node computing `op` (schema in the module docstring)."""
     attrs = {k: attribute_value(v) for k, v in options.items() if k not in EXPORT_ONLY_OPTIONS}
     return g.op(op_type(op), *inputs, n_out=n_out, out=out, domain=CUSTOM_DOMAIN, **attrs)
-
-
-def reference_ops(ops: Sequence[str]) -> list[type]:
-    """onnx.reference implementations of glm5_hal::<OpType> nodes for `ops`, computed by ops_reference.
-
-    With them, `onnx.reference.ReferenceEvaluator(model, new_ops=reference_ops(...))` runs a graph containing
-    custom nodes, which checks that the standard part around them is right.
-    """
-    import numpy as np
-    from onnx.helper import get_attribute_value
-    from onnx.reference.op_run import OpRun
-
-    from glm5_hal.onnx_export.catalog import OP_GRAPHS
-    from glm5_hal.onnx_export.opgraph import CACHE_OUT_SUFFIX
-    from glm5_hal.parity.specs import SPECS
-
-    def make(op: str) -> type:
-        graph, spec = OP_GRAPHS[op], SPECS[op]
-
-        def _run(self, *args, **_attributes):
-            options = {a.name: get_attribute_value(a) for a in self.onnx_node.attribute}
-            options = {k: (v.decode() if isinstance(v, bytes) else v) for k, v in options.items()}
-            # None-valued arguments are left out of a node (a bias input; group_size, scale attributes).
-            for name in ("group_size", "scale", "bias"):
-                options.setdefault(name, None)
-            names = [s.name for s in graph.input_sigs(options)]
-            arguments = {**options, **{n: a for n, a in zip(names, args)}}
-            result = spec.reference(arguments)
-            out_dtype = str(options.get("out_dtype", "float32"))
-            return tuple(
-                np.asarray(result[s.name.removesuffix(CACHE_OUT_SUFFIX)]).astype(
-                    out_dtype if s.dtype == "out_dtype" else s.dtype
-                )
-                for s in graph.outputs
-            )[: len(self.onnx_node.output)]
-
-        return type(op_type(op), (OpRun,), {"op_domain": CUSTOM_DOMAIN, "_run": _run})
-
-    return [make(op) for op in ops]

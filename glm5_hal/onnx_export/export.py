@@ -23,7 +23,7 @@ import glm5_hal
 from glm5_hal.config import ModelConfig
 from glm5_hal.kv_formats import AUTO, FAMILIES, OP_CACHE
 from glm5_hal.onnx_export.catalog import OP_GRAPHS
-from glm5_hal.onnx_export.custom import EXPORT_ONLY_OPTIONS, attribute_value, custom_node
+from glm5_hal.onnx_export.custom import EXPORT_ONLY_OPTIONS, attribute_value, custom_node, op_type
 from glm5_hal.onnx_export.graph import OPSET, GraphBuilder, make_model, require_onnx
 from glm5_hal.onnx_export.opgraph import CACHE_OUT_SUFFIX, LEADING, OpGraph, is_runtime, leading_names
 
@@ -159,8 +159,6 @@ def _assemble(
 
 def _ops_in(g: GraphBuilder) -> set[str]:
     """The ops present as glm5_hal nodes in a built graph."""
-    from glm5_hal.onnx_export.custom import op_type
-
     types = {n.op_type for n in g.nodes if n.domain}
     return {op for op in OP_GRAPHS if op_type(op) in types}
 
