@@ -29,10 +29,7 @@ This package is the only place glm5-hal imports vLLM, and importing it imports n
 
 from __future__ import annotations
 
-# The vLLM minor versions the plugin was written against and is tested with (major, minor).
-TESTED_VLLM: tuple[tuple[int, int], ...] = ((0, 32),)
-# The plugin's log lines go through vLLM's logging (its "vllm" logger tree, so they show with vLLM's own).
-LOGGER = "vllm.glm5_hal"
+from glm5_hal.vllm.settings import LOGGER, TESTED_VLLM
 
 __all__ = ["LOGGER", "TESTED_VLLM", "register"]
 

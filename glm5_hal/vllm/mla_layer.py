@@ -18,8 +18,8 @@ from vllm.model_executor.layers.mla import MultiHeadLatentAttentionWrapper
 
 from glm5_hal.config import ModelConfig
 from glm5_hal.model.hf_config import config_from_hf
-from glm5_hal.vllm import LOGGER
 from glm5_hal.vllm.indexer import bind_indexer
+from glm5_hal.vllm.settings import LOGGER
 from glm5_hal.vllm.sparse_mla import Glm5HalSparseMLAImpl
 
 logger = init_logger(LOGGER)

@@ -29,7 +29,7 @@ from vllm.model_executor.utils import set_weight_attrs
 
 from glm5_hal.ops import fused_moe
 from glm5_hal.quant_layers import int_linear, routed_expert_mlps, swiglu
-from glm5_hal.vllm import LOGGER
+from glm5_hal.vllm.settings import LOGGER
 
 logger = init_logger(LOGGER)
 

@@ -19,7 +19,7 @@ import re
 from typing import Any
 
 from glm5_hal.environment import setting
-from glm5_hal.vllm import LOGGER, TESTED_VLLM
+from glm5_hal.vllm.settings import LOGGER, TESTED_VLLM
 
 MODE_ENV = "GLM5_HAL_VLLM"
 MOE_ENV = "GLM5_HAL_VLLM_MOE"

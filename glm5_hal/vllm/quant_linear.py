@@ -19,8 +19,8 @@ from vllm.model_executor.layers.quantization.compressed_tensors.schemes.compress
 )
 
 from glm5_hal.quant_layers import int_linear
-from glm5_hal.vllm import LOGGER
 from glm5_hal.vllm.moe import int_scheme
+from glm5_hal.vllm.settings import LOGGER
 
 logger = init_logger(LOGGER)
 

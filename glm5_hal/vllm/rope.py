@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from glm5_hal.model.rope import apply_rope
-from glm5_hal.vllm import LOGGER
+from glm5_hal.vllm.settings import LOGGER
 
 _OP_NAME = "rotary_embedding"  # vLLM's CustomOp name of RotaryEmbedding
 
