@@ -40,7 +40,8 @@ recorder for calibration) also takes the decomposed path, so recorders see every
 """
 
 from glm5_hal.model.cache import PagedKVCache, StepMetadata
-from glm5_hal.model.decoder import CausalLM, DecoderLayer, LayerChoices, ModelOutput
+from glm5_hal.model.causal_lm import CausalLM
+from glm5_hal.model.decoder import DecoderLayer, DecoderModel, LayerChoices, ModelOutput
 from glm5_hal.model.hf_config import config_from_hf, config_to_hf, load_config
 from glm5_hal.model.linear import Linear, RoutedExperts
 from glm5_hal.model.mlp import Routing
@@ -56,6 +57,7 @@ from glm5_hal.model.weights import (
 __all__ = [
     "CausalLM",
     "DecoderLayer",
+    "DecoderModel",
     "ModelOutput",
     "LayerChoices",
     "Linear",

@@ -1,13 +1,13 @@
-"""The decoder layer and the causal LM: embedding -> layers (attention + dense MLP or MoE, pre-norm residuals)
--> final RMSNorm -> lm_head. Built from a checkpoint-named state dict (weights.py)."""
+"""The decoder layer and the network of the causal LM: embedding -> layers (attention + dense MLP or MoE, pre-norm
+residuals) -> final RMSNorm -> lm_head. Built from a checkpoint-named state dict (weights.py). causal_lm.py puts
+loading (pretrained.py) and generation (generate.py) on top; this module needs neither."""
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 import torch
 from torch import Tensor, nn
@@ -28,9 +28,6 @@ from glm5_hal.model.weights import (
 )
 from glm5_hal.selection import use_backend
 
-if TYPE_CHECKING:
-    from glm5_hal.model.generate import Generation
-
 
 @dataclass(frozen=True)
 class LayerChoices:
@@ -41,7 +38,7 @@ class LayerChoices:
 
     Quantization noise flips a few of these choices, and each flip swaps whole keys or experts: an error unrelated
     to how well the GEMMs are quantized. Replaying the floating model's choices in a quantized copy (`choices=`
-    of CausalLM.forward / step / prefill) isolates the quantization error.
+    of DecoderModel.forward / step / prefill) isolates the quantization error.
     """
 
     topk_indices: Tensor
@@ -176,8 +173,10 @@ class ModelOutput:
     choices: list[LayerChoices]
 
 
-class CausalLM(nn.Module):
-    """A GLM-5 / DeepSeek-V3.2 causal LM whose hot paths all run through the glm5_hal ops.
+class DecoderModel(nn.Module):
+    """The network of a GLM-5 / DeepSeek-V3.2 causal LM, whose hot paths all run through the glm5_hal ops: the
+    embedding, the decoder layers and the LM head, stepped through a paged cache (causal_lm.CausalLM adds loading
+    and generation).
 
     Module names equal the checkpoint's parameter prefixes (`model.layers.3.self_attn.q_a_proj` holds
     `model.layers.3.self_attn.q_a_proj.weight`), except that a layer's routed experts are one `RoutedExperts`
@@ -194,24 +193,6 @@ class CausalLM(nn.Module):
         self.dtype = state_dict["model.embed_tokens.weight"].dtype
         self.model = DecoderStack(cfg, state_dict)
         self.lm_head = Linear(state_dict["lm_head.weight"])
-
-    @classmethod
-    def from_pretrained(
-        cls,
-        path: str | Path,
-        *,
-        dtype: torch.dtype | None = None,
-        device: torch.device | str | None = None,
-        backend: str | None = None,
-    ) -> CausalLM:
-        """The model of a checkpoint directory (config.json + safetensors: floating, FP8 block-scaled, or a format
-        registered under `glm5_hal.checkpoint_formats` such as `glm5-hal quantize`'s output), streamed tensor by
-        tensor. dtype: the floating dtype (None: the checkpoint's); device: where weights and cache live;
-        backend: the glm5_hal backend its ops run on (None: the usual selection). See pretrained.from_pretrained.
-        """
-        from glm5_hal.model.pretrained import from_pretrained  # it builds CausalLMs: imported when called
-
-        return from_pretrained(path, dtype=dtype, device=device, backend=backend)
 
     @property
     def device(self) -> torch.device:
@@ -357,40 +338,3 @@ class CausalLM(nn.Module):
             index_cache_dtype=index_cache_dtype,
         )
         return self.step(cache, {0: ids}, choices=choices)
-
-    def generate(
-        self,
-        prompts: Sequence[Sequence[int] | Tensor],
-        max_new_tokens: int,
-        *,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        stop_token_ids: Sequence[int] = (),
-        seed: int | None = None,
-        max_batch_size: int | None = None,
-        block_size: int = 16,
-        progress: Callable[[int, int, str], None] | None = None,
-        kv_cache_dtype: str = "auto",
-        index_cache_dtype: str = "auto",
-    ) -> Generation:
-        """Continue every prompt (token ids) by up to max_new_tokens tokens, in continuous batches through the
-        paged cache: greedy at temperature 0, else sampled (top_p nucleus, seeded); a sequence that emits a
-        stop token leaves the batch; kv_cache_dtype / index_cache_dtype pick the cache formats (new_cache). Returns
-        a Generation (.tokens per prompt, .finish_reasons, .stats); see glm5_hal.model.generate.generate for every
-        argument."""
-        from glm5_hal.model.generate import generate  # it drives this class: imported when called
-
-        return generate(
-            self,
-            prompts,
-            max_new_tokens,
-            temperature=temperature,
-            top_p=top_p,
-            stop_token_ids=stop_token_ids,
-            seed=seed,
-            max_batch_size=max_batch_size,
-            block_size=block_size,
-            progress=progress,
-            kv_cache_dtype=kv_cache_dtype,
-            index_cache_dtype=index_cache_dtype,
-        )

@@ -27,7 +27,7 @@ import torch
 from glm5_hal.config import ModelConfig
 
 if TYPE_CHECKING:
-    from glm5_hal.model.decoder import CausalLM
+    from glm5_hal.model.decoder import DecoderModel
 
 CHECKPOINT_FORMAT_ENTRY_POINT_GROUP = "glm5_hal.checkpoint_formats"
 
@@ -40,9 +40,9 @@ class CheckpointFormat(Protocol):
     detect(directory, hf_config): True when `directory` is in this format. hf_config is its parsed config.json
         (e.g. for a `quantization_config` to inspect). Must be cheap (read small metadata files only) and must not
         raise for a directory in another format.
-    load(directory, config, dtype=..., device=...): the CausalLM. config: the ModelConfig of config.json;
-        dtype: the floating dtype asked for (None: the checkpoint's own); device: where the weights go. Errors name
-        the file and tensor at fault.
+    load(directory, config, dtype=..., device=...): the model (a glm5_hal.model.CausalLM). config: the ModelConfig
+        of config.json; dtype: the floating dtype asked for (None: the checkpoint's own); device: where the weights
+        go. Errors name the file and tensor at fault.
     """
 
     name: str
@@ -51,7 +51,7 @@ class CheckpointFormat(Protocol):
 
     def load(
         self, directory: Path, config: ModelConfig, *, dtype: torch.dtype | None, device: torch.device
-    ) -> CausalLM: ...
+    ) -> DecoderModel: ...
 
 
 def registered_formats() -> dict[str, CheckpointFormat]:

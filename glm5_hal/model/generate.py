@@ -36,7 +36,7 @@ from torch import Tensor
 from glm5_hal.checks import check
 
 if TYPE_CHECKING:
-    from glm5_hal.model.decoder import CausalLM
+    from glm5_hal.model.decoder import DecoderModel
 
 STOP = "stop"  # a stop token was generated (it is the sequence's last token)
 LENGTH = "length"  # max_new_tokens were generated
@@ -136,7 +136,7 @@ def sample_tokens(
 
 
 def generate(
-    model: CausalLM,
+    model: DecoderModel,
     prompts: Sequence[Sequence[int] | Tensor],
     max_new_tokens: int,
     *,
@@ -153,7 +153,8 @@ def generate(
     """Generate up to max_new_tokens tokens after each prompt (module docstring).
 
     Args:
-        model: the CausalLM; its cache lives on model.device, its ops on model.backend (or the usual selection).
+        model: a CausalLM (any DecoderModel); its cache lives on model.device, its ops on model.backend (or the
+            usual selection).
         prompts: token id lists (or 1-D integer tensors; or one [B, T] tensor), each non-empty, ids in
             [0, vocab_size); ragged.
         max_new_tokens: >= 1, per prompt.

@@ -33,8 +33,9 @@ from torch import Tensor, nn
 from glm5_hal.config import ModelConfig
 from glm5_hal.distributed import resolve_group
 from glm5_hal.model.cache import PagedKVCache
+from glm5_hal.model.causal_lm import CausalLM
 from glm5_hal.model.checkpoint import CheckpointReader
-from glm5_hal.model.decoder import CausalLM, DecoderStack, LayerChoices, ModelOutput, build_moe
+from glm5_hal.model.decoder import DecoderStack, LayerChoices, ModelOutput, build_moe
 from glm5_hal.model.linear import Linear
 from glm5_hal.model.mlp import MoE, Routing, TopkRouter
 from glm5_hal.model.norms import compute_dtype

@@ -30,7 +30,7 @@ from torch import Tensor, nn
 
 from glm5_hal.config import ModelConfig
 from glm5_hal.model.checkpoint import CheckpointReader
-from glm5_hal.model.decoder import CausalLM
+from glm5_hal.model.decoder import DecoderModel
 from glm5_hal.model.formats import CheckpointFormat, detect_format, registered_formats
 from glm5_hal.model.fp8 import (
     QUANT_METHOD,
@@ -52,8 +52,9 @@ def from_pretrained(
     dtype: torch.dtype | None = None,
     device: torch.device | str | None = None,
     backend: str | None = None,
-) -> CausalLM:
-    """The CausalLM of a checkpoint directory (module docstring).
+    model_class: type[DecoderModel],
+) -> DecoderModel:
+    """The model of a checkpoint directory (module docstring): a `model_class` (causal_lm.CausalLM).
 
     Args:
         path: a directory with config.json (GLM-5 `glm_moe_dsa` or DeepSeek-V3.2 `deepseek_v32`) and the weights.
@@ -62,6 +63,8 @@ def from_pretrained(
         device: where the weights and the cache live (default "cpu").
         backend: the glm5_hal backend every op of this model runs on (`model.backend`); None: the usual
             selection (GLM5_HAL_BACKEND, `use_backend`, auto).
+        model_class: the class built, called as model_class(config, state_dict) (CausalLM.from_pretrained passes
+            its own class). A registered format builds its model itself; it must be a model_class.
 
     Raises:
         FileNotFoundError: no such directory, no config.json or no safetensors file in it.
@@ -82,8 +85,13 @@ def from_pretrained(
     config = load_config(directory)
     hf_config = read_config_json(directory)
     formats = registered_formats()
-    fmt = detect_format(directory, hf_config, formats) or _HuggingFaceFormat(hf_config, formats)
+    fmt = detect_format(directory, hf_config, formats) or _HuggingFaceFormat(hf_config, formats, model_class)
     model = fmt.load(directory, config, dtype=dtype, device=torch.device("cpu" if device is None else device))
+    if not isinstance(model, model_class):
+        raise TypeError(
+            f"model_class: the checkpoint format {fmt.name!r} built a {type(model).__name__}, expected a "
+            f"{model_class.__name__}"
+        )
     model.backend = backend
     return model
 
@@ -102,9 +110,10 @@ class _HuggingFaceFormat:
 
     name = "huggingface"
 
-    def __init__(self, hf_config: dict, others: dict[str, CheckpointFormat]) -> None:
+    def __init__(self, hf_config: dict, others: dict[str, CheckpointFormat], model_class: type[DecoderModel]) -> None:
         self.hf_config = hf_config  # the parsed config.json
         self.others = others  # named in the error for a quantization_config this reader does not read
+        self.model_class = model_class
 
     def detect(self, directory: Path, hf_config: dict) -> bool:
         return True
@@ -124,7 +133,7 @@ class _HuggingFaceFormat:
         _check_tensors(reader, config, block, directory)
         stored = reader.info("model.embed_tokens.weight").dtype
         dtype = dtype or (stored if not is_float8_dtype(stored) else torch.bfloat16)
-        return _stream_into_model(reader, config, dtype, device, block)
+        return _stream_into_model(self.model_class, reader, config, dtype, device, block)
 
 
 def _check_tensors(reader: CheckpointReader, config: ModelConfig, block: tuple[int, int] | None, where: Path) -> None:
@@ -164,15 +173,15 @@ def _check_tensors(reader: CheckpointReader, config: ModelConfig, block: tuple[i
         )
 
 
-def _skeleton(config: ModelConfig, dtype: torch.dtype) -> CausalLM:
-    """The CausalLM on the meta device (no storage): parameters of `dtype`, the FP32_PARAMETERS in fp32."""
+def _skeleton(model_class: type[DecoderModel], config: ModelConfig, dtype: torch.dtype) -> DecoderModel:
+    """The model on the meta device (no storage): parameters of `dtype`, the FP32_PARAMETERS in fp32."""
     state = {
         name: torch.empty(
             shape, dtype=torch.float32 if name.endswith(FP32_PARAMETERS) else dtype, device=torch.device("meta")
         )
         for name, shape in parameter_shapes(config).items()
     }
-    return CausalLM(config, state)
+    return model_class(config, state)
 
 
 # One region of a model tensor and the checkpoint tensor that fills it: (checkpoint name, dest -> its region).
@@ -211,14 +220,15 @@ def _read_into(reader: CheckpointReader, name: str, dest: Tensor, block: tuple[i
 
 
 def _stream_into_model(
+    model_class: type[DecoderModel],
     reader: CheckpointReader,
     config: ModelConfig,
     dtype: torch.dtype,
     device: torch.device,
     block: tuple[int, int] | None,
-) -> CausalLM:
+) -> DecoderModel:
     """The meta skeleton, each of its tensors given storage on `device` and filled from `reader`."""
-    model = _skeleton(config, dtype)
+    model = _skeleton(model_class, config, dtype)
     filled: dict[int, Tensor] = {}  # id(meta tensor) -> its storage, for a tensor registered at two paths
     for module_name, module in model.named_modules(remove_duplicate=False):
         for table in (module._parameters, module._buffers):
