@@ -191,6 +191,23 @@ def test_plugin_formats_detect_conflict_and_failures(bf16_state, tmp_path: Path,
         CausalLM.from_pretrained(directory)
 
 
+def test_a_subclass_loads_as_itself_and_a_format_must_build_it(bf16_state, tmp_path: Path, monkeypatch) -> None:
+    class Mine(CausalLM):
+        pass
+
+    directory = _write(tmp_path / "ckpt", bf16_state)
+    assert type(Mine.from_pretrained(directory)) is Mine  # the Hugging Face reader builds the class asked for
+    plain = _Format("plain", "plain.marker")  # builds a CausalLM, whatever class asked
+    from glm5_hal.model import pretrained
+
+    monkeypatch.setattr(pretrained, "registered_formats", lambda: {"plain": plain})
+    (directory / "plain.marker").touch()
+    assert type(CausalLM.from_pretrained(directory)) is CausalLM
+    refused = r"model_class: the checkpoint format 'plain' built a CausalLM, expected a Mine"
+    with pytest.raises(TypeError, match=refused):
+        Mine.from_pretrained(directory)
+
+
 def test_a_broken_format_plugin_is_reported_and_skipped(monkeypatch) -> None:
     eps = [
         EntryPoint("broken", "no_such_module_anywhere:FORMAT", formats_module.CHECKPOINT_FORMAT_ENTRY_POINT_GROUP),

@@ -231,10 +231,10 @@ def _judge_moe_combine(spec: OpSpec, inputs: Inputs, outputs: Outputs, dtype: to
     sum_j |w_tj| |y(t, j)|: the expert outputs have both signs and cancel, and a backend whose kernel takes the
     weights in the tokens' dtype (Ascend's npu_moe_token_unpermute) rounds each term at that dtype's resolution
     (the long fuzz profile failed such an fp16 case at 1.04x the bound relative to the output)."""
-    args = {k: (to_numpy(v) if isinstance(v, torch.Tensor) else v) for k, v in inputs.items()}
+    y, src, weights = (to_numpy(inputs[name]) for name in ("y_sorted", "src_index", "topk_weights"))
     want = spec.reference(inputs)["out"]
     with np.errstate(invalid="ignore"):  # inf * 0 where inputs hold inf: those outputs are not finite, not judged
-        magnitudes = ref.moe_combine(np.abs(args["y_sorted"]), args["src_index"], np.abs(args["topk_weights"]))
+        magnitudes = ref.moe_combine(np.abs(y), src, np.abs(weights))
     scale = np.nan_to_num(magnitudes, nan=0.0, posinf=0.0, neginf=0.0)
     return [compare_float("out", outputs["out"], want, dtype, scale=scale)]
 
