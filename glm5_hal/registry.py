@@ -88,6 +88,9 @@ class Backend:
         below must leave it False; the public ops then refuse float64 inputs for it instead of losing precision.
     kv_cache_dtypes: the quantized cache formats (glm5_hal.kv_formats) its cache-reading and -writing ops take as
         `kv_cache_dtype=`; the public ops refuse the others for it. Float caches ("auto") need no entry.
+    report: () -> BackendReport, called by `glm5-hal info` once the backend is available: what the backend chose
+        on this machine that its ops' table cannot say (per-op kernels and why, the CPU routes and their probe).
+        It may run kernels or measure; it must not raise for a missing library (say so in the report instead).
     """
 
     name: str
@@ -99,6 +102,16 @@ class Backend:
     notes: tuple[str, ...] = ()
     float64: bool = False
     kv_cache_dtypes: tuple[str, ...] = ()
+    report: Callable[[], BackendReport] | None = None
+
+
+@dataclass(frozen=True)
+class BackendReport:
+    """A backend's own section of `glm5-hal info`: `lines` for the text output (a heading line first), `data` the
+    same facts JSON-ready for `info --json`."""
+
+    lines: tuple[str, ...]
+    data: Mapping[str, object] = field(default_factory=dict)
 
 
 def unavailable_backend(name: str, summary: str, reason: str) -> Backend:

@@ -18,11 +18,8 @@ order, and torch.topk's); NaN ties NaN, so the lower column wins there too.
 Deciding whether a row needs the second select reads one flag per row back to the host; where that is not
 allowed (CUDA graph capture, torch.compile tracing) every row takes the composite select instead.
 
-CPU fp32 rows go to glm5_hal.native.topk instead where it builds (not with GLM5_HAL_NATIVE=0): at decode (4 rows,
-k = 2048 of 16K scores, one thread) torch's select, the argsort and the many small ops of the composite keys cost
-0.8-1.1 ms, the C kernel's radix select and radix sort of the k chosen ~0.14 ms. Same values (bit for bit), columns
-and order, except that where a tie at -inf crosses the boundary the kernel takes the lowest columns (as the
-composite select does) and torch's float select any (invisible keys: callers mark them -1).
+This is the torch-ops form every backend can run. The `torch` backend runs CPU fp32 rows on its native kernel
+instead where that builds (backends/torch_eager/topk.py): the same values, columns and order, faster at decode.
 """
 
 from __future__ import annotations
@@ -31,7 +28,6 @@ import torch
 from torch import Tensor
 
 from glm5_hal.host_reads import host_reads_allowed
-from glm5_hal.native import topk as native_topk
 
 _LOW_BITS = 1 << 32  # columns below 2^32: a row of up to 4G keys
 _NAN_KEY = 0x7FC00000  # the bits of +NaN: above +inf's 0x7F800000
@@ -63,12 +59,6 @@ def topk_lower_position_ties(scores: Tensor, k: int) -> tuple[Tensor, Tensor]:
     """
     if not host_reads_allowed(scores):
         return _composite_topk(scores, k)
-    if scores.device.type == "cpu" and scores.dtype == torch.float32 and scores.dim() == 2:
-        # The native op has no backward: scores that need a gradient keep torch's differentiable select. It keeps
-        # columns in 32 bits: longer rows (2^31 scores and more) keep torch's select too.
-        differentiable = scores.requires_grad and torch.is_grad_enabled()
-        if not differentiable and scores.shape[1] <= native_topk.MAX_WIDTH and native_topk.availability()[0]:
-            return native_topk.topk(scores, k)
     return _torch_topk(scores, k)
 
 

@@ -1,4 +1,5 @@
-"""The capability probe (glm5_hal.capabilities) and the exact int8 GEMM routes (glm5_hal.int8_gemms).
+"""The capability probe (backends.torch_eager.capabilities) and the exact int8 GEMM routes
+(backends.torch_eager.int8_gemms).
 
 - Decisions from faked facts and a faked probe: a CPU without bf16 / int8 flags keeps the conservative path and
   measures nothing; flags plus a measured win take the fast path; flags with a measured loss do not; an inexact
@@ -16,11 +17,12 @@ import json
 import pytest
 import torch
 
-from glm5_hal import capabilities as caps
-from glm5_hal import int8_gemms
-from glm5_hal.capabilities import AUTO, FORCE, DeviceFacts, DeviceProbe, decide
+from backends.torch_eager import capabilities as caps
+from backends.torch_eager import int8_gemms
+from backends.torch_eager.capabilities import AUTO, FORCE, DeviceFacts, DeviceProbe, decide
+from backends.torch_eager.native import build
 from glm5_hal.cli import main
-from glm5_hal.native import build
+from glm5_hal.cli.info import report_data
 
 AVX2_ZEN3 = "model name\t: AMD EPYC 7B13\ncpu family\t: 25\nflags\t\t: fpu sse sse2 avx avx2 fma f16c bmi2\n"
 ZEN5 = (
@@ -417,7 +419,7 @@ def test_exactness_check_catches_a_saturating_int8_gemm():
 
 def test_info_prints_and_records_the_choice_per_device(capsys, monkeypatch: pytest.MonkeyPatch):
     assert main(["info", "--json"]) == 0
-    cpu = json.loads(capsys.readouterr().out)["fast_paths"]["cpu"]
+    cpu = report_data(json.loads(capsys.readouterr().out), "torch")["fast_paths"]["cpu"]
     assert cpu["device"] == "cpu" and set(cpu["bfloat16"]) == {"path", "used", "reason"}
     assert cpu["summary"][0].startswith("cpu: fast paths")
     monkeypatch.setenv(caps.ENV_FAST_PATHS, "0")

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import glm5_hal
-from glm5_hal import capabilities as caps
+from backends.torch_eager import capabilities as caps
 from glm5_hal.kv_formats import OP_CACHE
 from glm5_hal.ops import common
 from glm5_hal.parity.cases import cases_for

@@ -1,4 +1,4 @@
-"""The `torch` backend on both GEMM paths, whatever this machine's probe picks (glm5_hal.capabilities).
+"""The `torch` backend on both GEMM paths, whatever this machine's probe picks (backends.torch_eager.capabilities).
 
 - Parity of every parity case (real-dims ones excepted: the main suite runs those on the probe's own choice) with
   GLM5_HAL_FAST_PATHS=1 (every correct fast path) and =0 (the conservative fp32 path), at the usual tolerances.
@@ -24,28 +24,28 @@ import glm5_hal
 import ops_reference as ref
 from backends.torch_eager import OPS
 from backends.torch_eager import quant as quant_backend
+from backends.torch_eager.capabilities import DeviceProbe, capabilities, fast_paths
 from backends.torch_eager.gemm import FP32, Gemm, gemm_for
+from backends.torch_eager.native import bf16_gemm, indexer_scores, int8_gemm
+from backends.torch_eager.native import sparse_attention as native_attention
 from conftest import parity_backends
 from glm5_hal import weight_cache
-from glm5_hal.capabilities import DeviceProbe, capabilities, fast_paths
 from glm5_hal.kv_formats import FORMATS
-from glm5_hal.native import bf16_gemm, indexer_scores, int8_gemm
-from glm5_hal.native import sparse_attention as native_attention
 from glm5_hal.parity import CASES, run_case
 from glm5_hal.parity.compare import compare_float, to_numpy
 from glm5_hal.parity.inputs import SeqSpec, paged_batch, randn, random_topk_indices
 from glm5_hal.parity.quantized_cache import encode_cache
 
 MODES = {"1": "fast paths forced", "0": "conservative fp32 paths"}
-# Parity runs the forced fast paths with and without glm5_hal.native's kernels (where they run, GLM5_HAL_NATIVE=0 is
-# the only way to reach the residual GEMM path on this machine).
+# Parity runs the forced fast paths with and without backends.torch_eager.native's kernels (where they run,
+# GLM5_HAL_NATIVE=0 is the only way to reach the residual GEMM path on this machine).
 NATIVE = {"native": "1", "no-native": "0"}
 GEMM_OPS = {
     torch.ops.aten.mm.default,
     torch.ops.aten.bmm.default,
     torch.ops.aten.addmm.default,
     torch.ops.aten.baddbmm.default,
-    torch.ops.glm5_hal.native_bf16_bmm_nt.default,  # glm5_hal.native's bf16 GEMM with fp32 results (CPU)
+    torch.ops.glm5_hal.native_bf16_bmm_nt.default,  # backends.torch_eager.native's bf16 GEMM with fp32 results (CPU)
     torch.ops.glm5_hal.native_indexer_scores.default,  # its fused indexer scores (products, ReLU, head sum)
     torch.ops.glm5_hal.native_sparse_attention.default,  # its sparse attention (both products), rows read in place
 }
@@ -79,7 +79,7 @@ def test_torch_backend_parity_on_both_paths(
 
 
 class _GemmSpy(TorchDispatchMode):
-    """Records the operand dtypes of every GEMM (aten's, and glm5_hal.native's custom op)."""
+    """Records the operand dtypes of every GEMM (aten's, and backends.torch_eager.native's custom op)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -198,9 +198,9 @@ def test_indexer_keys_feed_the_path_gemm_and_the_head_reduction_stays_fp32(mode:
 
 
 def _half_gemms() -> list[Gemm]:
-    """The half-precision paths this device can run: fp32 results (out_dtype, or glm5_hal.native's kernel where it
-    runs), and rounded results with the residual GEMM where addmm adds in fp32 (the probe's check; where it fails
-    the backend never takes that path)."""
+    """The half-precision paths this device can run: fp32 results (out_dtype, or backends.torch_eager.native's kernel
+    where it runs), and rounded results with the residual GEMM where addmm adds in fp32 (the probe's check; where it
+    fails the backend never takes that path)."""
     cpu, probe = torch.device("cpu"), DeviceProbe(torch.device("cpu"))
     paths = [Gemm(torch.bfloat16, fp32_output=False)] if probe.residual_exact(torch.bfloat16) else []
     if probe.fp32_output(torch.bfloat16):

@@ -159,12 +159,13 @@ def check_indexer(backend, dtype):
 
 
 def force_native_portable():
-    """Route the torch backend's bf16 attention and indexer through glm5_hal.native's portable build, as a CPU with
-    AVX-512 BF16 routes them through the fast one (this machine may lack it; the kernels' loops are the same)."""
+    """Route the torch backend's bf16 attention and indexer through backends.torch_eager.native's portable build, as a
+    CPU with AVX-512 BF16 routes them through the fast one (this machine may lack it; the kernels' loops are the
+    same)."""
     import backends.torch_eager.indexer as indexer
     import backends.torch_eager.sparse_attention as attention
     from backends.torch_eager.gemm import Gemm
-    from glm5_hal.native import indexer_scores, sparse_attention
+    from backends.torch_eager.native import indexer_scores, sparse_attention
 
     assert sparse_attention.availability("portable")[0], sparse_attention.availability("portable")
     native = Gemm(torch.bfloat16, True, 1, math.inf, True)
@@ -217,7 +218,7 @@ def test_defect1_keys_the_block_table_cannot_address_are_not_keys(path: str) -> 
 
 _KERNEL_SLOTS_PAST_THE_ROWS = r"""
 import torch
-from glm5_hal.native import sparse_attention
+from backends.torch_eager.native import sparse_attention
 
 gen = torch.Generator().manual_seed(0)
 rows = torch.randn(8, 64, generator=gen).bfloat16()
@@ -259,7 +260,7 @@ def test_defect2_w4a8_scales_with_rows_2_to_the_31_apart(isa: str, row_stride: i
     """The AVX-512 epilogue formed the scale gather's index j * row_stride in 32 bits: a row stride >= 2^31 / 15
     read outside the scales (SIGSEGV). The scales of a panel are now gathered with 64-bit indices in the code both
     builds share; this checks that path against the same scales stored contiguously."""
-    from glm5_hal.native import int8_gemm
+    from backends.torch_eager.native import int8_gemm
 
     ok, why = int8_gemm.availability(isa)
     if not ok:
@@ -279,7 +280,7 @@ def test_defect2_w4a8_scales_with_rows_2_to_the_31_apart(isa: str, row_stride: i
 @pytest.fixture
 def fresh_builds(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
     """Builds into an empty cache, with what build.load() remembered cleared before and after."""
-    from glm5_hal.native import build
+    from backends.torch_eager.native import build
 
     cache = tmp_path / "cache"
     monkeypatch.setenv(build.ENV_CACHE_DIR, str(cache))
@@ -289,7 +290,7 @@ def fresh_builds(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
 
 
 def _topk_library(cache: Path) -> Path:
-    from glm5_hal.native import topk
+    from backends.torch_eager.native import topk
 
     ok, why = topk.availability()
     if not ok:
@@ -300,7 +301,7 @@ def _topk_library(cache: Path) -> Path:
 
 _TOPK_IN_A_NEW_PROCESS = r"""
 import torch
-from glm5_hal.native import topk
+from backends.torch_eager.native import topk
 
 assert topk.availability()[0], topk.availability()
 scores = torch.tensor([[0.5, 2.0, -1.0, 2.0]])
@@ -332,9 +333,9 @@ def test_defect3_a_damaged_library_in_the_cache_is_rebuilt(fresh_builds: Path, d
 def test_defect3_a_library_lacking_a_symbol_turns_the_route_off(fresh_builds: Path, tmp_path: Path) -> None:
     """A library that loads but lacks the kernel's function (here: one built from another source, with a record
     that matches it) raised AttributeError from the op; now it is a reason, and the op takes the torch route."""
-    from glm5_hal.cli.info import collect
-    from glm5_hal.native import build, topk
-    from glm5_hal.topk import topk_lower_position_ties
+    from backends.torch_eager.native import build, topk
+    from backends.torch_eager.topk import topk as eager_topk
+    from glm5_hal.cli.info import collect, report_data
 
     # Built by another process: this one must not have loaded the library's path already (dlopen would hand back
     # the library it has under that name).
@@ -348,9 +349,9 @@ def test_defect3_a_library_lacking_a_symbol_turns_the_route_off(fresh_builds: Pa
     ok, why = topk.availability()
     assert not ok and "glm5_topk" in why, why
     scores = torch.tensor([[0.5, 2.0, -1.0, 2.0], [3.0, 1.0, 1.0, 0.0]])
-    values, columns = topk_lower_position_ties(scores, 2)  # the torch route, not an AttributeError
+    values, columns = eager_topk(scores, 2)  # the torch route, not an AttributeError
     assert columns.tolist() == [[1, 3], [0, 1]] and values.tolist() == [[2.0, 2.0], [3.0, 1.0]]
-    kernels = collect()["native_kernels"]["kernels"]
+    kernels = report_data(collect(), "torch")["native_kernels"]["kernels"]
     assert "glm5_topk" in kernels["topk_portable"], kernels
 
 
@@ -366,7 +367,7 @@ def test_defect4_a_hanging_compiler_costs_one_bounded_attempt(fresh_builds: Path
     """A compiler that never returns stalled the first call of every kernel for the whole timeout, and the
     processes it started were left running. Now the whole process group is killed at the timeout, and the compiler
     is not tried again in this process."""
-    from glm5_hal.native import bf16_gemm, build, indexer_scores, topk
+    from backends.torch_eager.native import bf16_gemm, build, indexer_scores, topk
 
     pids = tmp_path / "pids"
     compiler = tmp_path / "hanging-cc"
@@ -410,8 +411,8 @@ def test_defect5_no_home_and_no_passwd_entry_never_caches_under_a_relative_tilde
     import pwd
     import tempfile
 
-    from glm5_hal.cli.info import collect
-    from glm5_hal.native import build, topk
+    from backends.torch_eager.native import build, topk
+    from glm5_hal.cli.info import collect, report_data
 
     def no_entry(uid: int) -> pwd.struct_passwd:
         raise KeyError(f"getpwuid(): uid not found: {uid}")
@@ -433,7 +434,7 @@ def test_defect5_no_home_and_no_passwd_entry_never_caches_under_a_relative_tilde
     assert where.path is not None and where.path.is_absolute() and where.path.parent == temp, where
     assert "HOME" in where.note, where
     assert (where.path.stat().st_mode & 0o777) == 0o700  # nobody else may plant a library there
-    info = collect()["native_kernels"]
+    info = report_data(collect(), "torch")["native_kernels"]
     assert info["cache_dir"] == str(where.path) and "HOME" in info["cache_note"], info
 
 
@@ -444,7 +445,7 @@ def test_defect5_a_temporary_cache_someone_else_can_write_is_refused(
     is not ours), loading a library from it would run their code. Then there are no native kernels, and a reason."""
     import tempfile
 
-    from glm5_hal.native import build, topk
+    from backends.torch_eager.native import build, topk
 
     for name in ("HOME", "XDG_CACHE_HOME", build.ENV_CACHE_DIR):
         monkeypatch.delenv(name, raising=False)
@@ -461,7 +462,8 @@ def test_defect5_a_temporary_cache_someone_else_can_write_is_refused(
 
 _READ_ONLY_CACHE = r"""
 import os
-from glm5_hal.native import topk  # imported before dropping root: the interpreter may live where others cannot read
+# imported before dropping root: the interpreter may live where others cannot read
+from backends.torch_eager.native import topk
 
 if os.geteuid() == 0:  # root writes anywhere: drop to a plain uid for the read-only folder to be read-only
     os.setgid(54321)
@@ -496,8 +498,8 @@ def test_defect6_rows_past_the_native_top_k_width_take_the_torch_route(monkeypat
     """topk.c keeps columns in 32 bits: a row of 2^31 or more scores raised ValueError from the native wrapper. Such
     rows now take the torch route. A row of 2^31 fp32 scores is 8 GiB, so the limit is lowered here to 64; the
     route decision reads the same constant."""
-    from glm5_hal import topk as topk_module
-    from glm5_hal.native import topk as native_topk
+    from backends.torch_eager import topk as topk_module
+    from backends.torch_eager.native import topk as native_topk
 
     if not native_topk.availability()[0]:
         pytest.skip(f"no native top-k here: {native_topk.availability()[1]}")
@@ -509,7 +511,7 @@ def test_defect6_rows_past_the_native_top_k_width_take_the_torch_route(monkeypat
     for width in (64, 65, 200):
         scores = torch.randn(3, width, generator=gen)
         scores[:, 7] = scores[:, 3]  # a tie: the lower column first
-        values, columns = topk_module.topk_lower_position_ties(scores, 16)
+        values, columns = topk_module.topk(scores, 16)
         order = sorted(range(width), key=lambda c: (-scores[0, c].item(), c))[:16]
         assert columns[0].tolist() == order and torch.equal(values[0], scores[0, order])
     assert calls == [64], calls  # the native kernel took the row it can hold, torch the wider ones
@@ -517,14 +519,15 @@ def test_defect6_rows_past_the_native_top_k_width_take_the_torch_route(monkeypat
 
 # --------------------------------------------------------------------------- 7: a cache view is read in place
 def _route_torch_attention_through_the_portable_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The torch backend's bf16 sparse attention on glm5_hal.native's portable build, as a CPU with AVX-512 BF16 runs
-    it on the fast one (the same loops and the same Python side; this machine may lack the instructions)."""
+    """The torch backend's bf16 sparse attention on backends.torch_eager.native's portable build, as a CPU with
+    AVX-512 BF16 runs it on the fast one (the same loops and the same Python side; this machine may lack the
+    instructions)."""
     import functools
     import math
 
     import backends.torch_eager.sparse_attention as attention
     from backends.torch_eager.gemm import FP32, Gemm
-    from glm5_hal.native import sparse_attention as kernel
+    from backends.torch_eager.native import sparse_attention as kernel
 
     ok, why = kernel.availability("portable")
     if not ok:
@@ -621,8 +624,8 @@ _EDGE_BACKENDS = ["reference", "torch", "native", "triton", "ascend"]
 
 @pytest.fixture
 def edge_backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """The backend to run on: 'native' is the torch backend on glm5_hal.native's portable kernel (bf16 only); 'ascend'
-    the strict torch_npu fake (skipped with the reason where its wheel is missing)."""
+    """The backend to run on: 'native' is the torch backend on backends.torch_eager.native's portable kernel (bf16
+    only); 'ascend' the strict torch_npu fake (skipped with the reason where its wheel is missing)."""
     name = request.param
     if name == "native":
         _route_torch_attention_through_the_portable_kernel(monkeypatch)
@@ -710,7 +713,7 @@ def test_edge_fp32_operands_near_float_max_split_without_overflow(backend: str, 
     within 0.4% of FLT_MAX (past bf16's largest finite number). hi is now that largest number there, lo the rest,
     so the product is the finite one (torch backend with every fast path on, triton's split in registers)."""
     import glm5_hal
-    from glm5_hal.capabilities import fast_paths
+    from backends.torch_eager.capabilities import fast_paths
     from glm5_hal.parity.runner import run_inputs
 
     if backend == "ascend":
@@ -815,7 +818,7 @@ def test_edge_a_flushing_fast_path_meets_the_floor() -> None:
     floor admits it; the same kernel without the flush is exact."""
     import numpy as np
 
-    from glm5_hal.native import sparse_attention as kernel
+    from backends.torch_eager.native import sparse_attention as kernel
     from glm5_hal.parity.compare import compare_float
 
     if not kernel.availability("portable")[0]:

@@ -1,5 +1,5 @@
-"""glm5_hal.native.int8_gemm: the W8A8 and W4A8 kernels against exact integer math, for every build that runs here
-(AVX-512 VNNI where the CPU has it, and the portable one on any CPU with a compiler).
+"""backends.torch_eager.native.int8_gemm: the W8A8 and W4A8 kernels against exact integer math, for every build that
+runs here (AVX-512 VNNI where the CPU has it, and the portable one on any CPU with a compiler).
 
 - The integer sums equal float64 (exact for these sizes) products bit for bit, on hypothesis shapes that cross the
   row-block, panel, K-step, K-block and vector edges, with extreme codes, for the weight as stored (strided too) and
@@ -17,8 +17,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from backends.torch_eager.native import int8_gemm
 from backends.torch_eager.quant import unpack_int4
-from glm5_hal.native import int8_gemm
 
 ISAS = ("avx512_vnni", "portable")
 SETTINGS = settings(max_examples=30, deadline=None, derandomize=True)

@@ -1,4 +1,4 @@
-"""glm5_hal.native: the CPU kernels built on first use with the machine's C compiler.
+"""backends.torch_eager.native: the CPU kernels built on first use with the machine's C compiler.
 
 - Each kernel against a float64 computation of its own contract, on random shapes (hypothesis) that cross its
   tile, block and vector edges, with NaN / inf, unused (-1) slots, odd widths and strided operands, for every build
@@ -19,8 +19,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from glm5_hal.native import bf16_gemm, build, indexer_scores
-from glm5_hal.native import sparse_attention as native_attention
+from backends.torch_eager.native import bf16_gemm, build, indexer_scores
+from backends.torch_eager.native import sparse_attention as native_attention
 
 ISAS = ("avx512_bf16", "portable")
 SETTINGS = settings(max_examples=30, deadline=None, derandomize=True)

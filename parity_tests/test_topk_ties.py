@@ -2,8 +2,8 @@
 
 - glm5_hal.topk: its composite key orders like (score, -position) for every float, -0.0 == +0.0 included, and
   picks the contract's set where torch.topk on the floats is free to pick any;
-- its native CPU kernel (glm5_hal.native.topk): bit for bit the torch path's values and columns, in the same order,
-  on random, tie-heavy, NaN / inf / signed-zero, all -inf, edge-sized and strided rows, for any thread count;
+- its native CPU kernel (backends.torch_eager.native.topk): bit for bit the torch path's values and columns, in the same
+  order, on random, tie-heavy, NaN / inf / signed-zero, all -inf, edge-sized and strided rows, for any thread count;
 - lightning_indexer on every backend that runs here, float and quantized key caches, with deliberately tied
   scores: keys are small integers and every q . k dot an integer below 256 in magnitude (exact in every dtype, even
   as the bf16 result of a fast-path GEMM, so every backend's scores tie exactly, whatever its summation order and
@@ -26,9 +26,10 @@ from hypothesis import strategies as st
 
 import glm5_hal
 import ops_reference as ref
+from backends.torch_eager.native import build, threads
+from backends.torch_eager.native import topk as native_topk
+from backends.torch_eager.topk import topk as eager_topk
 from glm5_hal.kv_formats import FORMATS
-from glm5_hal.native import build, threads
-from glm5_hal.native import topk as native_topk
 from glm5_hal.parity.inputs import SeqSpec, paged_batch
 from glm5_hal.parity.quantized_cache import encode_cache
 from glm5_hal.registry import registry
@@ -103,7 +104,7 @@ def test_long_rows_pick_the_lower_positions_of_a_tie():
     assert (values == 2.0).all()
 
 
-# ------------------------------------------------------------------------------------- glm5_hal.native.topk
+# ------------------------------------------------------------------------------------- backends.torch_eager.native.topk
 NATIVE_SETTINGS = settings(max_examples=80, deadline=None, derandomize=True)
 # fp32 bit patterns beyond ordinary numbers: NaNs of both signs with different payloads (quiet and signalling),
 # the infinities, both zeros, the smallest subnormals.
@@ -209,7 +210,7 @@ def test_native_topk_edge_sizes(native):
     for rows, width, k in [(3, 1, 1), (2, 9, 9), (2, 9, 1), (1, 2048, 2048), (0, 10, 4)]:
         _assert_native_is_the_torch_path(torch.randn(rows, width, generator=gen), k)
     for shape, k in [((0, 10), 4), ((3, 10), 0), ((0, 0), 0)]:
-        values, columns = topk_lower_position_ties(torch.randn(shape), k)
+        values, columns = eager_topk(torch.randn(shape), k)
         assert values.shape == columns.shape == (shape[0], k)
         assert values.dtype == torch.float32 and columns.dtype == torch.int64
 
@@ -220,7 +221,7 @@ def test_native_topk_reads_strided_rows(native):
     for view in (base.T, base.T[::3], base.T[:, ::5], base[:300:2].T[1:]):
         assert not view.is_contiguous()
         for k in (1, 50, view.shape[1]):
-            got = topk_lower_position_ties(view, k)
+            got = eager_topk(view, k)
             assert _same(got, native_topk.topk(view.contiguous(), k))
             _assert_native_is_the_torch_path(view, k)
 
@@ -271,26 +272,26 @@ def test_native_topk_does_not_depend_on_the_thread_count(native):
     assert _same(results[0], _composite_topk(scores, 2048))
 
 
-def test_cpu_fp32_rows_take_the_native_kernel_unless_switched_off(native, monkeypatch: pytest.MonkeyPatch):
+def test_the_torch_backend_runs_cpu_fp32_rows_on_the_native_kernel_unless_switched_off(native, monkeypatch):
     gen = torch.Generator().manual_seed(7)
     scores = torch.randint(-3, 4, (4, 3000), generator=gen).float()
     with mock.patch.object(native_topk, "topk", wraps=native_topk.topk) as spy:
-        got = topk_lower_position_ties(scores, 2048)
+        got = eager_topk(scores, 2048)
     assert spy.call_count == 1
     monkeypatch.setenv(build.ENV_NATIVE, "0")
     assert not native_topk.availability()[0]
     with mock.patch.object(native_topk, "topk", wraps=native_topk.topk) as spy:
-        assert _same(topk_lower_position_ties(scores, 2048), got)
+        assert _same(eager_topk(scores, 2048), got)
     assert spy.call_count == 0
 
 
 def test_scores_that_need_a_gradient_keep_the_differentiable_torch_path(native):
     scores = torch.randn(2, 100, requires_grad=True)
-    values, columns = topk_lower_position_ties(scores, 10)
+    values, columns = eager_topk(scores, 10)
     values.sum().backward()
     assert scores.grad.sum() == 20 and (scores.grad.gather(-1, columns) == 1).all()
     with torch.no_grad():
-        assert _same(topk_lower_position_ties(scores, 10), (values.detach(), columns))
+        assert _same(eager_topk(scores, 10), (values.detach(), columns))
 
 
 def test_native_topk_op_has_a_fake():

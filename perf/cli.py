@@ -13,7 +13,7 @@ FLOPs and minimum bytes (perf/costs.py) turn the median into TFLOP/s, GB/s and t
 min(matmul peak, bandwidth x intensity) (perf/peaks.py: vendor figures for known accelerators, measured on the spot
 elsewhere or with --measure-peaks). Several backends run side by side with a speedup against the first; baselines
 (dense MLA attention, fp32 / bf16 matmul: perf/baselines.py) run once and give the `vs baseline` column. With
---fast-paths, every backend also runs once per GLM5_HAL_FAST_PATHS mode (glm5_hal.capabilities), labelled
+--fast-paths, every backend also runs once per GLM5_HAL_FAST_PATHS mode (backends.torch_eager.capabilities), labelled
 `<backend> fast=<mode>`, and the probe's choices for the device are printed and recorded in the JSON.
 """
 
@@ -31,7 +31,7 @@ from functools import partial
 import torch
 
 import glm5_hal
-from glm5_hal.capabilities import capabilities, fast_paths, parse_mode
+from backends.torch_eager.capabilities import capabilities, fast_paths, parse_mode
 from glm5_hal.cli.progress import ProgressBar
 from glm5_hal.registry import OP_NAMES, registry
 from glm5_hal.selection import OpNotImplementedError, use_backend

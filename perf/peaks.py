@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from glm5_hal import int8_gemms
+from backends.torch_eager import int8_gemms
 from perf.timing import device_module, time_calls
 
 
@@ -96,8 +96,8 @@ def _float_gemm(device: torch.device, dtype: torch.dtype) -> Callable[[int], Cal
 
 def _int8_gemms(device: torch.device) -> dict[str, Callable[[int], Callable[[dict], object]]]:
     """The int8 GEMMs torch can run here (the fastest counts as the int8 peak): the exact routes of
-    glm5_hal.int8_gemms (torch._int_mm; oneDNN u8 x s8 with a prepacked weight, prepared before timing), and on a
-    CPU the quantized engine's linear (fbgemm / oneDNN, u8 x s8, not necessarily exact)."""
+    backends.torch_eager.int8_gemms (torch._int_mm; oneDNN u8 x s8 with a prepacked weight, prepared before timing), and
+    on a CPU the quantized engine's linear (fbgemm / oneDNN, u8 x s8, not necessarily exact)."""
 
     def route_gemm(route: int8_gemms.Int8Gemm) -> Callable[[int], Callable[[dict], object]]:
         def make(size: int) -> Callable[[dict], object]:

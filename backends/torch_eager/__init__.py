@@ -8,9 +8,9 @@
 
 Arguments arrive validated by the public ops in glm5_hal; each implementation takes and returns exactly what its
 public op does. Everything but the GEMMs is computed in fp32 and outputs are cast back. The GEMMs take the path
-glm5_hal.capabilities chose for the device: fp32 operands (the conservative path, and always for fp32 inputs), or
-bf16 / fp16 operands with fp32 accumulation and an exact int8 GEMM where the device has faster units for them
-(GLM5_HAL_FAST_PATHS=0 forces the conservative path). Large working sets (the indexer's scores, sparse attention's
+backends.torch_eager.capabilities chose for the device: fp32 operands (the conservative path, and always for fp32
+inputs), or bf16 / fp16 operands with fp32 accumulation and an exact int8 GEMM where the device has faster units for
+them (GLM5_HAL_FAST_PATHS=0 forces the conservative path). Large working sets (the indexer's scores, sparse attention's
 gathered rows) are tiled so that memory stays bounded at real GLM-5 dims.
 """
 

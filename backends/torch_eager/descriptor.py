@@ -1,13 +1,19 @@
 """Descriptor of the `torch` backend: the portable PyTorch-eager implementation of every op."""
 
 from glm5_hal.kv_formats import FORMATS
-from glm5_hal.registry import ANY_DEVICE, Availability, Backend
+from glm5_hal.registry import ANY_DEVICE, Availability, Backend, BackendReport
 
 
 def _load_ops():
     from backends.torch_eager import OPS
 
     return OPS
+
+
+def _report() -> BackendReport:
+    from backends.torch_eager.report import report
+
+    return report()
 
 
 BACKEND = Backend(
@@ -18,4 +24,5 @@ BACKEND = Backend(
     # The floor of `auto`: every device torch has runs it, so every op has somewhere to go.
     auto_priority=0,
     kv_cache_dtypes=tuple(FORMATS),
+    report=_report,
 )

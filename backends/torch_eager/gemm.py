@@ -1,4 +1,4 @@
-"""The float GEMMs of one op call, in the precision glm5_hal.capabilities chose for the call's device and
+"""The float GEMMs of one op call, in the precision backends.torch_eager.capabilities chose for the call's device and
 activation dtype.
 
     gemm = gemm_for(x.dtype, x.device)
@@ -15,11 +15,11 @@ Two paths, one interface:
   amplified many times past the bf16 tolerance; the fuzz suite finds such inputs at small widths):
   * an fp32 operand (an intermediate: q_norm, the SwiGLU activation, softmax probabilities, decoded cache rows)
     enters as the sum of two parts in the operand dtype, hi = round(x) and lo = round(x - hi) (x to ~2^-16);
-  * the result comes back in fp32 where the device's GEMM can return it (out_dtype), or where glm5_hal.native's
-    bf16 x bf16 -> fp32 kernel runs (CPUs with AVX-512 BF16: `native`); elsewhere (other CPUs: bf16 results only)
-    the rounded result r is followed by r' = addmm(r, a, b, beta=-1), whose fp32 accumulator holds exactly the
-    rounding error, and the sum r + r' is the fp32 result to ~2^-16 (the probe checks once per device that the
-    GEMM adds in fp32 before it rounds; where it does not, the half path is not used).
+  * the result comes back in fp32 where the device's GEMM can return it (out_dtype), or where
+    backends.torch_eager.native's bf16 x bf16 -> fp32 kernel runs (CPUs with AVX-512 BF16: `native`); elsewhere (other
+    CPUs: bf16 results only) the rounded result r is followed by r' = addmm(r, a, b, beta=-1), whose fp32 accumulator
+    holds exactly the rounding error, and the sum r + r' is the fp32 result to ~2^-16 (the probe checks once per device
+    that the GEMM adds in fp32 before it rounds; where it does not, the half path is not used).
   A product that is the op's output (rounded to the activation dtype right after: `output=True`) skips the
   residual: its result is rounded anyway. With an fp32 operand's two parts, each part's product is rounded before
   their fp32 sum, which adds at most one more rounding of the output's own size (2^-9 |out|, plus 2^-18 of the
@@ -44,9 +44,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from backends.torch_eager.capabilities import capabilities
+from backends.torch_eager.native import bf16_gemm
 from backends.torch_eager.primitives import COMPUTE_DTYPE, linear
-from glm5_hal.capabilities import capabilities
-from glm5_hal.native import bf16_gemm
 
 
 def _stacked_parts(t: Tensor, dtype: torch.dtype, dim: int) -> tuple[Tensor, int]:
@@ -82,8 +82,8 @@ class Gemm:
     by the residual GEMM (see the module docstring). min_rows: products with fewer rows take the fp32 GEMM (the
     probe measured the residual's second pass over the weight to cost more than it saves there). max_work: products
     whose half-precision GEMMs would do more than this many times the product's own work (parts of fp32 operands
-    times passes) take the fp32 GEMM. native: the fp32 results come from glm5_hal.native.bf16_gemm (a CPU kernel
-    torch lacks; fp32_output is then True); a product that is the op's output still takes torch's GEMM, whose
+    times passes) take the fp32 GEMM. native: the fp32 results come from backends.torch_eager.native.bf16_gemm (a CPU
+    kernel torch lacks; fp32_output is then True); a product that is the op's output still takes torch's GEMM, whose
     rounded result is all it needs, and which is the faster one where the arithmetic, not the weight, sets the time.
     """
 
@@ -103,9 +103,9 @@ class Gemm:
         return self
 
     def takes_native(self, b: Tensor, output: bool) -> bool:
-        """Whether a product with column operand b runs on glm5_hal.native's kernel: not where it is the op's output
-        (torch's rounded GEMM is enough, and faster where arithmetic sets the time), and not where b is an fp32
-        operand: b is the weight-like one (a weight, the cache rows), and splitting it into parts with torch ops
+        """Whether a product with column operand b runs on backends.torch_eager.native's kernel: not where it is the
+        op's output (torch's rounded GEMM is enough, and faster where arithmetic sets the time), and not where b is an
+        fp32 operand: b is the weight-like one (a weight, the cache rows), and splitting it into parts with torch ops
         costs more per element (~0.9 ns on this project's CPU) than the kernel spends on it at these row counts.
         An fp32 `a` (activations: few rows) is split cheaply."""
         return self.native and not output and b.dtype == self.operand

@@ -3,8 +3,8 @@ per token I[t, s] = sum_j w[t, j] * ReLU(q[t, j] . k[s]) over the visible keys (
 
 The scores are computed tile by tile: a tile of tokens against a chunk of key positions, with the head
 reduction done inside the tile, so the [T, HI, S] product never exists (only [tokens, HI, chunk]). Where the GEMM
-path is glm5_hal.native's (bf16 on a CPU with AVX-512 BF16) and the cache holds bf16 rows, one native kernel does a
-token tile's products, ReLU and head reduction with the keys read in place from the cache (same fp32 arithmetic,
+path is backends.torch_eager.native's (bf16 on a CPU with AVX-512 BF16) and the cache holds bf16 rows, one native kernel
+does a token tile's products, ReLU and head reduction with the keys read in place from the cache (same fp32 arithmetic,
 no gathered copy and no [tokens, HI, chunk] intermediate).
 """
 
@@ -14,14 +14,14 @@ import torch
 from torch import Tensor
 
 from backends.torch_eager.gemm import gemm_for
+from backends.torch_eager.native import indexer_scores as native_scores
 from backends.torch_eager.paged import gather_rows
 from backends.torch_eager.primitives import COMPUTE_DTYPE, layer_norm, linear, rope_leading, rows_per_tile
 from backends.torch_eager.quantized_cache import row_reader, write_rows
+from backends.torch_eager.topk import topk as topk_lower_position_ties
 from glm5_hal.host_reads import host_reads_allowed
 from glm5_hal.kv_formats import AUTO
-from glm5_hal.native import indexer_scores as native_scores
 from glm5_hal.paged import token_positions, token_sequences
-from glm5_hal.topk import topk_lower_position_ties
 
 # Key positions scored per step; the token tile is then sized so that the gathered keys and the per-head dot
 # products of one step stay within the tile budget.

@@ -1,11 +1,11 @@
 """Quantization ops: per-token int8 quantization, and W8A8 / W4A8 GEMMs whose integer accumulators are exact.
 
-Where glm5_hal.capabilities found an exact int8 GEMM that beats fp32 on the device (glm5_hal.int8_gemms: oneDNN's
-u8 x s8 kernels on CPUs with VNNI / AMX, torch._int_mm on CUDA), the accumulators come from it; what it derives
-from a weight (a prepacked copy, unpacked int4 codes) is made once per weight (glm5_hal.weight_cache).
-Products with as few rows as the probe found glm5-hal's native VNNI kernel faster for (decode, short prefill) run it
-instead: the weight in the kernel's panels (copied once per weight; W4A8 read at 4 bits), the scaling fused, the
-same bits (glm5_hal.native.int8_gemm).
+Where backends.torch_eager.capabilities found an exact int8 GEMM that beats fp32 on the device
+(backends.torch_eager.int8_gemms: oneDNN's u8 x s8 kernels on CPUs with VNNI / AMX, torch._int_mm on CUDA), the
+accumulators come from it; what it derives from a weight (a prepacked copy, unpacked int4 codes) is made once per weight
+(glm5_hal.weight_cache). Products with as few rows as the probe found glm5-hal's native VNNI kernel faster for (decode,
+short prefill) run it instead: the weight in the kernel's panels (copied once per weight; W4A8 read at 4 bits), the
+scaling fused, the same bits (backends.torch_eager.native.int8_gemm).
 Otherwise, and with GLM5_HAL_FAST_PATHS=0, they come from the conservative path below.
 
 Exactness without an integer GEMM: fp32 holds every integer of magnitude <= 2^24 exactly, and every partial sum of
@@ -20,10 +20,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from backends.torch_eager.capabilities import capabilities
+from backends.torch_eager.int8_gemms import NATIVE_VNNI, Int8Gemm
+from backends.torch_eager.native import int8_gemm
 from backends.torch_eager.primitives import COMPUTE_DTYPE, rows_per_tile
-from glm5_hal.capabilities import capabilities
-from glm5_hal.int8_gemms import NATIVE_VNNI, Int8Gemm
-from glm5_hal.native import int8_gemm
 from glm5_hal.weight_cache import derived
 
 FP32_EXACT_INTEGER = 2**24
@@ -67,7 +67,8 @@ def int8_matmul(a: Tensor, b: Tensor) -> Tensor:
 
 
 def _takes_native(x_q: Tensor) -> bool:
-    """Whether the probe chose glm5-hal's native int8 kernel for a product with x_q's rows (glm5_hal.native)."""
+    """Whether the probe chose glm5-hal's native int8 kernel for a product with x_q's rows
+    (backends.torch_eager.native)."""
     device = x_q.device
     return device.type == "cpu" and capabilities(device).int8.takes_native(x_q.shape[0])
 

@@ -2,10 +2,10 @@
 attends over them: [gather -> scores [tile, H, topk] -> masked softmax -> @ V].
 
 Tokens are processed in tiles sized to bound the working set; no tensor ever spans the whole context, only the
-topk selected rows of each token. Where the GEMM path is glm5_hal.native's (bf16 on a CPU with AVX-512 BF16) and the
-cache holds bf16 rows, one native kernel per token does the scores, the fp32 softmax and the value product, reading
-the selected rows in place (no gather, no copy of V, no [T, topk, H] scores in memory) with the same fp32
-arithmetic (glm5_hal/native/sparse_attention.py).
+topk selected rows of each token. Where the GEMM path is backends.torch_eager.native's (bf16 on a CPU with AVX-512 BF16)
+and the cache holds bf16 rows, one native kernel per token does the scores, the fp32 softmax and the value product,
+reading the selected rows in place (no gather, no copy of V, no [T, topk, H] scores in memory) with the same fp32
+arithmetic (backends/torch_eager/native/sparse_attention.py).
 """
 
 from __future__ import annotations
@@ -14,12 +14,12 @@ import torch
 from torch import Tensor
 
 from backends.torch_eager.gemm import gemm_for
+from backends.torch_eager.native import sparse_attention as native_attention
 from backends.torch_eager.paged import gather_rows
 from backends.torch_eager.primitives import COMPUTE_DTYPE, rows_per_tile
 from backends.torch_eager.quantized_cache import row_reader
 from glm5_hal.host_reads import host_reads_allowed
 from glm5_hal.kv_formats import AUTO
-from glm5_hal.native import sparse_attention as native_attention
 from glm5_hal.paged import key_slots, slot_rows, token_sequences
 
 

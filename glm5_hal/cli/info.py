@@ -1,5 +1,6 @@
-"""`glm5-hal info`: the hardware torch sees, every backend (available or why not), who runs each op, and which fast
-GEMM paths the portable backends use on each device and why (glm5_hal.capabilities)."""
+"""`glm5-hal info`: the hardware torch sees, every backend (available or why not), who runs each op, and each
+available backend's own report (Backend.report: the torch backend's GEMM routes and native kernels, a vendor's
+kernel per op)."""
 
 from __future__ import annotations
 
@@ -9,9 +10,6 @@ import platform
 
 import torch
 
-from glm5_hal.capabilities import capabilities
-from glm5_hal.native import bf16_gemm, build, indexer_scores, int8_gemm, sparse_attention
-from glm5_hal.native import topk as native_topk
 from glm5_hal.registry import ALL_OP_NAMES, OP_NAMES, registry
 from glm5_hal.selection import BackendError, requested_backend, resolve
 
@@ -55,24 +53,26 @@ def op_table(name: str) -> dict[str, str]:
     return table
 
 
-def fast_paths() -> dict[str, dict[str, object]]:
-    """Per device torch can use here (the CPU, every CUDA device): the probe's choices, or the error that stopped
-    it (a bad GLM5_HAL_FAST_PATHS value)."""
-    found: dict[str, dict[str, object]] = {}
-    for device in ["cpu"] + [f"cuda:{i}" for i in range(torch.cuda.device_count())]:
-        try:
-            found[device] = capabilities(device).as_dict()
-        except ValueError as exc:
-            found[device] = {"error": str(exc)}
-    return found
+def _report(name: str) -> dict[str, object] | None:
+    """The backend's own section (Backend.report), asked only of an available backend; a report that raises is a
+    bug of that backend, shown as such rather than stopping `info`."""
+    reg = registry()
+    backend = reg.get(name)
+    if backend is None or backend.report is None or not reg.availability(name).available:
+        return None
+    try:
+        report = backend.report()
+    except Exception as exc:  # noqa: BLE001 (one backend's broken report must not hide the others)
+        return {"lines": [f"{name}: its report failed: {type(exc).__name__}: {exc}"], "data": {}}
+    return {"lines": list(report.lines), "data": dict(report.data)}
 
 
-def native_kernels() -> dict[str, object]:
-    """glm5_hal.native's state: on or off, the build cache (and why it is where it is, or why there is none), and
-    each kernel build the routes use on this CPU, asked for here (built on first use): loaded, or why not."""
-    for module in (bf16_gemm, indexer_scores, sparse_attention, int8_gemm, native_topk):
-        module.availability()  # the build each route takes; the answer lands in build.status()
-    return build.status()
+def report_data(info: dict[str, object], backend: str) -> dict[str, object]:
+    """The JSON data of `backend`'s report in `info` (collect(), or `info --json` parsed); {} if it has none."""
+    for entry in info["backends"]:
+        if entry["name"] == backend:
+            return (entry["report"] or {}).get("data", {})
+    raise KeyError(f"backend: expected one of {[e['name'] for e in info['backends']]}, got {backend!r}")
 
 
 def collect() -> dict[str, object]:
@@ -92,6 +92,7 @@ def collect() -> dict[str, object]:
                 "float64": backend.float64 if backend else False,
                 "ops": op_table(name),
                 "notes": list(backend.notes) if backend else [],
+                "report": _report(name),
             }
         )
     selection = {}
@@ -104,12 +105,10 @@ def collect() -> dict[str, object]:
     requested, strict = requested_backend(OP_NAMES[0])
     return {
         "hardware": hardware(),
-        "fast_paths": fast_paths(),
         "requested": requested,
         "strict": strict,
         "backends": backends,
         "cpu_selection": selection,
-        "native_kernels": native_kernels(),
     }
 
 
@@ -140,17 +139,11 @@ def run(args: argparse.Namespace) -> int:
             print(f"  {'':<10} native: {', '.join(native) or 'none'}")
             for op, how in other.items():
                 print(f"  {'':<10} {op}: {how}")
-    print("\nfast GEMM paths of the portable backends (GLM5_HAL_FAST_PATHS: auto, 0 = conservative fp32, 1 = all)")
-    for device, choice in data["fast_paths"].items():
-        for line in choice.get("summary", [f"{device}: {choice.get('error')}"]):
-            print(f"  {line}")
-    native = data["native_kernels"]
-    state = "on" if native["enabled"] else "off (GLM5_HAL_NATIVE)"
-    print(f"\nnative CPU kernels (glm5_hal/native): {state}; build cache {native['cache_dir'] or 'none'}")
-    if native["cache_note"]:
-        print(f"  cache: {native['cache_note']}")
-    for kernel, how in native["kernels"].items():
-        print(f"  {kernel:<28} {how}")
+    for b in data["backends"]:
+        if b["report"]:
+            print()
+            for line in b["report"]["lines"]:
+                print(line)
     print("\nwho runs each op on cpu tensors now")
     for op, sel in data["cpu_selection"].items():
         # The backends list above already says why the others were not considered; keep one line per op.

@@ -8,14 +8,14 @@ a short measurement on the device itself:
   half-precision operands (fp32 accumulation; softmax statistics, norms and lse stay fp32). fp16 additionally
   needs a GEMM that hands back fp32 (`out_dtype=torch.float32`): an fp16 result could overflow where fp32 does not,
   and its rounding (2^-11) is a large part of the fp16 tolerance. A bf16 result has fp32's exponent range; where
-  torch has no fp32-result GEMM, glm5_hal.native's bf16 kernels give one on CPUs with AVX-512 BF16 (checked for
-  exactness on the device, GLM5_HAL_NATIVE=0 turns them off); elsewhere the rounded result is followed by a
+  torch has no fp32-result GEMM, backends.torch_eager.native's bf16 kernels give one on CPUs with AVX-512 BF16 (checked
+  for exactness on the device, GLM5_HAL_NATIVE=0 turns them off); elsewhere the rounded result is followed by a
   residual GEMM that recovers its rounding
   (backends/torch_eager/gemm.py), if the probe finds that the GEMM adds in fp32 before it rounds; the probe also
   measures where those extra passes cost more than bf16 saves (few rows; fp32 operands that enter in two parts),
   and there the products stay fp32.
-- an exact int8 GEMM (int8 x int8 -> int32, glm5_hal.int8_gemms): which route runs here, is it bit-exact at large
-  K with extreme codes (checked on the device every time), and is it faster than the fp32 GEMM? Otherwise the
+- an exact int8 GEMM (int8 x int8 -> int32, backends.torch_eager.int8_gemms): which route runs here, is it bit-exact at
+  large K with extreme codes (checked on the device every time), and is it faster than the fp32 GEMM? Otherwise the
   quantized ops keep their exact chunked-fp32 path.
 
 Facts: the accelerator types the project targets (CUDA, NPU, MLU, MUSA, GCU; and Intel XPU) have bf16 / fp16 /
@@ -45,11 +45,11 @@ from typing import Protocol
 
 import torch
 
-from glm5_hal import int8_gemms
+from backends.torch_eager import int8_gemms
+from backends.torch_eager.native import bf16_gemm, build
 from glm5_hal.checks import check
 from glm5_hal.cpu_flags import cache_flush_bytes, parse_cpuinfo, this_cpu
 from glm5_hal.environment import parsed_setting, raw_setting
-from glm5_hal.native import bf16_gemm, build
 
 ENV_FAST_PATHS = "GLM5_HAL_FAST_PATHS"
 AUTO, OFF, FORCE = "auto", "off", "force"
@@ -217,8 +217,8 @@ class Probe(Protocol):
         """Whether a GEMM of `dtype` operands can hand back fp32 (torch.mm(..., out_dtype=torch.float32))."""
 
     def native_gemm(self, dtype: torch.dtype) -> tuple[bool, str]:
-        """Whether glm5_hal.native's `dtype` x `dtype` -> fp32 GEMM runs here and is exact (fp32 sums of the exact
-        products), and what runs or why not: the fp32 result torch's own GEMM lacks on CPUs."""
+        """Whether backends.torch_eager.native's `dtype` x `dtype` -> fp32 GEMM runs here and is exact (fp32 sums of the
+        exact products), and what runs or why not: the fp32 result torch's own GEMM lacks on CPUs."""
 
     def native_speedup(self, dtype: torch.dtype) -> float:
         """Time of the fp32 GEMM / time of the native `dtype` GEMM, at PROBE_SHAPE."""
@@ -411,7 +411,7 @@ class HalfChoice:
     """Whether ops with `dtype` activations give their GEMMs `dtype` operands (fp32 accumulation), and how the
     result comes back: fp32_output = the GEMM returns its fp32 accumulators, else its `dtype` result plus the residual
     GEMM that recovers its rounding (backends/torch_eager/gemm.py). native: the fp32 results come from
-    glm5_hal.native's kernel (torch's GEMM here returns `dtype` only)."""
+    backends.torch_eager.native's kernel (torch's GEMM here returns `dtype` only)."""
 
     dtype: torch.dtype
     use: bool
@@ -458,7 +458,7 @@ class Int8Choice:
         return path
 
     def takes_native(self, rows: int) -> bool:
-        """Whether a product of `rows` rows runs the native kernel (glm5_hal.native.int8_gemm)."""
+        """Whether a product of `rows` rows runs the native kernel (backends.torch_eager.native.int8_gemm)."""
         return self.route == int8_gemms.NATIVE_VNNI.name or 0 < rows <= self.native_rows
 
 

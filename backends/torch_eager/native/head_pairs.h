@@ -1,5 +1,5 @@
 /* What the kernels that put heads in vector lanes share (indexer_scores.c, sparse_attention.c): q packed as
- * [ceil(D / 2)][hp][2] bf16 (glm5_hal/native/packing.py: per pair of dims, every head's two values), keys as bf16
+ * [ceil(D / 2)][hp][2] bf16 (backends/torch_eager/native/packing.py: per pair of dims, every head's two values), keys as bf16
  * rows read in place, and prefetching of those rows (they are scattered over the cache, and a tile reads them a pair
  * of dims at a time, too slowly for the hardware prefetchers to run ahead). */
 #ifndef GLM5_HAL_HEAD_PAIRS_H

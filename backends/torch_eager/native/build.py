@@ -4,7 +4,8 @@ compiler into a per-user cache, loaded with ctypes.
 Nothing here runs at import. `load(kernel, isa)` returns the loaded library or raises NativeUnavailable with the
 reason (native kernels switched off, the CPU lacks the instruction set, no compiler, the compiler failed or hung, no
 writable cache, a library without the kernel's functions): callers turn that into "keep the torch path"
-(glm5_hal.capabilities), never into a crash. `glm5-hal info` shows the cache and each kernel's state (`status`).
+(backends.torch_eager.capabilities), never into a crash. `glm5-hal info` shows the cache and each kernel's state
+(`status`).
 
 - GLM5_HAL_NATIVE=0 switches the native kernels off (the torch paths run; for bisecting numerics or speed).
 - GLM5_HAL_CACHE_DIR: where built libraries go (default $XDG_CACHE_HOME/glm5_hal, else ~/.cache/glm5_hal; where
@@ -352,7 +353,7 @@ def availability(kernel: str, isa: str) -> tuple[bool, str]:
         load(kernel, isa)
     except NativeUnavailable as exc:
         return False, str(exc)
-    return True, f"{kernel}_{isa} (glm5_hal/native/{kernel}.c)"
+    return True, f"{kernel}_{isa} (backends/torch_eager/native/{kernel}.c)"
 
 
 def status() -> dict[str, object]:

@@ -22,9 +22,9 @@ import ctypes
 import torch
 from torch import Tensor
 
+from backends.torch_eager.native import build
+from backends.torch_eager.native import threads as threads_
 from glm5_hal.checks import check
-from glm5_hal.native import build
-from glm5_hal.native import threads as threads_
 
 FAST = "avx512_bf16"  # build.ISAS: the kernel the backend uses
 PORTABLE = "portable"  # the same blocking with scalar arithmetic (tests, any CPU)
@@ -75,8 +75,8 @@ def _run(a: Tensor, b: Tensor, isa: str, threads: int | None) -> Tensor:
 
 def bmm_nt(a: Tensor, b: Tensor, *, isa: str = FAST, threads: int | None = None) -> Tensor:
     """a [B, M, K] bf16 @ b [B, N, K]^T bf16 -> [B, M, N] fp32, on the CPU (any strides; a batch stride of 0, as
-    from expand, reads the same matrix for every batch). isa: the build (glm5_hal.native.build.ISAS; the default is
-    the AVX-512 BF16 one; build.NativeUnavailable where it cannot run). threads: default torch's."""
+    from expand, reads the same matrix for every batch). isa: the build (backends.torch_eager.native.build.ISAS; the
+    default is the AVX-512 BF16 one; build.NativeUnavailable where it cannot run). threads: default torch's."""
     for name, t in (("a", a), ("b", b)):
         check(t.dim() == 3, ValueError, lambda t=t, n=name: f"{n}: expected [B, rows, K], got shape {tuple(t.shape)}")
         check(t.dtype == torch.bfloat16, TypeError, lambda t=t, n=name: f"{n}: expected bfloat16, got {t.dtype}")

@@ -9,8 +9,8 @@
     y = run_w8a8(x_q, weight, x_scale, w_scale, bias, torch.bfloat16)  # per call, arguments already validated
 
 Both kernels read the weight in panels of 64 columns (panel_weight / panel_int4_weight: a copy made once per weight,
-as oneDNN's route reorders the weight into its blocked layout once, glm5_hal.int8_gemms); a weight passed as stored
-is copied into panels on every call. W4A8 keeps the int4 codes at 4 bits in its panels and splits the nibbles in
+as oneDNN's route reorders the weight into its blocked layout once, backends.torch_eager.int8_gemms); a weight passed as
+stored is copied into panels on every call. W4A8 keeps the int4 codes at 4 bits in its panels and splits the nibbles in
 registers, so it streams half the bytes of W8A8 (torch has no int4 x int8 GEMM; without this kernel the codes are
 unpacked to int8 once per weight and read at 8 bits); the activations are read as they are. The integer sums are
 exact (int8_gemm.c says how); the fused epilogues are the torch route's fp32 steps, in its order
@@ -28,9 +28,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from backends.torch_eager.native import build
+from backends.torch_eager.native import threads as threads_
 from glm5_hal.checks import check
-from glm5_hal.native import build
-from glm5_hal.native import threads as threads_
 
 FAST = "avx512_vnni"  # build.ISAS: the kernel the backend uses
 PORTABLE = "portable"  # the same blocking with scalar arithmetic (tests, any CPU)

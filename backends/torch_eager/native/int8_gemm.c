@@ -19,9 +19,9 @@
  * in registers over a K block; the panel's K block (256 KiB) stays in L2 while the row blocks go by, and the int32
  * sums wait in `sums` between K blocks. Activation bytes past K read as 0, so the weight's padding adds nothing.
  *
- * Built twice by glm5_hal/native/build.py: with -mavx512vnni, and without it (GLM5_PORTABLE: the same blocking
+ * Built twice by backends/torch_eager/native/build.py: with -mavx512vnni, and without it (GLM5_PORTABLE: the same blocking
  * around scalar arithmetic, for testing it on any CPU). Both give the exact integer sums and the same epilogue bits;
- * glm5_hal/native/int8_gemm.py has the Python side.
+ * backends/torch_eager/native/int8_gemm.py has the Python side.
  */
 #include <stdint.h>
 #include <stdlib.h>

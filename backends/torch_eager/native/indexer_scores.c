@@ -7,7 +7,7 @@
  * layout VDPBF16PS multiplies against one broadcast pair of a key), keys the independent accumulators: a tile is
  * KEYS keys x 32 heads. The products are exact in fp32 and every sum is an fp32 add, as in the fp32 path; relu
  * keeps NaN (max(0, x) returns x when x is NaN), and heads past H contribute nothing, even where a key holds inf
- * or NaN (their lanes are zeroed by mask, not multiplied by a zero weight). glm5_hal/native/indexer_scores.py has
+ * or NaN (their lanes are zeroed by mask, not multiplied by a zero weight). backends/torch_eager/native/indexer_scores.py has
  * the Python side; built with and without AVX-512 BF16 like bf16_gemm.c.
  */
 #include <math.h>

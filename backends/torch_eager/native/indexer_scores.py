@@ -19,10 +19,10 @@ import ctypes
 import torch
 from torch import Tensor
 
+from backends.torch_eager.native import build
+from backends.torch_eager.native import threads as threads_
+from backends.torch_eager.native.packing import HEAD_LANES, head_pairs
 from glm5_hal.checks import check
-from glm5_hal.native import build
-from glm5_hal.native import threads as threads_
-from glm5_hal.native.packing import HEAD_LANES, head_pairs
 
 FAST = "avx512_bf16"
 PORTABLE = "portable"
@@ -104,7 +104,7 @@ def scores(
     threads: int | None = None,
 ) -> Tensor:
     """The scores described in the module docstring, written into `out` ([T, width] fp32, rows contiguous) if
-    given. isa: the build (glm5_hal.native.build.ISAS). threads: default torch's."""
+    given. isa: the build (backends.torch_eager.native.build.ISAS). threads: default torch's."""
     tokens = q.shape[0]
     check(
         q.dim() == 3 and q.dtype == torch.bfloat16,

@@ -5,9 +5,9 @@ radix select and one radix sort of the k chosen per row.
     values, columns = topk(scores, k)   # scores [N, S] fp32 on the CPU, any strides; 0 <= k <= S
                                         # -> values [N, k] fp32 (the row's own bits), columns [N, k] int64
 
-Plain C with no instruction-set needs (built as glm5_hal.native.build's "portable"). Runs on torch's intra-op
-thread count, split by rows; the custom op torch.ops.glm5_hal.native_topk is what aten-level spies, FakeTensor and
-torch.compile see.
+Plain C with no instruction-set needs (built as backends.torch_eager.native.build's "portable"). Runs on torch's
+intra-op thread count, split by rows; the custom op torch.ops.glm5_hal.native_topk is what aten-level spies, FakeTensor
+and torch.compile see.
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ import ctypes
 import torch
 from torch import Tensor
 
+from backends.torch_eager.native import build
+from backends.torch_eager.native import threads as threads_
 from glm5_hal.checks import check
-from glm5_hal.native import build
-from glm5_hal.native import threads as threads_
 
 ISA = "portable"  # the only build: plain C (radix passes over memory; intrinsics would add little)
 MAX_WIDTH = (1 << 31) - 1  # topk.c keeps columns in 32 bits

@@ -1,6 +1,6 @@
 """Native CPU kernels for what torch's CPU kernels lack, built on first use with the machine's C compiler
-(build.py) and used only where glm5_hal.capabilities chose glm5_hal's native path (the CPU has the instructions, the
-GEMM is exact and faster there; GLM5_HAL_NATIVE=0 turns them off).
+(build.py) and used only where backends.torch_eager.capabilities chose glm5_hal's native path (the CPU has the
+instructions, the GEMM is exact and faster there; GLM5_HAL_NATIVE=0 turns them off).
 
 One module per kernel, each a C source beside it and a Python wrapper that checks its arguments:
 - bf16_gemm: bf16 x bf16 -> fp32 GEMM (what backends/torch_eager/gemm.py takes for products that must stay fp32);

@@ -3,9 +3,9 @@
  *   C[b][m][n] = sum_k A[b][m][k] * B[b][n][k]      A, B bf16 (raw uint16 bits), C fp32
  *
  * Every product of two bf16 values is exact in fp32 and every sum is an fp32 add: the result is the fp32 GEMM of
- * the upcast operands up to the order of the sums (glm5_hal/native/bf16_gemm.py has the Python side).
+ * the upcast operands up to the order of the sums (backends/torch_eager/native/bf16_gemm.py has the Python side).
  *
- * Built twice by glm5_hal/native/build.py:
+ * Built twice by backends/torch_eager/native/build.py:
  * - with -mavx512bf16: a 4 x 4 tile of 512-bit accumulators fed by VDPBF16PS (32 bf16 pairs per instruction), one
  *   accumulator per output, reduced to the tile's 16 results at the end of each K block;
  * - without it (GLM5_PORTABLE): the same loops around a scalar tile, for testing the blocking on any CPU.

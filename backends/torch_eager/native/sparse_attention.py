@@ -27,10 +27,10 @@ import ctypes
 import torch
 from torch import Tensor
 
+from backends.torch_eager.native import build
+from backends.torch_eager.native import threads as threads_
+from backends.torch_eager.native.packing import head_pairs
 from glm5_hal.checks import check
-from glm5_hal.native import build
-from glm5_hal.native import threads as threads_
-from glm5_hal.native.packing import head_pairs
 
 FAST = "avx512_bf16"
 PORTABLE = "portable"
@@ -112,7 +112,7 @@ def attention(
     threads: int | None = None,
 ) -> tuple[Tensor, Tensor]:
     """(out, lse) as described in the module docstring. out_dtype: bf16 (the op's) or fp32 (the unrounded result,
-    for tests). isa: the build (glm5_hal.native.build.ISAS). threads: default torch's."""
+    for tests). isa: the build (backends.torch_eager.native.build.ISAS). threads: default torch's."""
     _check_arguments(q, rows, slots, d_v, out_dtype)
     if isa == FAST and threads is None and out_dtype == torch.bfloat16:
         return torch.ops.glm5_hal.native_sparse_attention(q, rows, slots, scale, d_v)

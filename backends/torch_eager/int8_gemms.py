@@ -8,21 +8,22 @@ fp32 (acc.to(float32), the conversion every quantized op applies before scaling)
 
 The accumulator is always a new tensor (never the weight, a cache or an input), so callers scale it in place.
 
-Routes (fastest first where both run; glm5_hal.capabilities measures which one wins on a device):
+Routes (fastest first where both run; backends.torch_eager.capabilities measures which one wins on a device):
 - ONEDNN_U8S8: oneDNN's quantized linear (torch.ops.onednn, the kernels behind torch.compile's x86 int8 path), on
   CPUs. The weight is reordered once into oneDNN's blocked layout (`prepare`, slow: cache it); activations go in as
   u8 = x_q + 128 with zero point 128, which oneDNN removes exactly with a precomputed per-column weight sum. Exact
   where oneDNN runs it on VNNI / AMX dot-product instructions (int32 sums); on CPUs without them it may use 16-bit
   saturating pair sums (AVX2 vpmaddubsw), which is why the probe checks exactness on the device before use.
-- NATIVE_VNNI: glm5-hal's own kernel (glm5_hal/native/int8_gemm.c) on CPUs with AVX-512 VNNI, u8 x s8 with the
-  weight's zero point removed through the activations' row sums (exact modulo 2^32). The weight is copied once into
+- NATIVE_VNNI: glm5-hal's own kernel (backends/torch_eager/native/int8_gemm.c) on CPUs with AVX-512 VNNI, u8 x s8 with
+  the weight's zero point removed through the activations' row sums (exact modulo 2^32). The weight is copied once into
   panels of 64 columns that the kernel streams sequentially (software prefetch; activations broadcast 4 bytes at a
   time, one output per lane); its W4A8 variant reads int4 weights at 4 bits. The probe measures up to how many rows
-  it beats the general route on a weight from memory (glm5_hal.capabilities).
+  it beats the general route on a weight from memory (backends.torch_eager.capabilities).
 - INT_MM: torch._int_mm, cuBLAS on CUDA (M > 16, K and N multiples of 8), oneDNN s8 x s8 on CPUs (any shape). The
   weight needs no preparation; on CPUs oneDNN reorders it on every call, so it trails ONEDNN_U8S8 there.
 
-Nothing here decides whether a route is used: that is glm5_hal.capabilities (exactness and speed on the device).
+Nothing here decides whether a route is used: that is backends.torch_eager.capabilities (exactness and speed on the
+device).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from glm5_hal.native import int8_gemm
+from backends.torch_eager.native import int8_gemm
 
 # u8 = s8 + 128: the zero point that maps int8 codes onto oneDNN's unsigned activations without loss.
 U8_ZERO_POINT = 128

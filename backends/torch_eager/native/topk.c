@@ -13,7 +13,7 @@
  *      share the digit): stability keeps equal keys in column order, which is the contract's order.
  *
  * Values are the row's own fp32 bits at the chosen columns (-0.0 and NaN payloads stay as they were). Plain C, no
- * intrinsics: every step is a pass over the row or the few k chosen. glm5_hal/native/topk.py has the Python side.
+ * intrinsics: every step is a pass over the row or the few k chosen. backends/torch_eager/native/topk.py has the Python side.
  */
 #include <stdint.h>
 #include <stdlib.h>

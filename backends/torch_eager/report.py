@@ -1,0 +1,47 @@
+"""The torch backend's section of `glm5-hal info`: the GEMM routes the probe chose per device (capabilities.py) and
+the native CPU kernels' state (native/build.py), as text lines and as JSON (glm5_hal.registry.BackendReport)."""
+
+from __future__ import annotations
+
+import torch
+
+from backends.torch_eager.capabilities import capabilities
+from backends.torch_eager.native import bf16_gemm, build, indexer_scores, int8_gemm, sparse_attention
+from backends.torch_eager.native import topk as native_topk
+from glm5_hal.registry import BackendReport
+
+
+def fast_paths() -> dict[str, dict[str, object]]:
+    """Per device torch can use here (the CPU, every CUDA device): the probe's choices, or the error that stopped
+    it (a bad GLM5_HAL_FAST_PATHS value)."""
+    found: dict[str, dict[str, object]] = {}
+    for device in ["cpu"] + [f"cuda:{i}" for i in range(torch.cuda.device_count())]:
+        try:
+            found[device] = capabilities(device).as_dict()
+        except ValueError as exc:
+            found[device] = {"error": str(exc)}
+    return found
+
+
+def native_kernels() -> dict[str, object]:
+    """The native kernels' state: on or off, the build cache (and why it is where it is, or why there is none), and
+    each kernel build the routes use on this CPU, asked for here (built on first use): loaded, or why not."""
+    for module in (bf16_gemm, indexer_scores, sparse_attention, int8_gemm, native_topk):
+        module.availability()  # the build each route takes; the answer lands in build.status()
+    return build.status()
+
+
+def report() -> BackendReport:
+    data = {"fast_paths": fast_paths(), "native_kernels": native_kernels()}
+    lines = ["fast GEMM paths of the torch backend (GLM5_HAL_FAST_PATHS: auto, 0 = conservative fp32, 1 = all)"]
+    for device, choice in data["fast_paths"].items():
+        lines += [f"  {line}" for line in choice.get("summary", [f"{device}: {choice.get('error')}"])]
+    native = data["native_kernels"]
+    state = "on" if native["enabled"] else "off (GLM5_HAL_NATIVE)"
+    lines.append(
+        f"native CPU kernels (backends/torch_eager/native): {state}; build cache {native['cache_dir'] or 'none'}"
+    )
+    if native["cache_note"]:
+        lines.append(f"  cache: {native['cache_note']}")
+    lines += [f"  {kernel:<28} {how}" for kernel, how in native["kernels"].items()]
+    return BackendReport(tuple(lines), data)
