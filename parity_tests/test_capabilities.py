@@ -35,30 +35,35 @@ NATIVE_INT8 = int8_gemms.NATIVE_VNNI.name
 
 
 class FakeProbe:
-    """Measurements on demand, with a record of what was asked (a decision that needs none must ask nothing)."""
+    """Measurements on demand, with a record of what was asked (a decision that needs none must ask nothing).
+
+    speed: per route name, its speed over fp32 on every family's workload; times: per (family, rows), per route name,
+    seconds that replace those (rows 0 for the families measured at one shape).
+    """
 
     def __init__(
         self,
-        half: dict[torch.dtype, float] | None = None,
+        speed: dict[str, float] | None = None,
+        times: dict[tuple[str, int], dict[str, float]] | None = None,
         fp32_output: bool = False,
         exact: dict[str, bool] | None = None,
         int8: dict[str, float] | None = None,
         residual_exact: bool = True,
-        min_rows: int = 1,
         native: tuple[bool, str] = (False, "no native kernel in this fake"),
-        native_speedup: float = 0.0,
         streaming_rows: int = 0,
     ) -> None:
-        self.half, self._fp32_output, self._residual_exact = half or {}, fp32_output, residual_exact
-        self._min_rows = min_rows
-        self._native, self._native_speedup = native, native_speedup
+        self.speed, self.times = speed or {}, times or {}
+        self._fp32_output, self._residual_exact, self._native = fp32_output, residual_exact, native
         self.exact, self.int8 = exact or {}, int8 or {}
         self._streaming_rows = streaming_rows
         self.asked: list[str] = []
 
-    def half_speedup(self, dtype: torch.dtype) -> float:
-        self.asked.append(f"half_speedup {dtype}")
-        return self.half[dtype]
+    def route_times(self, dtype: torch.dtype, family: str, routes: tuple, rows: int) -> dict[str, float]:
+        self.asked.append(f"route_times {dtype} {family} {rows}")
+        key = (family, rows if family == caps.WEIGHTS else 0)
+        if key in self.times:
+            return {r.name: self.times[key][r.name] for r in routes}
+        return {r.name: 1.0 / self.speed.get(r.name, 1.0) if r.name != caps.FP32 else 1.0 for r in routes}
 
     def fp32_output(self, dtype: torch.dtype) -> bool:
         self.asked.append(f"fp32_output {dtype}")
@@ -68,17 +73,9 @@ class FakeProbe:
         self.asked.append(f"native_gemm {dtype}")
         return self._native
 
-    def native_speedup(self, dtype: torch.dtype) -> float:
-        self.asked.append(f"native_speedup {dtype}")
-        return self._native_speedup
-
     def residual_exact(self, dtype: torch.dtype) -> bool:
         self.asked.append(f"residual_exact {dtype}")
         return self._residual_exact
-
-    def residual_min_rows(self, dtype: torch.dtype) -> int:
-        self.asked.append(f"residual_min_rows {dtype}")
-        return self._min_rows
 
     def int8_exact(self, route: int8_gemms.Int8Gemm) -> tuple[bool, str]:
         self.asked.append(f"int8_exact {route.name}")
@@ -101,88 +98,103 @@ def _cpu(cpuinfo: str) -> DeviceFacts:
 # ------------------------------------------------------------------------------------------------ decisions
 
 
+def _all(got: caps.Capabilities, dtype: torch.dtype = torch.bfloat16) -> list[caps.HalfChoice]:
+    return list(got.half[dtype].values())
+
+
 def test_cpu_without_bf16_or_int8_units_keeps_the_conservative_path_and_measures_nothing():
-    probe = FakeProbe()  # any measurement would raise KeyError: nothing is configured
+    probe = FakeProbe()
     got = decide(_cpu(AVX2_ZEN3), probe, AUTO)
     assert probe.asked == []
-    assert not any(choice.use for choice in got.half.values())
+    assert not any(choice.use for dtype in caps.HALF_DTYPES for choice in _all(got, dtype))
     assert got.int8.route is None and got.int8_route() is None
-    assert "no CPU flag avx512_bf16" in got.half[torch.bfloat16].reason
+    assert all("no CPU flag avx512_bf16" in c.reason for c in _all(got))
     assert "no int8 dot-product units" in got.int8.reason
     # The same choices as GLM5_HAL_FAST_PATHS=0: the backend runs exactly the conservative code.
     off = caps.capabilities("cpu", "0")
-    assert [c.use for c in got.half.values()] == [c.use for c in off.half.values()]
-    assert got.int8.route == off.int8.route is None
+    assert all(not c.use for c in _all(off)) and got.int8.route == off.int8.route is None
+    for dtype in caps.HALF_DTYPES:
+        assert [(c.small, c.large) for c in _all(got, dtype)] == [(c.small, c.large) for c in _all(off, dtype)]
 
 
 def test_a_rounded_result_that_cannot_be_recovered_keeps_the_conservative_path():
     """bf16 GEMMs that return bf16 only, on a device whose addmm rounds before it adds: every intermediate would be
-    rounded, so the half path is refused before anything is timed, in every mode (=1 included)."""
+    rounded, so the half route is refused before anything is timed, in every mode (=1 included)."""
     for mode in (AUTO, FORCE):
-        probe = FakeProbe(half={torch.bfloat16: 4.0}, residual_exact=False)
-        bf16 = decide(_cpu(ZEN5), probe, mode).half[torch.bfloat16]
-        assert not bf16.use and "addmm rounds before it adds" in bf16.reason
+        probe = FakeProbe(speed={caps.HALF: 4.0}, residual_exact=False)
+        for bf16 in _all(decide(_cpu(ZEN5), probe, mode)):
+            assert not bf16.use and "addmm rounds before it adds" in bf16.reason
         assert "residual_exact torch.bfloat16" in probe.asked
-        assert "half_speedup torch.bfloat16" not in probe.asked
+        assert not any(a.startswith("route_times torch.bfloat16") for a in probe.asked)
     # With an fp32-result GEMM the residual is not needed, and not asked for.
-    probe = FakeProbe(half={torch.bfloat16: 4.0}, fp32_output=True, residual_exact=False, min_rows=8)
-    bf16 = decide(_cpu(ZEN5), probe, AUTO).half[torch.bfloat16]
-    assert bf16.use and bf16.min_rows == 1
-    assert "residual_exact torch.bfloat16" not in probe.asked and "residual_min_rows torch.bfloat16" not in probe.asked
-
-
-def test_the_residual_path_keeps_fp32_below_the_measured_row_count():
-    """Two passes over the weight cost more than bf16 saves where rows are few: the probe's row count is kept (AUTO),
-    and =1 takes the half path at every row count."""
-    bf16 = decide(_cpu(ZEN5), FakeProbe(half={torch.bfloat16: 4.0}, min_rows=8), AUTO).half[torch.bfloat16]
-    assert bf16.use and bf16.min_rows == 8 and "fp32 below 8 rows" in bf16.path
-    assert decide(_cpu(ZEN5), FakeProbe(min_rows=8), FORCE).half[torch.bfloat16].min_rows == 1
-
-
-def test_products_whose_extra_work_outweighs_the_measured_speedup_keep_fp32():
-    """The measured bf16 / fp32 ratio over MIN_SPEEDUP bounds the work a product may take on the half path (parts of
-    fp32 operands times the residual's pass); =1 and devices trusted without timing have no bound."""
-    bf16 = decide(_cpu(ZEN5), FakeProbe(half={torch.bfloat16: 4.0}), AUTO).half[torch.bfloat16]
-    assert bf16.use and bf16.max_work == pytest.approx(4.0 / caps.MIN_SPEEDUP) and "3.2x their work" in bf16.path
-    assert decide(_cpu(ZEN5), FakeProbe(), FORCE).half[torch.bfloat16].max_work == float("inf")
-    cuda = caps.DeviceFacts(
-        "cuda", "CUDA sm_90", {u: True for u in caps.UNITS}, {u: "sm_90" for u in caps.UNITS}, False
-    )
-    trusted = decide(cuda, FakeProbe(fp32_output=True), AUTO).half[torch.bfloat16]
-    assert trusted.use and trusted.max_work == float("inf") and "their work" not in trusted.path
+    probe = FakeProbe(speed={caps.HALF: 4.0}, fp32_output=True, residual_exact=False)
+    assert all(c.use and c.large.fp32_output for c in _all(decide(_cpu(ZEN5), probe, AUTO)))
+    assert "residual_exact torch.bfloat16" not in probe.asked
 
 
 NATIVE_OK = (True, "bf16_gemm_avx512_bf16, fp32 sums of exact bf16 products")
 
 
-def test_a_native_fp32_result_gemm_replaces_the_residual():
-    """Where torch's bf16 GEMM returns bf16 only but the native kernel runs and is exact, products come back in fp32
-    in one pass: no residual, no row threshold, and the speed that bounds their work is the native kernel's."""
-    probe = FakeProbe(half={torch.bfloat16: 4.0}, native=NATIVE_OK, native_speedup=3.0, min_rows=8)
-    got = decide(_cpu(ZEN5), probe, AUTO)
-    bf16 = got.half[torch.bfloat16]
-    assert bf16.use and bf16.native and bf16.fp32_output and bf16.min_rows == 1
-    assert bf16.max_work == pytest.approx(3.0 / caps.MIN_SPEEDUP)
-    assert "native kernel" in bf16.path and "bf16_gemm_avx512_bf16" in bf16.reason and "3.00x" in bf16.reason
-    assert got.measured["bfloat16 native GEMM"] == 3.0
-    for unasked in ("residual_exact", "residual_min_rows", "half_speedup"):
-        assert f"{unasked} torch.bfloat16" not in probe.asked
-    # =1 takes it untimed; fp16 never asks for it (the kernel is bf16 only).
-    forced = FakeProbe(native=NATIVE_OK)
-    assert decide(_cpu(ZEN5), forced, FORCE).half[torch.bfloat16].native
-    assert "native_speedup torch.bfloat16" not in forced.asked and "native_gemm torch.float16" not in forced.asked
+def test_each_family_takes_its_own_fastest_route():
+    """The case issue 29 measured on a Xeon: the native kernel wins the weight products and the indexer, loses
+    sparse attention; each family takes what wins on its own workload, with no shared yes / no."""
+    times = {
+        (caps.WEIGHTS, caps.DECODE_ROWS): {"fp32": 2.0, "half": 3.0, "native": 1.0},
+        (caps.WEIGHTS, caps.PREFILL_ROWS): {"fp32": 20.0, "half": 9.0, "native": 10.0},
+        (caps.ATTENTION, 0): {"fp32": 15.8, "half": 30.0, "native": 22.2},
+        (caps.INDEXER, 0): {"fp32": 4.0, "half": 5.0, "native": 2.0},
+    }
+    probe = FakeProbe(times=times, native=NATIVE_OK)
+    got = decide(_cpu(SAPPHIRE_RAPIDS), probe, AUTO)
+    weights, attention, indexer = (got.half_choice(torch.bfloat16, f) for f in caps.FAMILIES)
+    assert (weights.small.name, weights.large.name) == ("native", "half") and weights.use
+    # Lines through (4, 1.0) and (256, 10.0) for native, (4, 3.0) and (256, 9.0) for half: 1 + 9x = 3 + 6x at
+    # x = 2/3 of the span, 4 + 168 = 172 rows.
+    assert weights.split_rows == 172 and weights.route(171).name == "native" and weights.route(172).name == "half"
+    assert not attention.use and not attention.native and "fp32 fastest" in attention.reason
+    assert indexer.small == indexer.large and indexer.native and "2.00x fp32" in indexer.reason
+    assert weights.large.max_work == pytest.approx(20.0 / 9.0 / caps.ROUTE_MARGIN)
+    assert got.measured["bfloat16 attention native (ms)"] == 22200.0
+    assert got.half_choice(torch.bfloat16, caps.ATTENTION).path == "fp32 operands"
+    # fp32 activations have no choice to make: fp32 stays fp32.
+    assert got.half_choice(torch.float32, caps.WEIGHTS) is None
+
+
+def test_a_route_must_beat_fp32_by_the_margin():
+    for speed, used in ((1.04, False), (1.06, True)):
+        got = decide(_cpu(ZEN5), FakeProbe(speed={caps.HALF: speed}), AUTO)
+        assert all(c.use == used for c in _all(got)), speed
+    fast = decide(_cpu(ZEN5), FakeProbe(speed={caps.HALF: 4.0}), AUTO).half_choice(torch.bfloat16)
+    assert fast.large.max_work == pytest.approx(4.0 / caps.ROUTE_MARGIN) and "3.8x work" in fast.path
+
+
+def test_weight_routes_split_where_their_lines_cross():
+    """Native at decode, fp32 at prefill (the AVX-512 BF16 kernel against oneDNN's fp32 GEMM): the split comes from
+    the two measurements; a route slower at both row counts is never taken."""
+    times = {
+        (caps.WEIGHTS, caps.DECODE_ROWS): {"fp32": 2.0, "half": 9.0, "native": 1.0},
+        (caps.WEIGHTS, caps.PREFILL_ROWS): {"fp32": 10.0, "half": 90.0, "native": 17.0},
+    }
+    probe = FakeProbe(times=times, native=NATIVE_OK)
+    weights = decide(_cpu(SAPPHIRE_RAPIDS), probe, AUTO).half_choice(torch.bfloat16)
+    assert (weights.small.name, weights.large.name) == ("native", "fp32")
+    # native: 1 + (r - 4) * 16/252, fp32: 2 + (r - 4) * 8/252 -> equal at r = 4 + 252/8 = 35.5
+    assert weights.split_rows == 36
+    # a: 1 + 2x, b: 2 + 0.5x over the span 4..256: equal at x = 2/3, 4 + 168 rows.
+    assert caps._crossing({"a": 1.0, "b": 2.0}, {"a": 3.0, "b": 2.5}, "a", "b") == 172
+    assert caps._crossing({"a": 1.0, "b": 2.0}, {"a": 2.0, "b": 3.0}, "a", "b") == caps.PREFILL_ROWS  # parallel
 
 
 def test_a_native_kernel_that_is_slow_or_missing_is_not_used():
-    slow = decide(_cpu(ZEN5), FakeProbe(native=NATIVE_OK, native_speedup=1.1), AUTO).half[torch.bfloat16]
-    assert not slow.use and not slow.native and "native GEMM measured 1.10x" in slow.reason
+    slow = decide(_cpu(ZEN5), FakeProbe(speed={caps.NATIVE: 1.02, caps.HALF: 0.5}, native=NATIVE_OK), AUTO)
+    assert all(not c.use and not c.native for c in _all(slow))
     why = "bf16_gemm_avx512_bf16 needs CPU flags avx512_bf16, which this CPU does not list"
-    missing = decide(_cpu(ZEN5), FakeProbe(half={torch.bfloat16: 4.0}, native=(False, why)), AUTO)
-    bf16 = missing.half[torch.bfloat16]
-    assert bf16.use and not bf16.native and not bf16.fp32_output and why in bf16.reason
+    missing = decide(_cpu(ZEN5), FakeProbe(speed={caps.HALF: 4.0}, native=(False, why)), AUTO)
+    for bf16 in _all(missing):
+        assert bf16.use and not bf16.native and not bf16.large.fp32_output and why in bf16.reason
     # A GEMM that hands back fp32 itself (CUDA's out_dtype) needs no native kernel: it is not even asked.
-    probe = FakeProbe(half={torch.bfloat16: 4.0}, fp32_output=True, native=NATIVE_OK)
-    assert not decide(_cpu(ZEN5), probe, AUTO).half[torch.bfloat16].native
+    probe = FakeProbe(speed={caps.HALF: 4.0, caps.NATIVE: 8.0}, fp32_output=True, native=NATIVE_OK)
+    assert not any(c.native for c in _all(decide(_cpu(ZEN5), probe, AUTO)))
     assert "native_gemm torch.bfloat16" not in probe.asked
 
 
@@ -192,11 +204,10 @@ def test_glm5_hal_native_0_turns_the_native_kernel_off(monkeypatch: pytest.Monke
     monkeypatch.setenv("GLM5_HAL_NATIVE", "0")
     ok, why = DeviceProbe(torch.device("cpu")).native_gemm(torch.bfloat16)
     assert not ok and why == "GLM5_HAL_NATIVE=0"
-    off = caps.capabilities("cpu", FORCE).half[torch.bfloat16]
+    off = caps.capabilities("cpu", FORCE).half_choice(torch.bfloat16)
     assert not off.native and "GLM5_HAL_NATIVE=0" in off.reason
     monkeypatch.delenv("GLM5_HAL_NATIVE")
-    on = caps.capabilities("cpu", FORCE).half[torch.bfloat16]
-    assert on.native == (on.fp32_output and not DeviceProbe(torch.device("cpu")).fp32_output(torch.bfloat16))
+    on = caps.capabilities("cpu", FORCE).half_choice(torch.bfloat16)
     assert on.native == DeviceProbe(torch.device("cpu")).native_gemm(torch.bfloat16)[0]
 
 
@@ -211,38 +222,49 @@ def test_the_real_probe_sees_this_cpus_addmm_add_in_fp32_or_refuses() -> None:
     assert probe.residual_exact(torch.bfloat16) == measured
 
 
+def test_the_real_route_timer_runs_every_family_on_every_route() -> None:
+    """route_workloads on this CPU: each family's workload runs on each correct route and gives a positive time (the
+    speeds are not asserted: they are this machine's)."""
+    probe = DeviceProbe(torch.device("cpu"))
+    routes, _ = caps._correct_routes(torch.bfloat16, probe)
+    assert routes[0] == caps.FP32_ROUTE and len(routes) >= 2  # fp32 and at least the residual route here
+    for family in caps.FAMILIES:
+        got = probe.route_times(torch.bfloat16, family, tuple(routes), caps.DECODE_ROWS)
+        assert set(got) == {r.name for r in routes} and all(0 < t < 10 for t in got.values()), (family, got)
+
+
 def test_cpu_with_units_and_a_measured_win_takes_the_fast_paths():
-    probe = FakeProbe(half={torch.bfloat16: 4.0}, exact={ONEDNN: True, INT_MM: True}, int8={ONEDNN: 6.0, INT_MM: 7.0})
+    probe = FakeProbe(speed={caps.HALF: 4.0}, exact={ONEDNN: True, INT_MM: True}, int8={ONEDNN: 6.0, INT_MM: 7.0})
     got = decide(_cpu(ZEN5), probe, AUTO)
-    bf16, fp16 = got.half[torch.bfloat16], got.half[torch.float16]
-    assert bf16.use and not bf16.fp32_output and "rounding residual" in bf16.path
-    assert "avx512_bf16" in bf16.reason and "4.00x" in bf16.reason
-    assert not fp16.use and "no CPU flag avx512_fp16" in fp16.reason
+    for bf16 in _all(got):
+        assert bf16.use and not bf16.large.fp32_output and "rounding residual" in bf16.path
+        assert "avx512_bf16" in bf16.reason and "4.00x" in bf16.reason
+    assert all(not c.use and "no CPU flag avx512_fp16" in c.reason for c in _all(got, torch.float16))
     # Routes are taken in order of preference among the exact ones that win, not by the probe shape's speed alone.
     assert got.int8.route == ONEDNN and got.int8_route() is int8_gemms.ONEDNN_U8S8
-    assert got.measured == {"bfloat16 GEMM": 4.0, f"{ONEDNN} (int8)": 6.0}
+    assert got.measured[f"{ONEDNN} (int8)"] == 6.0 and "bfloat16 weights half 256 rows (ms)" in got.measured
 
 
 def test_cpu_flags_without_a_measured_win_keep_the_conservative_path():
-    probe = FakeProbe(half={torch.bfloat16: 0.9}, exact={ONEDNN: True, INT_MM: True}, int8={ONEDNN: 1.1, INT_MM: 0.2})
+    probe = FakeProbe(speed={caps.HALF: 0.9}, exact={ONEDNN: True, INT_MM: True}, int8={ONEDNN: 1.1, INT_MM: 0.2})
     got = decide(_cpu(ZEN5), probe, AUTO)
-    assert not got.half[torch.bfloat16].use and "0.90x" in got.half[torch.bfloat16].reason
+    assert all(not c.use and "fp32 fastest" in c.reason for c in _all(got))
     assert got.int8.route is None and ">= 1.25x" in got.int8.reason
 
 
 def test_the_native_int8_kernel_takes_the_row_counts_it_measured_faster_for():
     exact = {ONEDNN: True, NATIVE_INT8: True, INT_MM: True}
-    probe = FakeProbe(half={torch.bfloat16: 4.0}, exact=exact, int8={ONEDNN: 6.0}, streaming_rows=4)
+    probe = FakeProbe(exact=exact, int8={ONEDNN: 6.0}, streaming_rows=4)
     got = decide(_cpu(ZEN5), probe, AUTO).int8
     assert got.route == ONEDNN and got.native_rows == 4
     assert [got.takes_native(rows) for rows in (0, 1, 4, 5, 64)] == [False, True, True, False, False]
     assert f"{NATIVE_INT8} up to 4 rows" in got.path and "up to 4 rows (weight from memory)" in got.native_reason
     assert f"int8_streaming_rows {NATIVE_INT8} vs {ONEDNN}" in probe.asked
     # Slower at one row already: never used, and the reason says so.
-    slower = decide(_cpu(ZEN5), FakeProbe(half={torch.bfloat16: 4.0}, exact=exact, int8={ONEDNN: 6.0}), AUTO).int8
+    slower = decide(_cpu(ZEN5), FakeProbe(exact=exact, int8={ONEDNN: 6.0}), AUTO).int8
     assert slower.native_rows == 0 and not slower.takes_native(1) and "slower" in slower.native_reason
     # Not exact (or not built here): not measured, not used.
-    inexact = FakeProbe(half={torch.bfloat16: 4.0}, exact={ONEDNN: True}, int8={ONEDNN: 6.0}, streaming_rows=4)
+    inexact = FakeProbe(exact={ONEDNN: True}, int8={ONEDNN: 6.0}, streaming_rows=4)
     got = decide(_cpu(ZEN5), inexact, AUTO).int8
     assert got.native_rows == 0 and not any("streaming" in asked for asked in inexact.asked)
     # Forced fast paths measure nothing, so the general route takes every row count.
@@ -251,18 +273,18 @@ def test_the_native_int8_kernel_takes_the_row_counts_it_measured_faster_for():
 
 
 def test_the_native_int8_kernel_as_the_general_route_takes_every_row_count():
-    probe = FakeProbe(half={torch.bfloat16: 4.0}, exact={NATIVE_INT8: True}, int8={NATIVE_INT8: 5.0})
+    probe = FakeProbe(exact={NATIVE_INT8: True}, int8={NATIVE_INT8: 5.0})
     got = decide(_cpu(ZEN5), probe, AUTO).int8
     assert got.route == NATIVE_INT8 and got.takes_native(1) and got.takes_native(4096)
     assert not any("streaming" in asked for asked in probe.asked)
 
 
 def test_an_inexact_int8_route_is_never_used():
-    probe = FakeProbe(half={torch.bfloat16: 4.0}, exact={ONEDNN: False, INT_MM: True}, int8={INT_MM: 3.0})
+    probe = FakeProbe(exact={ONEDNN: False, INT_MM: True}, int8={INT_MM: 3.0})
     got = decide(_cpu(ZEN5), probe, AUTO)
     assert got.int8.route == INT_MM
     assert f"int8_speedup {ONEDNN}" not in probe.asked  # an inexact route is not even timed
-    nothing_exact = decide(_cpu(ZEN5), FakeProbe(half={torch.bfloat16: 4.0}), AUTO)
+    nothing_exact = decide(_cpu(ZEN5), FakeProbe(), AUTO)
     assert nothing_exact.int8.route is None and "no exact int8 GEMM" in nothing_exact.int8.reason
     # Forcing the fast paths never forces an inexact GEMM either.
     assert decide(_cpu(AVX2_ZEN3), FakeProbe(), FORCE).int8.route is None
@@ -271,19 +293,22 @@ def test_an_inexact_int8_route_is_never_used():
 def test_unreadable_flags_decide_by_measurement_alone():
     facts = _cpu("processor\t: 0\n")  # no flags line (a non-Linux-like cpuinfo)
     assert facts.units == {"bfloat16": None, "float16": None, "int8": None}
-    got = decide(facts, FakeProbe(half={torch.bfloat16: 2.0}, exact={INT_MM: True}, int8={INT_MM: 1.0}), AUTO)
-    assert got.half[torch.bfloat16].use and "unknown" in got.half[torch.bfloat16].reason
+    got = decide(facts, FakeProbe(speed={caps.HALF: 2.0}, exact={INT_MM: True}, int8={INT_MM: 1.0}), AUTO)
+    assert all(c.use and "unknown" in c.reason for c in _all(got))
     assert got.int8.route is None
 
 
 def test_forced_fast_paths_skip_facts_and_timing_but_not_correctness():
-    probe = FakeProbe(exact={ONEDNN: False, INT_MM: True})
+    probe = FakeProbe(exact={ONEDNN: False, INT_MM: True}, native=NATIVE_OK)
     got = decide(_cpu(AVX2_ZEN3), probe, FORCE)
-    assert got.half[torch.bfloat16].use and got.int8.route == INT_MM
-    assert not any(a.startswith(("half_speedup", "int8_speedup")) for a in probe.asked)
+    assert all(c.use and c.native for c in _all(got)) and got.int8.route == INT_MM
+    assert not any(a.startswith(("route_times", "int8_speedup")) for a in probe.asked)
+    # Without the native kernel, the residual route everywhere.
+    assert all(c.small.name == caps.HALF for c in _all(decide(_cpu(AVX2_ZEN3), FakeProbe(), FORCE)))
     # fp16 products need an fp32-result GEMM even when forced: an fp16 result could overflow.
-    assert not got.half[torch.float16].use and "overflow" in got.half[torch.float16].reason
-    assert decide(_cpu(AVX2_ZEN3), FakeProbe(fp32_output=True, exact={INT_MM: True}), FORCE).half[torch.float16].use
+    assert all(not c.use and "overflow" in c.reason for c in _all(got, torch.float16))
+    fp32_result = decide(_cpu(AVX2_ZEN3), FakeProbe(fp32_output=True, exact={INT_MM: True}), FORCE)
+    assert all(c.use for c in _all(fp32_result, torch.float16))
 
 
 def test_known_accelerators_are_trusted_without_timing():
@@ -291,10 +316,10 @@ def test_known_accelerators_are_trusted_without_timing():
     facts = DeviceFacts("cuda:0", "NVIDIA H100", units, dict.fromkeys(units, "CUDA 9.0"), measure_speed=False)
     probe = FakeProbe(fp32_output=True, exact={ONEDNN: False, INT_MM: True})
     got = decide(facts, probe, AUTO)
-    assert all(c.use and c.fp32_output for c in got.half.values())
-    assert got.half[torch.bfloat16].path == "bfloat16 operands, fp32 accumulation, fp32 result"
+    assert all(c.use and c.large.fp32_output for dtype in caps.HALF_DTYPES for c in _all(got, dtype))
+    assert got.half_choice(torch.bfloat16).path == "bfloat16 operands, fp32 result"
     assert got.int8.route == INT_MM
-    assert not any(a.startswith(("half_speedup", "int8_speedup")) for a in probe.asked)
+    assert not any(a.startswith(("route_times", "int8_speedup")) for a in probe.asked)
     # An accelerator type from the GLM-5 table: units known, nothing timed.
     xpu = caps.device_facts(torch.device("xpu"))
     assert xpu.units == units and not xpu.measure_speed
@@ -303,15 +328,14 @@ def test_known_accelerators_are_trusted_without_timing():
 
 def test_a_gemm_that_does_not_run_is_not_used():
     class Failing(FakeProbe):
-        def half_speedup(self, dtype: torch.dtype) -> float:
+        def route_times(self, dtype: torch.dtype, family: str, routes: tuple, rows: int) -> dict[str, float]:
             raise RuntimeError("no bf16 matmul kernel for this device\nmore")
 
         def int8_speedup(self, route: int8_gemms.Int8Gemm) -> float:
             raise NotImplementedError(f"{route.name} has no kernel here")
 
     got = decide(_cpu("processor\t: 0\n"), Failing(exact={ONEDNN: True, INT_MM: True}), AUTO)
-    bf16 = got.half[torch.bfloat16]
-    assert not bf16.use and "does not run here (no bf16 matmul kernel" in bf16.reason
+    assert all(not c.use and "do not run here (no bf16 matmul kernel" in c.reason for c in _all(got))
     assert got.int8.route is None and "fails at the probe shape" in got.int8.reason
 
 
@@ -420,7 +444,8 @@ def test_exactness_check_catches_a_saturating_int8_gemm():
 def test_info_prints_and_records_the_choice_per_device(capsys, monkeypatch: pytest.MonkeyPatch):
     assert main(["info", "--json"]) == 0
     cpu = report_data(json.loads(capsys.readouterr().out), "torch")["fast_paths"]["cpu"]
-    assert cpu["device"] == "cpu" and set(cpu["bfloat16"]) == {"path", "used", "reason"}
+    assert cpu["device"] == "cpu" and set(cpu["bfloat16"]) == set(caps.FAMILIES)
+    assert set(cpu["bfloat16"]["attention"]) == {"path", "used", "reason", "ops"}
     assert cpu["summary"][0].startswith("cpu: fast paths")
     monkeypatch.setenv(caps.ENV_FAST_PATHS, "0")
     assert main(["info"]) == 0

@@ -24,8 +24,8 @@ import glm5_hal
 import ops_reference as ref
 from backends.torch_eager import OPS
 from backends.torch_eager import quant as quant_backend
-from backends.torch_eager.capabilities import DeviceProbe, capabilities, fast_paths
-from backends.torch_eager.gemm import FP32, Gemm, gemm_for
+from backends.torch_eager.capabilities import ATTENTION, INDEXER, WEIGHTS, DeviceProbe, capabilities, fast_paths
+from backends.torch_eager.gemm import FP32, Gemm, RoutedGemm, gemm_for
 from backends.torch_eager.native import bf16_gemm, indexer_scores, int8_gemm
 from backends.torch_eager.native import sparse_attention as native_attention
 from conftest import parity_backends
@@ -106,11 +106,11 @@ def _sparse_attention_inputs(dtype: torch.dtype) -> tuple:
     return q, cache, indices, batch.block_table, batch.seq_lens_k, batch.cu_seqlens_q, 0.1, 512
 
 
-def _bf16_gemm(mode: str) -> Gemm:
-    """The GEMM path of bf16 activations on the CPU in `mode`, whatever GLM5_HAL_FAST_PATHS says; asked before a spy
-    is installed, so that a first probe's own GEMMs are not recorded as the op's."""
+def _bf16_gemm(mode: str, family: str = WEIGHTS) -> Gemm:
+    """The GEMM path of `family`'s bf16 products on the CPU in `mode`, whatever GLM5_HAL_FAST_PATHS says; asked before
+    a spy is installed, so that a first probe's own GEMMs are not recorded as the op's."""
     with fast_paths(mode):
-        return gemm_for(torch.bfloat16, torch.device("cpu"))
+        return gemm_for(torch.bfloat16, torch.device("cpu"), family)
 
 
 def test_gemm_path_follows_the_mode_and_the_activation_dtype() -> None:
@@ -122,14 +122,14 @@ def test_gemm_path_follows_the_mode_and_the_activation_dtype() -> None:
         fast = gemm_for(torch.bfloat16, cpu)
         assert fast.operand == torch.bfloat16
         choice = capabilities(cpu).half_choice(torch.bfloat16)
-        assert fast.fp32_output == choice.fp32_output
+        assert fast.fp32_output == choice.large.fp32_output
         # Logits take the same path: its results are fp32-accurate whether or not the GEMM returns fp32.
         assert fast.logits is fast
 
 
 @pytest.mark.parametrize("mode", MODES)
 def test_sparse_attention_gemm_operands(mode: str) -> None:
-    fast = _bf16_gemm(mode)
+    fast = _bf16_gemm(mode, ATTENTION)
     with fast_paths(mode), _GemmSpy() as spy:
         OPS["sparse_flash_attention"](*_sparse_attention_inputs(torch.bfloat16))
     if fast.native and native_attention.availability()[0]:
@@ -163,7 +163,7 @@ def test_quantized_latent_rows_feed_the_same_gemms(mode: str, kv_cache_dtype: st
     parts on the fast path: decoded values are fp32)."""
     q, cache, *rest = _sparse_attention_inputs(torch.bfloat16)
     quantized = encode_cache(cache.float(), FORMATS[kv_cache_dtype], reference=False)
-    fast = _bf16_gemm(mode)
+    fast = _bf16_gemm(mode, ATTENTION)
     with fast_paths(mode), _GemmSpy() as spy:
         OPS["sparse_flash_attention"](q, quantized, *rest, kv_cache_dtype=kv_cache_dtype)
     assert _operand_dtypes(spy) == {fast.operand}
@@ -180,7 +180,7 @@ def test_indexer_keys_feed_the_path_gemm_and_the_head_reduction_stays_fp32(mode:
     )
     q = randn((batch.num_tokens, 4, 128), gen, dtype=torch.bfloat16)
     weights = torch.rand(batch.num_tokens, 4, generator=gen)
-    fast = _bf16_gemm(mode)
+    fast = _bf16_gemm(mode, INDEXER)
     with fast_paths(mode), _GemmSpy() as spy:
         OPS["indexer_logits"](
             q, weights, cache, batch.block_table, batch.seq_lens_k, batch.cu_seqlens_q, kv_cache_dtype=kv_cache_dtype
@@ -252,6 +252,21 @@ def test_products_with_fewer_rows_than_min_rows_take_the_fp32_gemm() -> None:
             gemm.linear(torch.randn(rows, 32).bfloat16(), w)
             gemm.bmm(torch.randn(2, rows, 32).bfloat16(), w.T.expand(2, 32, 16))
         assert _operand_dtypes(spy) == want, rows
+
+
+def test_a_routed_gemm_takes_each_products_route_by_its_rows() -> None:
+    """The weight family split by rows (capabilities.HalfChoice.split_rows): a product of fewer rows than the split on
+    the small route, the others on the large one, in linear (rows = all leading dims) and bmm alike."""
+    w = torch.randn(16, 32).bfloat16()
+    routed = RoutedGemm(Gemm(torch.bfloat16, fp32_output=False), FP32, split_rows=6)
+    for shape, want in (((5, 32), {torch.bfloat16}), ((2, 3, 32), {torch.float32}), ((6, 32), {torch.float32})):
+        with _GemmSpy() as spy:
+            got = routed.linear(torch.randn(shape).bfloat16(), w)
+        assert _operand_dtypes(spy) == want and got.shape == (*shape[:-1], 16), shape
+    with _GemmSpy() as spy:
+        routed.bmm(torch.randn(2, 5, 32).bfloat16(), w.T.expand(2, 32, 16))
+        small = _operand_dtypes(spy)
+    assert small == {torch.bfloat16} and routed.operand == torch.float32 and routed.logits is routed
 
 
 def test_products_past_max_work_take_the_fp32_gemm() -> None:

@@ -169,7 +169,8 @@ def force_native_portable():
 
     assert sparse_attention.availability("portable")[0], sparse_attention.availability("portable")
     native = Gemm(torch.bfloat16, True, 1, math.inf, True)
-    attention.gemm_for = indexer.gemm_for = lambda dtype, device: native if dtype == torch.bfloat16 else None
+    # Every family's bf16 products on the native route, for the rest of this process.
+    attention.gemm_for = indexer.gemm_for = lambda dtype, device, family: native if dtype == torch.bfloat16 else None
 
     class Portable:
         def __init__(self, module, name):
@@ -541,7 +542,7 @@ def _route_torch_attention_through_the_portable_kernel(monkeypatch: pytest.Monke
             "attention": staticmethod(functools.partial(kernel.attention, isa="portable")),
         },
     )
-    monkeypatch.setattr(attention, "gemm_for", lambda dtype, device: native if dtype == torch.bfloat16 else FP32)
+    monkeypatch.setattr(attention, "gemm_for", lambda dtype, device, _: native if dtype == torch.bfloat16 else FP32)
     monkeypatch.setattr(attention, "native_attention", portable)
 
 

@@ -22,6 +22,7 @@ from backends.torch_eager.indexer import indexer_logits, indexer_prolog, lightni
 from backends.torch_eager.mla_prolog import mla_prolog
 from backends.torch_eager.moe import fused_moe, grouped_matmul, moe_combine, moe_dispatch, moe_gate
 from backends.torch_eager.quant import dynamic_quant, quant_matmul, w4a8_matmul
+from backends.torch_eager.route_workloads import time_routes
 from backends.torch_eager.sparse_attention import sparse_flash_attention
 
 OPS: dict[str, Callable] = {
@@ -43,4 +44,4 @@ OPS: dict[str, Callable] = {
     "ep_combine": ep_combine,
 }
 
-__all__ = ["OPS"]
+__all__ = ["OPS", "time_routes"]  # importing route_workloads installs the probe's route timer

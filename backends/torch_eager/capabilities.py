@@ -56,16 +56,28 @@ AUTO, OFF, FORCE = "auto", "off", "force"
 _MODE_SPELLINGS = {"": AUTO, "auto": AUTO, "0": OFF, "off": OFF, "false": OFF, "1": FORCE, "on": FORCE, "force": FORCE}
 
 HALF_DTYPES = (torch.bfloat16, torch.float16)
-# A fast path must beat the fp32 GEMM by this much at the probe shape: a clear win, not noise (the measured ratios
-# are far from 1 either way: bf16 ~4x fp32 with avx512_bf16, ~0.01x without it on an AVX2 EPYC).
+# A route other than fp32 must beat the fp32 one by this much where it was measured: a margin over timing noise, and
+# small enough that `auto` stays within 10% of the fastest route (issue 29's goal).
+ROUTE_MARGIN = 1.05
+# The int8 routes keep their older, wider margin (their measured ratios are far from 1 either way).
 MIN_SPEEDUP = 1.25
-# Probe GEMM: M tokens x K x N, big enough to be past call overheads, small enough to take milliseconds.
-PROBE_SHAPE = (64, 1024, 1024)
+PROBE_SHAPE = (64, 1024, 1024)  # the int8 routes' probe GEMM: M tokens x K x N
 PROBE_REPS = 5
-# Row counts tried for where a half-precision product with its residual GEMM (two passes over the weight) starts to
-# beat the fp32 GEMM (one pass, the weight upcast in blocks): few rows are weight-bound, many compute-bound.
-ROW_STEPS = (1, 2, 4, 8, 16, 32, 64)
-ROWS_PROBE_WEIGHT = (2048, 2048)  # [N, K]: 8 MiB of bf16, past the caches, like a real projection
+# The op families whose products take one route each (per activation dtype), measured on their own workloads
+# (route_workloads.py): the weight products of the prologs and experts, measured at a decode and a prefill row count
+# (a line through the two gives the row count where two routes cross); sparse attention's and the indexer's
+# batched products over gathered rows, measured at a decode-sized call each.
+WEIGHTS, ATTENTION, INDEXER = "weights", "attention", "indexer"
+FAMILIES = (WEIGHTS, ATTENTION, INDEXER)
+FAMILY_OPS = {
+    WEIGHTS: "mla_prolog, indexer_prolog, grouped_matmul, fused_moe",
+    ATTENTION: "sparse_flash_attention",
+    INDEXER: "indexer_logits, lightning_indexer",
+}
+DECODE_ROWS, PREFILL_ROWS = 4, 256  # the weight family's two measured row counts
+# The routes: fp32 operands; torch's GEMM with half-precision operands (fp32 result by out_dtype, else rounded plus
+# the residual GEMM: backends/torch_eager/gemm.py); the native kernel's fp32 result (CPU bf16).
+FP32, HALF, NATIVE = "fp32", "half", "native"
 # Row counts tried for where glm5-hal's native int8 GEMM (the weight in its panels) beats the general int8 route on a
 # product whose weight comes from memory (decode, and the short prefill chunks of speculative or batched decode), and
 # that weight [N, K] (8 MiB of int8). Past the last count the general route runs (its threading is the library's).
@@ -210,8 +222,9 @@ def device_facts(device: torch.device) -> DeviceFacts:
 class Probe(Protocol):
     """What the decision may measure on the device (faked in the unit tests)."""
 
-    def half_speedup(self, dtype: torch.dtype) -> float:
-        """Time of the fp32 GEMM / time of the same GEMM with `dtype` operands, at PROBE_SHAPE."""
+    def route_times(self, dtype: torch.dtype, family: str, routes: tuple[Route, ...], rows: int) -> dict[str, float]:
+        """Per route (by name): the best time of `family`'s workload with `dtype` activations on that route, the routes
+        timed alternately (route_workloads.py); `rows`: the weight family's row count (the others ignore it)."""
 
     def fp32_output(self, dtype: torch.dtype) -> bool:
         """Whether a GEMM of `dtype` operands can hand back fp32 (torch.mm(..., out_dtype=torch.float32))."""
@@ -220,17 +233,10 @@ class Probe(Protocol):
         """Whether backends.torch_eager.native's `dtype` x `dtype` -> fp32 GEMM runs here and is exact (fp32 sums of the
         exact products), and what runs or why not: the fp32 result torch's own GEMM lacks on CPUs."""
 
-    def native_speedup(self, dtype: torch.dtype) -> float:
-        """Time of the fp32 GEMM / time of the native `dtype` GEMM, at PROBE_SHAPE."""
-
     def residual_exact(self, dtype: torch.dtype) -> bool:
         """Whether addmm / baddbmm with `dtype` operands add their input matrix to the fp32 accumulator before they
         round, so that r + addmm(r, a, b, beta=-1), r = a @ b rounded, recovers the fp32 product (gemm.py).
         """
-
-    def residual_min_rows(self, dtype: torch.dtype) -> int:
-        """The fewest rows (of ROW_STEPS) at which a `dtype` product with its residual GEMM is MIN_SPEEDUP times as
-        fast as the fp32 GEMM over the same weight upcast in blocks; past the last step, the step after it."""
 
     def int8_exact(self, route: int8_gemms.Int8Gemm) -> tuple[bool, str]:
         """Whether the route runs and is bit-exact here (int8_gemms.is_exact at EXACTNESS_DEPTH), and why."""
@@ -242,6 +248,18 @@ class Probe(Protocol):
         """The most rows r (of STREAMING_ROWS) at which `route` is at least as fast as `general`, both at r and summed
         over the steps up to r, on a STREAMING_WEIGHT product whose weight comes from memory (the caches overwritten
         before each call); 0 if there is none."""
+
+
+# Times a family's workload on given routes (route_workloads.time_routes, registered when backends.torch_eager is
+# imported): the workloads run the backend's own ops, which import this module, so it is handed in, not imported.
+RouteTimer = Callable[[torch.device, torch.dtype, str, tuple["Route", ...], int, int], dict[str, float]]
+_route_timer: RouteTimer | None = None
+
+
+def set_route_timer(timer: RouteTimer) -> None:
+    """Install what DeviceProbe.route_times runs (route_workloads.py does, on import)."""
+    global _route_timer
+    _route_timer = timer
 
 
 def _synchronize(device: torch.device) -> None:
@@ -304,9 +322,9 @@ class DeviceProbe:
             best = min(best, self._timed(call))
         return fp32_best / best
 
-    def half_speedup(self, dtype: torch.dtype) -> float:
-        a, b = self._operands(dtype)
-        return self._speedup_over_fp32(lambda: a @ b)
+    def route_times(self, dtype: torch.dtype, family: str, routes: tuple[Route, ...], rows: int) -> dict[str, float]:
+        check(_route_timer is not None, RuntimeError, lambda: "no route timer: import backends.torch_eager first")
+        return _route_timer(self.device, dtype, family, routes, rows, PROBE_REPS)
 
     def fp32_output(self, dtype: torch.dtype) -> bool:
         a = torch.ones(16, 16, dtype=dtype, device=self.device)
@@ -321,11 +339,6 @@ class DeviceProbe:
         ok, why = bf16_gemm.availability()
         return bf16_gemm.is_exact(self._gen) if ok else (False, why)
 
-    def native_speedup(self, dtype: torch.dtype) -> float:
-        a, b = self._operands(dtype)
-        b_t = b.T.contiguous()[None]  # the [N, K] layout of a weight
-        return self._speedup_over_fp32(lambda: bf16_gemm.bmm_nt(a[None], b_t))
-
     def residual_exact(self, dtype: torch.dtype) -> bool:
         a = torch.randn(3, 16, 256, generator=self._gen).to(self.device, dtype)
         b = torch.randn(3, 256, 48, generator=self._gen).to(self.device, dtype)
@@ -339,29 +352,6 @@ class DeviceProbe:
         # A rounded result is off by ~2^-9 of its size; a recovered one by ~2^-16 (two roundings of the residual).
         bound = 2.0**-13 * want.abs().amax()
         return bool((batched - want).abs().amax() <= bound and (flat - want[0]).abs().amax() <= bound)
-
-    def residual_min_rows(self, dtype: torch.dtype) -> int:
-        n, k = ROWS_PROBE_WEIGHT
-        weight = torch.randn(n, k, generator=self._gen).to(self.device, dtype)
-        for rows in ROW_STEPS:
-            a = torch.randn(rows, k, generator=self._gen).to(self.device, dtype)
-
-            def half_call(a: torch.Tensor = a) -> object:
-                rounded = a @ weight.T
-                return torch.addmm(rounded, a, weight.T, beta=-1)
-
-            def fp32_call(a: torch.Tensor = a) -> object:
-                # As the conservative path (backends/torch_eager/primitives.linear): 256 weight rows at a time.
-                return [a.float() @ weight[i : i + 256].float().T for i in range(0, n, 256)]
-
-            half_call(), fp32_call()  # warm-up
-            half_best = fp32_best = float("inf")
-            for _ in range(PROBE_REPS):
-                half_best = min(half_best, self._timed(half_call))
-                fp32_best = min(fp32_best, self._timed(fp32_call))
-            if half_best * MIN_SPEEDUP <= fp32_best:  # a clear win, as for every fast path (not a coin toss)
-                return rows
-        return 2 * ROW_STEPS[-1]
 
     def int8_exact(self, route: int8_gemms.Int8Gemm) -> tuple[bool, str]:
         if self._exactness_cases is None:  # built once, shared by every route
@@ -407,36 +397,67 @@ class DeviceProbe:
 
 
 @dataclass(frozen=True)
+class Route:
+    """One way to run a family's products: `name` FP32 (fp32 operands), HALF (torch's GEMM with half-precision
+    operands: fp32_output = it hands back fp32 by out_dtype, else its rounded result plus the residual GEMM), or
+    NATIVE (the native kernel's fp32 result for products it takes; torch's rounded GEMM for the op's outputs).
+    max_work: products whose half-precision GEMMs do more than this many times their own work (the parts of fp32
+    operands times passes) take the fp32 GEMM: the measured speed ratio over the margin (inf: not measured)."""
+
+    name: str
+    fp32_output: bool = False
+    max_work: float = math.inf
+
+    def describe(self, dtype: torch.dtype) -> str:
+        unit = _unit(dtype)
+        if self.name == FP32:
+            return "fp32 operands"
+        if self.name == NATIVE:
+            text = f"{unit} operands, native kernel's fp32 result"
+        elif self.fp32_output:
+            text = f"{unit} operands, fp32 result"
+        else:
+            text = f"{unit} operands, {unit} result + its rounding residual (addmm)"
+        if math.isfinite(self.max_work):
+            text += f", fp32 past {self.max_work:.1f}x work"
+        return text
+
+
+FP32_ROUTE = Route(FP32)
+
+
+@dataclass(frozen=True)
 class HalfChoice:
-    """Whether ops with `dtype` activations give their GEMMs `dtype` operands (fp32 accumulation), and how the
-    result comes back: fp32_output = the GEMM returns its fp32 accumulators, else its `dtype` result plus the residual
-    GEMM that recovers its rounding (backends/torch_eager/gemm.py). native: the fp32 results come from
-    backends.torch_eager.native's kernel (torch's GEMM here returns `dtype` only)."""
+    """The route of one op family's products for `dtype` activations: `small` for products of fewer than
+    `split_rows` rows, `large` from there on (the same route for families measured at one shape), and why."""
 
     dtype: torch.dtype
-    use: bool
-    fp32_output: bool
+    family: str
+    small: Route
+    large: Route
     reason: str
-    min_rows: int = 1  # products with fewer rows keep the fp32 GEMM (the residual's second pass costs more there)
-    # Products whose half-precision GEMMs do more than this many times their own work (the parts of fp32 operands
-    # times the residual's pass) keep the fp32 GEMM: the measured speed ratio over MIN_SPEEDUP (inf: not measured).
-    max_work: float = math.inf
-    native: bool = False
+    split_rows: int = 1
+
+    @property
+    def use(self) -> bool:
+        """Whether any of the family's products take half-precision operands."""
+        return self.small.name != FP32 or self.large.name != FP32
+
+    @property
+    def native(self) -> bool:
+        return NATIVE in (self.small.name, self.large.name)
+
+    def route(self, rows: int) -> Route:
+        return self.small if rows < self.split_rows else self.large
 
     @property
     def path(self) -> str:
-        if not self.use:
-            return "fp32 operands (conservative)"
-        if self.native:
-            result = f"fp32 result from the native kernel (op outputs: torch's {_unit(self.dtype)} result)"
-        elif self.fp32_output:
-            result = "fp32 result"
-        else:
-            result = f"{_unit(self.dtype)} result + its rounding residual (addmm)"
-        rows = f"; fp32 below {self.min_rows} rows" if self.min_rows > 1 else ""
-        if math.isfinite(self.max_work):
-            rows += f"; fp32 for products needing over {self.max_work:.1f}x their work (fp32 operands in 2 parts)"
-        return f"{_unit(self.dtype)} operands, fp32 accumulation, {result}{rows}"
+        if self.small == self.large:
+            return self.large.describe(self.dtype)
+        return (
+            f"{self.small.describe(self.dtype)} below {self.split_rows} rows, "
+            f"{self.large.describe(self.dtype)} from {self.split_rows}"
+        )
 
 
 @dataclass(frozen=True)
@@ -464,18 +485,22 @@ class Int8Choice:
 
 @dataclass(frozen=True)
 class Capabilities:
-    """The probe's answer for one device in one mode: the facts, and per GEMM kind what is used and why."""
+    """The probe's answer for one device in one mode: the facts, and per GEMM kind what is used and why.
+
+    half: per half-precision activation dtype, per op family (FAMILIES), the route of its products.
+    """
 
     device: str
     mode: str
     facts: DeviceFacts | None  # None in OFF mode (nothing is probed)
-    half: dict[torch.dtype, HalfChoice]
+    half: dict[torch.dtype, dict[str, HalfChoice]]
     int8: Int8Choice
-    measured: dict[str, float] = field(default_factory=dict)  # speedups over fp32 that were measured
+    measured: dict[str, float] = field(default_factory=dict)  # times (s) and speedups that were measured
 
-    def half_choice(self, dtype: torch.dtype) -> HalfChoice | None:
-        """The choice for bf16 / fp16 activations; None for any other dtype (fp32 stays fp32)."""
-        return self.half.get(dtype)
+    def half_choice(self, dtype: torch.dtype, family: str = WEIGHTS) -> HalfChoice | None:
+        """The route of `family`'s products for bf16 / fp16 activations; None for any other dtype (fp32 stays fp32)."""
+        choices = self.half.get(dtype)
+        return None if choices is None else choices[family]
 
     def int8_route(self) -> int8_gemms.Int8Gemm | None:
         return None if self.int8.route is None else int8_gemms.by_name(self.int8.route)
@@ -490,40 +515,52 @@ class Capabilities:
                 "evidence": self.facts.evidence,
                 "measure_speed": self.facts.measure_speed,
             }
+        half = {
+            _unit(d): {
+                family: {"path": c.path, "used": c.use, "reason": c.reason, "ops": FAMILY_OPS[family]}
+                for family, c in choices.items()
+            }
+            for d, choices in self.half.items()
+        }
         return {
             "device": self.device,
             "mode": self.mode,
             "env": f"{ENV_FAST_PATHS}={os.environ.get(ENV_FAST_PATHS, '')}",
             "facts": facts,
-            **{_unit(d): {"path": c.path, "used": c.use, "reason": c.reason} for d, c in self.half.items()},
+            **half,
             "int8": {
                 "path": self.int8.path,
                 "reason": self.int8.reason,
                 "native_rows": self.int8.native_rows,
                 "native_reason": self.int8.native_reason,
             },
-            "measured_speedup_vs_fp32": self.measured,
+            "measured": self.measured,
             "summary": self.describe(),
         }
 
     def describe(self) -> list[str]:
-        """One line per GEMM kind: what is used and why (`glm5-hal info`, `glm5-hal bench`)."""
+        """One line per GEMM kind and op family: the route and why (`glm5-hal info`, `glm5-hal bench`)."""
         head = f"{self.device}: fast paths {self.mode}"
         if self.facts is not None:
             head += f" on {self.facts.description}"
         lines = [head]
-        for dtype, c in self.half.items():
-            lines.append(f"  {_unit(dtype)} activations: {c.path} ({c.reason})")
+        for dtype, choices in self.half.items():
+            for family, c in choices.items():
+                lines.append(f"  {_unit(dtype)} {family} ({FAMILY_OPS[family]}): {c.path} ({c.reason})")
         lines.append(f"  int8 GEMM (W8A8 / W4A8): {self.int8.path} ({self.int8.reason})")
         if self.int8.native_reason:
             lines.append(f"    few rows: {self.int8.native_reason}")
         return lines
 
 
+def _everywhere(dtype: torch.dtype, route: Route, reason: str) -> dict[str, HalfChoice]:
+    return {family: HalfChoice(dtype, family, route, route, reason) for family in FAMILIES}
+
+
 @functools.cache
 def _conservative(device: str) -> Capabilities:
     reason = f"{ENV_FAST_PATHS}=0"
-    half = {d: HalfChoice(d, False, False, reason) for d in HALF_DTYPES}
+    half = {d: _everywhere(d, FP32_ROUTE, reason) for d in HALF_DTYPES}
     return Capabilities(device, OFF, None, half, Int8Choice(None, reason))
 
 
@@ -533,55 +570,108 @@ def _speed_verdict(speedup: float, what: str) -> tuple[bool, str]:
     return False, f"{what} measured {speedup:.2f}x the fp32 GEMM (a fast path needs >= {MIN_SPEEDUP}x)"
 
 
-def _decide_half(
-    dtype: torch.dtype, facts: DeviceFacts, probe: Probe, mode: str, measured: dict[str, float]
+def _correct_routes(dtype: torch.dtype, probe: Probe) -> tuple[list[Route], str]:
+    """The routes that give fp32-accurate products for `dtype` operands on the device (fp32 always), and what the
+    checks found: torch's GEMM needs an fp32 result or a residual that recovers its rounding (fp16: an fp32 result,
+    since an fp16 one could overflow where fp32 does not); the native kernel needs to be exact here."""
+    unit = _unit(dtype)
+    routes = [FP32_ROUTE]
+    fp32_output = probe.fp32_output(dtype)
+    notes = []
+    if fp32_output:
+        routes.append(Route(HALF, fp32_output=True))
+    elif dtype == torch.float16:
+        notes.append("fp16 GEMMs here return fp16 only (no out_dtype=float32): products that fit fp32 could overflow")
+    elif probe.residual_exact(dtype):
+        routes.append(Route(HALF))
+    else:
+        notes.append(f"{unit} GEMMs here return {unit} only and addmm rounds before it adds (no residual route)")
+    if dtype == torch.bfloat16 and not fp32_output:
+        native, why = probe.native_gemm(dtype)
+        if native:
+            routes.append(Route(NATIVE, fp32_output=True))
+        notes.append(f"native kernel: {why}")
+    return routes, "; ".join(notes)
+
+
+def _fastest(times: dict[str, float], routes: list[Route]) -> tuple[Route, float]:
+    """The fastest route of `times` (fp32 unless another beats it by ROUTE_MARGIN) and its speed ratio over fp32."""
+    best = min((r for r in routes if r.name != FP32), key=lambda r: times[r.name], default=FP32_ROUTE)
+    ratio = times[FP32] / times[best.name] if best.name != FP32 else 1.0
+    if ratio < ROUTE_MARGIN:
+        return FP32_ROUTE, 1.0
+    return replace(best, max_work=ratio / ROUTE_MARGIN), ratio
+
+
+def _crossing(small: dict[str, float], large: dict[str, float], first: str, second: str) -> int:
+    """The row count from which route `second` is faster than `first`, on lines through their times at DECODE_ROWS
+    (`small`) and PREFILL_ROWS (`large`): the cost model the weight family's split comes from."""
+    span = PREFILL_ROWS - DECODE_ROWS
+    slope = {name: (large[name] - small[name]) / span for name in (first, second)}
+    gap = small[second] - small[first]  # > 0: second is slower at DECODE_ROWS
+    closing = slope[first] - slope[second]
+    if closing <= 0:
+        return PREFILL_ROWS
+    return max(DECODE_ROWS + 1, min(PREFILL_ROWS, DECODE_ROWS + math.ceil(gap / closing)))
+
+
+def _measured_choice(
+    dtype: torch.dtype, family: str, routes: list[Route], probe: Probe, measured: dict[str, float], why: str
 ) -> HalfChoice:
     unit = _unit(dtype)
-    if mode == AUTO and facts.units[unit] is False:
-        return HalfChoice(dtype, False, False, f"no {unit} units: {facts.evidence[unit]}")
-    fp32_output = probe.fp32_output(dtype)
-    native, native_why = False, ""
-    if not fp32_output and dtype == torch.bfloat16:
-        native, native_why = probe.native_gemm(dtype)
-    if dtype == torch.float16 and not fp32_output:
-        return HalfChoice(
-            dtype,
-            False,
-            False,
-            "fp16 GEMMs here return fp16 only (no out_dtype=float32): products that fit fp32 could overflow fp16",
-        )
-    if not fp32_output and not native and not probe.residual_exact(dtype):
-        return HalfChoice(
-            dtype,
-            False,
-            False,
-            f"{unit} GEMMs here return {unit} only and addmm rounds before it adds: the rounding of every intermediate"
-            f" could not be recovered; native kernel: {native_why}",
-        )
-    # What gives the fp32 result where torch's GEMM does not: the native kernel, else the residual GEMM.
-    via = f"; native kernel: {native_why}" if native_why else ""
-    fp32_output = fp32_output or native
-    if mode == FORCE:
-        return HalfChoice(dtype, True, fp32_output, f"{ENV_FAST_PATHS}=1{via}", native=native)
-    # Without an fp32 result every product takes two passes over its weight: where rows are few (weight-bound)
-    # the fp32 GEMM's single pass wins, so measure from how many rows on the half path pays.
-    min_rows = 1 if fp32_output else probe.residual_min_rows(dtype)
-    known = f"{unit} units: {facts.evidence[unit]}" if facts.units[unit] else f"{unit} units unknown here"
-    if not facts.measure_speed:
-        return HalfChoice(dtype, True, fp32_output, f"{known}{via}", min_rows, native=native)
-    try:
-        if native:  # the kernel the products that must come back in fp32 run on
-            speedup = measured[f"{unit} native GEMM"] = probe.native_speedup(dtype)
-        else:
-            speedup = measured[f"{unit} GEMM"] = probe.half_speedup(dtype)
-    except RUNTIME_ERRORS as exc:  # an unknown device without such a GEMM
-        return HalfChoice(dtype, False, False, f"{unit} GEMM does not run here ({str(exc).splitlines()[0][:160]})")
-    use, why = _speed_verdict(speedup, f"{unit} native GEMM" if native else f"{unit} GEMM")
-    # A product whose fp32 operand enters as two parts, or whose result needs the residual pass, does that many
-    # times the half-precision work: it must still beat the fp32 GEMM by MIN_SPEEDUP.
-    return HalfChoice(
-        dtype, use, fp32_output, f"{known}{via}; {why}", min_rows, speedup / MIN_SPEEDUP, native=native and use
+    rows = (DECODE_ROWS, PREFILL_ROWS) if family == WEIGHTS else (DECODE_ROWS,)
+    times = {}
+    for count in rows:
+        times[count] = probe.route_times(dtype, family, tuple(routes), count)
+        for name, seconds in times[count].items():
+            measured[f"{unit} {family} {name}" + (f" {count} rows" if family == WEIGHTS else "") + " (ms)"] = round(
+                seconds * 1e3, 4
+            )
+    small, small_ratio = _fastest(times[rows[0]], routes)
+    large, large_ratio = _fastest(times[rows[-1]], routes)
+
+    def verdict(route: Route, ratio: float, where: str) -> str:
+        if route.name == FP32:
+            return f"fp32 fastest {where} (others within {ROUTE_MARGIN}x or slower)"
+        return f"{route.name} measured {ratio:.2f}x fp32 {where}"
+
+    if family != WEIGHTS or small.name == large.name:
+        split = 1
+        route = large if small.name == large.name else small
+        reason = verdict(route, large_ratio if family == WEIGHTS else small_ratio, "at the measured shapes")
+        return HalfChoice(dtype, family, route, route, f"{why}{reason}")
+    split = _crossing(times[DECODE_ROWS], times[PREFILL_ROWS], small.name, large.name)
+    reason = (
+        f"{verdict(small, small_ratio, f'at {DECODE_ROWS} rows')}, {verdict(large, large_ratio, f'at {PREFILL_ROWS}')}"
+        f"; lines through both cross at {split} rows"
     )
+    return HalfChoice(dtype, family, small, large, f"{why}{reason}", split)
+
+
+def _decide_half(
+    dtype: torch.dtype, facts: DeviceFacts, probe: Probe, mode: str, measured: dict[str, float]
+) -> dict[str, HalfChoice]:
+    unit = _unit(dtype)
+    if mode == AUTO and facts.units[unit] is False:
+        return _everywhere(dtype, FP32_ROUTE, f"no {unit} units: {facts.evidence[unit]}")
+    routes, notes = _correct_routes(dtype, probe)
+    notes = f"{notes}; " if notes else ""
+    if len(routes) == 1:
+        return _everywhere(dtype, FP32_ROUTE, f"no fp32-accurate {unit} route: {notes.rstrip('; ')}")
+    fastest_kind = next((r for r in reversed(routes) if r.name == NATIVE), routes[1])
+    if mode == FORCE:
+        return _everywhere(dtype, fastest_kind, f"{ENV_FAST_PATHS}=1; {notes}".rstrip("; "))
+    known = f"{unit} units: {facts.evidence[unit]}; " if facts.units[unit] else f"{unit} units unknown here; "
+    if not facts.measure_speed:  # the accelerators GLM-5 targets: their half-precision units are the fast path
+        return _everywhere(dtype, fastest_kind, f"{known}{notes}".rstrip("; "))
+    choices = {}
+    for family in FAMILIES:
+        try:
+            choices[family] = _measured_choice(dtype, family, routes, probe, measured, f"{known}{notes}")
+        except RUNTIME_ERRORS as exc:  # an unknown device without such a GEMM
+            reason = f"{unit} products do not run here ({str(exc).splitlines()[0][:160]})"
+            choices[family] = HalfChoice(dtype, family, FP32_ROUTE, FP32_ROUTE, reason)
+    return choices
 
 
 def _decide_int8(facts: DeviceFacts, probe: Probe, mode: str, measured: dict[str, float]) -> Int8Choice:
@@ -645,7 +735,7 @@ def decide(facts: DeviceFacts, probe: Probe, mode: str) -> Capabilities:
 # ------------------------------------------------------------------------------------------------ the cache
 
 _cache: dict[tuple[str, str, bool], Capabilities] = {}
-_lock = threading.Lock()
+_lock = threading.RLock()  # re-entrant: a probe's own op calls fail loudly instead of hanging
 # (torch.device, what sets the mode, what sets native_enabled) -> the answer: the lookup every op call makes, kept to
 # one dictionary read (parsing the settings and naming the device cost ~0.02 ms once a model's other layers have
 # evicted the caches, against a 0.13 ms decode GEMM). A device without an index is not kept here: which device it

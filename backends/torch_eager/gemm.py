@@ -38,13 +38,16 @@ Two paths, one interface:
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from backends.torch_eager.capabilities import capabilities
+from backends.torch_eager.capabilities import FP32 as FP32_NAME
+from backends.torch_eager.capabilities import NATIVE, WEIGHTS, Route, capabilities
 from backends.torch_eager.native import bf16_gemm
 from backends.torch_eager.primitives import COMPUTE_DTYPE, linear
 
@@ -176,10 +179,68 @@ class Gemm:
 FP32 = Gemm(COMPUTE_DTYPE)
 
 
-def gemm_for(activation: torch.dtype, device: torch.device) -> Gemm:
-    """The GEMM path of an op whose activations are `activation` on `device` (fp32 unless the probe chose the
-    half-precision path for bf16 / fp16 there)."""
-    choice = capabilities(device).half_choice(activation)
+@dataclass(frozen=True)
+class RoutedGemm:
+    """Two routes of the weight family split by row count: `small` for products of fewer than `split_rows` rows
+    (decode: the weight's bytes set the time), `large` from there on (prefill: the arithmetic does). Products of
+    one op call may differ in rows (a prolog's projections do not), so each product picks its own."""
+
+    small: Gemm
+    large: Gemm
+    split_rows: int
+
+    @property
+    def operand(self) -> torch.dtype:
+        return self.large.operand
+
+    @property
+    def logits(self) -> RoutedGemm:
+        return self
+
+    def _for(self, rows: int) -> Gemm:
+        return self.small if rows < self.split_rows else self.large
+
+    def bmm(self, a: Tensor, b: Tensor, *, output: bool = False) -> Tensor:
+        """As Gemm.bmm, on the route for a's rows."""
+        return self._for(a.shape[1]).bmm(a, b, output=output)
+
+    def linear(self, x: Tensor, weight: Tensor, *, output: bool = False) -> Tensor:
+        """As Gemm.linear, on the route for x's rows (all leading dims)."""
+        return self._for(x.numel() // max(x.shape[-1], 1)).linear(x, weight, output=output)
+
+
+def from_route(activation: torch.dtype, route: Route) -> Gemm:
+    """The Gemm of one route (capabilities.Route) for `activation` operands."""
+    if route.name == FP32_NAME:
+        return FP32
+    native = route.name == NATIVE
+    return Gemm(activation, route.fp32_output or native, 1, route.max_work, native)
+
+
+_forced: dict[str, Gemm | RoutedGemm] = {}
+
+
+@contextlib.contextmanager
+def forced_route(family: str, gemm: Gemm | RoutedGemm) -> Iterator[None]:
+    """Run `family`'s products on `gemm` whatever the probe chose (route_workloads times each route this way)."""
+    previous = _forced.get(family)
+    _forced[family] = gemm
+    try:
+        yield
+    finally:
+        if previous is None:
+            del _forced[family]
+        else:
+            _forced[family] = previous
+
+
+def gemm_for(activation: torch.dtype, device: torch.device, family: str = WEIGHTS) -> Gemm | RoutedGemm:
+    """The GEMM path of `family`'s products (capabilities.FAMILIES) whose activations are `activation` on `device`:
+    fp32 unless the probe chose a half-precision route for bf16 / fp16 there."""
+    if _forced and family in _forced and activation != COMPUTE_DTYPE:
+        return _forced[family]
+    choice = capabilities(device).half_choice(activation, family)
     if choice is None or not choice.use:
         return FP32
-    return Gemm(activation, choice.fp32_output, choice.min_rows, choice.max_work, choice.native)
+    small, large = from_route(activation, choice.small), from_route(activation, choice.large)
+    return large if small == large else RoutedGemm(small, large, choice.split_rows)

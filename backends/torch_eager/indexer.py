@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from backends.torch_eager.capabilities import INDEXER
 from backends.torch_eager.gemm import gemm_for
 from backends.torch_eager.native import indexer_scores as native_scores
 from backends.torch_eager.paged import gather_rows
@@ -81,7 +82,7 @@ class _ScoringBatch:
         kv_cache_dtype: str = AUTO,
     ) -> None:
         num_tokens, num_heads, head_dim = q_idx.shape
-        self.gemm = gemm_for(q_idx.dtype, q_idx.device)  # q . k products; the head reduction stays fp32
+        self.gemm = gemm_for(q_idx.dtype, q_idx.device, INDEXER)  # q . k products; the head reduction stays fp32
         # Keys reach the q . k GEMM in its operand dtype, decoded first where the cache holds a quantized format.
         self.read_rows = row_reader(kv_cache_dtype, self.gemm.operand)
         # One native kernel for products, ReLU and head reduction: bf16 queries and a bf16 cache on the native path.

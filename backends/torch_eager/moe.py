@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from backends.torch_eager.gemm import Gemm, gemm_for
+from backends.torch_eager.gemm import Gemm, RoutedGemm, gemm_for
 from backends.torch_eager.primitives import COMPUTE_DTYPE
 
 
@@ -75,7 +75,7 @@ def moe_dispatch(x: Tensor, topk_ids: Tensor, num_experts: int) -> tuple[Tensor,
     return x[src_index // top_k], expert_offsets, src_index
 
 
-def _grouped_linear(x: Tensor, w: Tensor, row_ends: list[int], gemm: Gemm, output: bool = False) -> Tensor:
+def _grouped_linear(x: Tensor, w: Tensor, row_ends: list[int], gemm: Gemm | RoutedGemm, output: bool = False) -> Tensor:
     """x: [M, K] grouped by expert (any float dtype); w: [E, N, K]; row_ends: [E + 1] host ints. Returns [M, N]
     fp32. output: y is the op's output (Gemm.linear)."""
     y = x.new_empty(x.shape[0], w.shape[1], dtype=COMPUTE_DTYPE)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from backends.torch_eager.capabilities import ATTENTION
 from backends.torch_eager.gemm import gemm_for
 from backends.torch_eager.native import sparse_attention as native_attention
 from backends.torch_eager.paged import gather_rows
@@ -51,7 +52,7 @@ def sparse_flash_attention(
     rows = view.rows
     seqs = token_sequences(cu_seqlens_q, num_tokens)  # [T]
     key_limit = seq_lens_k.to(torch.int64)[seqs]  # [T]
-    gemm = gemm_for(q.dtype, q.device)  # logits on gemm.logits; the softmax statistics stay fp32
+    gemm = gemm_for(q.dtype, q.device, ATTENTION)  # logits on gemm.logits; the softmax statistics stay fp32
     read_rows = row_reader(kv_cache_dtype, gemm.operand)  # float rows in the operand dtype, decoded ones fp32
 
     out = torch.empty(num_tokens, num_heads, d_v, dtype=q.dtype, device=q.device)

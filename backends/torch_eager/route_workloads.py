@@ -1,0 +1,99 @@
+"""What the probe times to choose a route per op family (capabilities.FAMILIES): each family's own products, at
+GLM-5 widths, run by this backend's ops on each candidate route (gemm.forced_route).
+
+    weights    a projection [rows, 2048] @ [2048, 2048]^T (8 MiB of bf16: past the caches, as a real weight),
+               at capabilities.DECODE_ROWS and PREFILL_ROWS rows
+    attention  sparse_flash_attention: 2 tokens x 16 heads over 2048 selected keys of 576 (d_v 512), bf16 cache
+    indexer    indexer_logits: 2 tokens x 32 heads of 128 over 4096 keys, bf16 cache
+
+A head count of 16 is a tile's rows for a matrix unit (GLM-5 runs 64 heads, split over ranks), and two tokens are a
+decode step of speculative or batched decoding. Each call is a few milliseconds: the whole probe stays within its
+budget (docs/perf.md). The routes are timed alternately, best of `reps` each (other processes only ever add time).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+
+from backends.torch_eager import capabilities as caps
+from backends.torch_eager.gemm import forced_route, from_route, gemm_for
+from backends.torch_eager.indexer import indexer_logits
+from backends.torch_eager.sparse_attention import sparse_flash_attention
+from glm5_hal.parity.inputs import SeqSpec, paged_batch, randn, random_topk_indices
+
+WIDTH = 2048  # the weight family's K and N
+ATTENTION_SHAPE = {"tokens": 2, "heads": 16, "keys": 4096, "topk": 2048, "width": 576, "d_v": 512}
+INDEXER_SHAPE = {"tokens": 2, "heads": 32, "keys": 4096, "head_dim": 128}
+BLOCK_SIZE = 64
+
+
+def _weights(device: torch.device, dtype: torch.dtype, rows: int, gen: torch.Generator) -> Callable[[], object]:
+    x = randn((rows, WIDTH), gen, dtype=dtype).to(device)
+    w = randn((WIDTH, WIDTH), gen, dtype=dtype).to(device)
+    return lambda: gemm_for(dtype, device).linear(x, w)
+
+
+def _attention(device: torch.device, dtype: torch.dtype, gen: torch.Generator) -> Callable[[], object]:
+    shape = ATTENTION_SHAPE
+    batch = paged_batch([SeqSpec(shape["tokens"], shape["keys"])], BLOCK_SIZE, gen, shuffle_blocks=True)
+    q = randn((shape["tokens"], shape["heads"], shape["width"]), gen, dtype=dtype)
+    cache = randn((batch.num_blocks, BLOCK_SIZE, shape["width"]), gen, dtype=dtype)
+    indices = random_topk_indices(batch, shape["topk"], gen)
+    args = [t.to(device) for t in (q, cache, indices, batch.block_table, batch.seq_lens_k, batch.cu_seqlens_q)]
+    return lambda: sparse_flash_attention(*args, 0.07, shape["d_v"])
+
+
+def _indexer(device: torch.device, dtype: torch.dtype, gen: torch.Generator) -> Callable[[], object]:
+    shape = INDEXER_SHAPE
+    batch = paged_batch([SeqSpec(shape["tokens"], shape["keys"])], BLOCK_SIZE, gen)
+    q = randn((shape["tokens"], shape["heads"], shape["head_dim"]), gen, dtype=dtype)
+    weights = torch.rand(shape["tokens"], shape["heads"], generator=gen)
+    cache = randn((batch.num_blocks, BLOCK_SIZE, shape["head_dim"]), gen, dtype=dtype)
+    args = [t.to(device) for t in (q, weights, cache, batch.block_table, batch.seq_lens_k, batch.cu_seqlens_q)]
+    return lambda: indexer_logits(*args)
+
+
+def workload(family: str, device: torch.device, dtype: torch.dtype, rows: int) -> Callable[[], object]:
+    """One call of `family`'s products on whatever route gemm_for gives (forced_route picks it)."""
+    gen = torch.Generator().manual_seed(0)
+    if family == caps.WEIGHTS:
+        return _weights(device, dtype, rows, gen)
+    if family == caps.ATTENTION:
+        return _attention(device, dtype, gen)
+    if family == caps.INDEXER:
+        return _indexer(device, dtype, gen)
+    raise ValueError(f"family: expected one of {caps.FAMILIES}, got {family!r}")
+
+
+def time_routes(
+    device: torch.device, dtype: torch.dtype, family: str, routes: tuple[caps.Route, ...], rows: int, reps: int
+) -> dict[str, float]:
+    """The best of `reps` alternating calls of `family`'s workload on each route (seconds, by route name)."""
+    call = workload(family, device, dtype, rows)
+    gemms = {route.name: from_route(dtype, route) for route in routes}
+
+    def timed(name: str) -> float:
+        with forced_route(family, gemms[name]):
+            caps._synchronize(device)
+            start = time.perf_counter()
+            call()
+            caps._synchronize(device)
+            return time.perf_counter() - start
+
+    for name in gemms:  # warm-up: first-call set-up (kernel builds, page faults) is not speed
+        timed(name)
+    best = dict.fromkeys(gemms, float("inf"))
+    for rep in range(reps):
+        fastest = min(best.values())
+        for name in gemms:
+            # A route already twice as slow as the fastest cannot win: one timed call is its answer (on a CPU
+            # without bf16 units the residual route is ~15x slower, and timing it fully would dominate the probe).
+            if rep == 0 or best[name] <= 2 * fastest:
+                best[name] = min(best[name], timed(name))
+    return best
+
+
+caps.set_route_timer(time_routes)
