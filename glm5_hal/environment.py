@@ -16,6 +16,10 @@ from typing import TypeVar
 
 T = TypeVar("T")
 
+# Backends that keep measured decisions across processes (the torch backend's probe store) measure again and replace
+# them where this is set to 1; `glm5-hal info --reprobe` sets it for its own process.
+ENV_REPROBE = "GLM5_HAL_REPROBE"
+
 # os.environ's own table of encoded names -> encoded values on POSIX CPython (Windows keys it by upper-cased str).
 _ENCODED: dict[bytes, bytes] | None = getattr(os.environ, "_data", None) if os.name == "posix" else None
 if _ENCODED is not None and not isinstance(_ENCODED, dict):

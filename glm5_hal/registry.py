@@ -88,6 +88,8 @@ class Backend:
         below must leave it False; the public ops then refuse float64 inputs for it instead of losing precision.
     kv_cache_dtypes: the quantized cache formats (glm5_hal.kv_formats) its cache-reading and -writing ops take as
         `kv_cache_dtype=`; the public ops refuse the others for it. Float caches ("auto") need no entry.
+    prepare: (device) -> None: the backend's one-time set-up for a torch device (probes, kernel builds), run by
+        selection.prepare so that `generate` and benchmarks report it apart from the first op call.
     report: () -> BackendReport, called by `glm5-hal info` once the backend is available: what the backend chose
         on this machine that its ops' table cannot say (per-op kernels and why, the CPU routes and their probe).
         It may run kernels or measure; it must not raise for a missing library (say so in the report instead).
@@ -102,6 +104,7 @@ class Backend:
     notes: tuple[str, ...] = ()
     float64: bool = False
     kv_cache_dtypes: tuple[str, ...] = ()
+    prepare: Callable[[object], None] | None = None
     report: Callable[[], BackendReport] | None = None
 
 

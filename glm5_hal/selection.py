@@ -319,3 +319,24 @@ def explain(op: str, device_type: str = "cpu") -> str:
     """One line saying which backend runs `op` on `device_type` now, and why."""
     res = resolve(op, device_type)
     return f"{op} on {device_type}: {res.backend} ({res.reason})"
+
+
+def prepare(device: object) -> list[str]:
+    """Run now the one-time set-up (Backend.prepare) of every backend the ops would run on for tensors on `device`
+    (a torch.device) under the current settings, so that the first op call does not pay for it. Returns the backends
+    prepared. An op no backend runs here is left to fail when called, with its own message."""
+    reg = registry()
+    names: list[str] = []
+    for op in ALL_OP_NAMES:
+        try:
+            res = resolve(op, device.type)
+        except BackendError:
+            continue
+        chosen = reg.get(res.backend)
+        delegate = chosen.delegates.get(op) if chosen is not None else None  # a vendor running the torch path
+        for name in (res.backend, delegate):
+            backend = reg.get(name) if name is not None else None
+            if name not in names and backend is not None and backend.prepare is not None:
+                names.append(name)
+                backend.prepare(device)
+    return names

@@ -375,7 +375,8 @@ def test_mode_from_the_environment_and_the_context_manager(monkeypatch: pytest.M
         assert caps.fast_paths_mode() == caps.OFF
 
 
-def test_off_probes_nothing_and_auto_is_probed_once_per_process(monkeypatch: pytest.MonkeyPatch):
+def test_off_probes_nothing_and_auto_is_probed_once_per_process(monkeypatch: pytest.MonkeyPatch, tmp_path):
+    monkeypatch.setenv(build.ENV_CACHE_DIR, str(tmp_path))  # an empty probe store: the fake's answer stays there
     calls = []
     monkeypatch.setattr(caps, "DeviceProbe", lambda device: calls.append(device) or FakeProbe())
     monkeypatch.setattr(caps, "device_facts", lambda device: _cpu(AVX2_ZEN3))
@@ -456,8 +457,9 @@ def test_info_prints_and_records_the_choice_per_device(capsys, monkeypatch: pyte
     assert "cpu: GLM5_HAL_FAST_PATHS: expected auto" in capsys.readouterr().out
 
 
-def test_the_mode_and_native_settings_apply_to_the_next_call_of_capabilities(monkeypatch: pytest.MonkeyPatch):
+def test_the_mode_and_native_settings_apply_to_the_next_call_of_capabilities(monkeypatch: pytest.MonkeyPatch, tmp_path):
     # capabilities(device) remembers its answer per (device, mode setting, native setting): the op-call path.
+    monkeypatch.setenv(build.ENV_CACHE_DIR, str(tmp_path))  # an empty probe store: the fake's answers stay there
     monkeypatch.setattr(caps, "DeviceProbe", lambda device: FakeProbe())
     monkeypatch.setattr(caps, "device_facts", lambda device: _cpu(AVX2_ZEN3))
     monkeypatch.setattr(caps, "_cache", {})

@@ -251,9 +251,12 @@ def test_generate_command(tie_free, tmp_path: Path, capsys, monkeypatch) -> None
     assert glm5_cli.main([*argv, "--json", str(tmp_path / "out.json"), "--max-batch-size", "2"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[: len(prompts)] == [f"[{i}] {' '.join(map(str, t))}  (length)" for i, t in enumerate(greedy)]
-    assert lines[-1].startswith(f"prefill: {sum(PROMPT_LENGTHS)} tokens in ") and "tokens/s; decode: " in lines[-1]
+    # The backends' one-time set-up (probe, kernel builds) is reported on its own, not inside the first prefill step.
+    assert lines[-1].startswith("set-up: ") and f"; prefill: {sum(PROMPT_LENGTHS)} tokens in " in lines[-1]
+    assert "tokens/s; decode: " in lines[-1]
     written = json.loads((tmp_path / "out.json").read_text())
     assert written["tokens"] == greedy and written["stats"]["decode_tokens"] == len(prompts) * (NEW_TOKENS - 1)
+    assert written["stats"]["setup_seconds"] >= 0
 
     made = []  # --kv-cache picks both caches' formats
     real_new_cache = CausalLM.new_cache

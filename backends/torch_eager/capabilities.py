@@ -45,7 +45,7 @@ from typing import Protocol
 
 import torch
 
-from backends.torch_eager import int8_gemms
+from backends.torch_eager import int8_gemms, probe_store
 from backends.torch_eager.native import bf16_gemm, build
 from glm5_hal.checks import check
 from glm5_hal.cpu_flags import cache_flush_bytes, parse_cpuinfo, this_cpu
@@ -495,7 +495,8 @@ class Capabilities:
     facts: DeviceFacts | None  # None in OFF mode (nothing is probed)
     half: dict[torch.dtype, dict[str, HalfChoice]]
     int8: Int8Choice
-    measured: dict[str, float] = field(default_factory=dict)  # times (s) and speedups that were measured
+    measured: dict[str, float] = field(default_factory=dict)  # times (ms) and speedups that were measured
+    origin: str = ""  # where the answer came from: measured now (in how long), or read from the probe store
 
     def half_choice(self, dtype: torch.dtype, family: str = WEIGHTS) -> HalfChoice | None:
         """The route of `family`'s products for bf16 / fp16 activations; None for any other dtype (fp32 stays fp32)."""
@@ -535,6 +536,7 @@ class Capabilities:
                 "native_reason": self.int8.native_reason,
             },
             "measured": self.measured,
+            "origin": self.origin,
             "summary": self.describe(),
         }
 
@@ -544,6 +546,8 @@ class Capabilities:
         if self.facts is not None:
             head += f" on {self.facts.description}"
         lines = [head]
+        if self.origin:
+            lines.append(f"  probe: {self.origin}")
         for dtype, choices in self.half.items():
             for family, c in choices.items():
                 lines.append(f"  {_unit(dtype)} {family} ({FAMILY_OPS[family]}): {c.path} ({c.reason})")
@@ -551,6 +555,46 @@ class Capabilities:
         if self.int8.native_reason:
             lines.append(f"    few rows: {self.int8.native_reason}")
         return lines
+
+
+def to_stored(found: Capabilities) -> dict[str, object]:
+    """`found` as plain JSON data for the probe store (probe_store.py); from_stored reads it back."""
+    facts = None if found.facts is None else vars(found.facts)
+    half = {
+        _unit(d): {
+            f: {**vars(c), "dtype": _unit(d), "small": vars(c.small), "large": vars(c.large)} for f, c in fs.items()
+        }
+        for d, fs in found.half.items()
+    }
+    return {
+        "device": found.device,
+        "mode": found.mode,
+        "facts": facts,
+        "half": half,
+        "int8": vars(found.int8),
+        "measured": found.measured,
+    }
+
+
+def from_stored(data: dict[str, object], origin: str) -> Capabilities:
+    """The Capabilities `to_stored` wrote; KeyError / TypeError / ValueError where the data is not such a record."""
+    half = {
+        getattr(torch, unit): {
+            family: HalfChoice(
+                getattr(torch, unit), family, Route(**c["small"]), Route(**c["large"]), c["reason"], c["split_rows"]
+            )
+            for family, c in families.items()
+        }
+        for unit, families in data["half"].items()
+    }
+    check(
+        set(half) == set(HALF_DTYPES) and all(set(f) == set(FAMILIES) for f in half.values()),
+        ValueError,
+        lambda: "stored routes: not every dtype and family",
+    )
+    facts = None if data["facts"] is None else DeviceFacts(**data["facts"])
+    int8 = Int8Choice(**data["int8"])
+    return Capabilities(data["device"], data["mode"], facts, half, int8, dict(data["measured"]), origin)
 
 
 def _everywhere(dtype: torch.dtype, route: Route, reason: str) -> dict[str, HalfChoice]:
@@ -777,10 +821,31 @@ def _capabilities(device: torch.device | str, mode: str | None) -> Capabilities:
         with _lock:  # one probe per device even if several threads ask at once
             found = _cache.get(key)
             if found is None:
-                facts = device_facts(device)
-                with _one_cpu_thread(device):
-                    found = _cache[key] = decide(facts, DeviceProbe(device), mode)
+                found = _cache[key] = _stored_or_measured(device, mode)
     return found
+
+
+def _stored_or_measured(device: torch.device, mode: str) -> Capabilities:
+    """The decisions the probe store keeps for this key, else measured now and kept (probe_store.py)."""
+    store_key = probe_store.key(device, mode)
+    stored = probe_store.load(store_key)
+    if stored is not None:
+        try:
+            return from_stored(
+                stored,
+                f"read from {probe_store.path_for(store_key)} ({probe_store.ENV_REPROBE}=1 or "
+                "`glm5-hal info --reprobe` measures again)",
+            )
+        except (KeyError, TypeError, ValueError, AttributeError):
+            pass  # a record this code cannot read: measure again and replace it
+    started = time.perf_counter()
+    facts = device_facts(device)
+    with _one_cpu_thread(device):
+        found = decide(facts, DeviceProbe(device), mode)
+    seconds = time.perf_counter() - started
+    where = probe_store.save(store_key, to_stored(found))
+    kept = f"kept in {where}" if where is not None else "not kept (no usable cache folder)"
+    return replace(found, origin=f"measured in {seconds:.2f} s, {kept}")
 
 
 def clear_cache() -> None:

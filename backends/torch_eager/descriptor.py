@@ -10,6 +10,12 @@ def _load_ops():
     return OPS
 
 
+def _prepare(device: object) -> None:
+    from backends.torch_eager.report import prepare
+
+    prepare(device)
+
+
 def _report() -> BackendReport:
     from backends.torch_eager.report import report
 
@@ -24,5 +30,6 @@ BACKEND = Backend(
     # The floor of `auto`: every device torch has runs it, so every op has somewhere to go.
     auto_priority=0,
     kv_cache_dtypes=tuple(FORMATS),
+    prepare=_prepare,
     report=_report,
 )

@@ -1,5 +1,6 @@
-"""The torch backend's section of `glm5-hal info`: the GEMM routes the probe chose per device (capabilities.py) and
-the native CPU kernels' state (native/build.py), as text lines and as JSON (glm5_hal.registry.BackendReport)."""
+"""The torch backend's set-up (`prepare`) and its section of `glm5-hal info`: the GEMM routes the probe chose per
+device (capabilities.py) and the native CPU kernels' state (native/build.py), as text lines and as JSON
+(glm5_hal.registry.BackendReport)."""
 
 from __future__ import annotations
 
@@ -29,6 +30,14 @@ def native_kernels() -> dict[str, object]:
     for module in (bf16_gemm, indexer_scores, sparse_attention, int8_gemm, native_topk):
         module.availability()  # the build each route takes; the answer lands in build.status()
     return build.status()
+
+
+def prepare(device: torch.device) -> None:
+    """The backend's one-time set-up for `device`: the probe's decisions (read from the probe store, else measured and
+    kept) and, on CPUs, the native kernels those decisions use (built or loaded)."""
+    capabilities(torch.device(device))
+    if torch.device(device).type == "cpu":
+        native_kernels()
 
 
 def report() -> BackendReport:

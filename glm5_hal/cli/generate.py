@@ -104,6 +104,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"[{i}] {' '.join(map(str, tokens))}  ({reason})")
     s = out.stats
     print(
+        f"set-up: {s.setup_seconds:.3f} s; "
         f"prefill: {s.prefill_tokens} tokens in {s.prefill_seconds:.3f} s = {_rate(s.prefill_tokens_per_s)}; "
         f"decode: {s.decode_tokens} tokens in {s.decode_seconds:.3f} s = {_rate(s.decode_tokens_per_s)} "
         f"(up to {s.max_running} sequences per decode step, {s.steps} steps)"

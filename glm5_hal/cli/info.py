@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 
 import torch
 
+from glm5_hal.environment import ENV_REPROBE
 from glm5_hal.registry import ALL_OP_NAMES, OP_NAMES, registry
 from glm5_hal.selection import BackendError, requested_backend, resolve
 
@@ -17,6 +19,11 @@ from glm5_hal.selection import BackendError, requested_backend, resolve
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("info", help="hardware, backends and per-op implementation")
     parser.add_argument("--json", action="store_true", help="print machine-readable JSON instead of text")
+    parser.add_argument(
+        "--reprobe",
+        action="store_true",
+        help=f"measure again what backends keep across processes (the torch backend's routes; {ENV_REPROBE}=1)",
+    )
     parser.set_defaults(func=run)
 
 
@@ -113,6 +120,8 @@ def collect() -> dict[str, object]:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.reprobe:
+        os.environ[ENV_REPROBE] = "1"  # this process only: its backends measure again and replace what they kept
     data = collect()
     if args.json:
         print(json.dumps(data, indent=2))

@@ -21,6 +21,7 @@ and the seed only, not on which other sequences share its batch.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import secrets
 import time
@@ -34,6 +35,7 @@ import torch
 from torch import Tensor
 
 from glm5_hal.checks import check
+from glm5_hal.selection import prepare, use_backend
 
 if TYPE_CHECKING:
     from glm5_hal.model.decoder import DecoderModel
@@ -54,6 +56,9 @@ class GenerationStats:
     decode_seconds: float
     steps: int
     max_running: int  # the largest batch a decode step ran
+    # One-time set-up before the first step (selection.prepare: the backends' probes and kernel builds), which would
+    # otherwise land in the first prefill step; near 0 once a machine has kept its probe's decisions.
+    setup_seconds: float = 0.0
 
     @property
     def prefill_tokens_per_s(self) -> float:
@@ -225,6 +230,11 @@ def generate(
         index_cache_dtype=index_cache_dtype,
     )
 
+    setup_started = time.perf_counter()
+    with use_backend(model.backend) if model.backend is not None else contextlib.nullcontext():
+        prepare(model.device)
+    setup_seconds = time.perf_counter() - setup_started
+
     waiting, running = deque(range(len(ids))), []
     tokens: list[list[int]] = [[] for _ in ids]
     reasons: list[str | None] = [None] * len(ids)
@@ -265,5 +275,7 @@ def generate(
         if progress is not None:  # a sequence that stopped early counts as done in full
             done = sum(max_new_tokens if r is not None else len(t) for t, r in zip(tokens, reasons, strict=True))
             progress(done, total, f"{len(running)} running, {len(waiting)} waiting")
-    stats = GenerationStats(prefill_tokens, prefill_seconds, decode_tokens, decode_seconds, steps, max_running)
+    stats = GenerationStats(
+        prefill_tokens, prefill_seconds, decode_tokens, decode_seconds, steps, max_running, setup_seconds
+    )
     return Generation(tokens, [str(r) for r in reasons], seed if sampled else None, stats)
