@@ -97,7 +97,7 @@ def test_the_key_holds_what_the_decisions_depend_on(store: Path, monkeypatch: py
     finally:
         torch.set_num_threads(threads)
     monkeypatch.setenv(build.ENV_NATIVE, "0")
-    assert probe_store.key(cpu, caps.AUTO)["native"] is False
+    assert probe_store.key(cpu, caps.AUTO)["native"] == build.OFF
     assert probe_store.path_for(probe_store.key(cpu, caps.AUTO)) != probe_store.path_for(base)
 
 

@@ -815,7 +815,7 @@ def _capabilities(device: torch.device | str, mode: str | None) -> Capabilities:
     device = _device_key(device)
     if mode == OFF:
         return _conservative(str(device))
-    key = (str(device), mode, build.native_enabled())
+    key = (str(device), mode, build.native_mode())
     found = _cache.get(key)
     if found is None:
         with _lock:  # one probe per device even if several threads ask at once

@@ -65,7 +65,7 @@ def key(device: torch.device, mode: str) -> dict[str, object]:
         "glm5_hal": _glm5_hal_version(),
         "probe_source": _source_digest(),
         "mode": mode,
-        "native": build.native_enabled(),
+        "native": build.native_mode(),
     }
 
 

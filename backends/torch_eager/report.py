@@ -46,7 +46,9 @@ def report() -> BackendReport:
     for device, choice in data["fast_paths"].items():
         lines += [f"  {line}" for line in choice.get("summary", [f"{device}: {choice.get('error')}"])]
     native = data["native_kernels"]
-    state = "on" if native["enabled"] else "off (GLM5_HAL_NATIVE)"
+    state = {"on": "on", "off": "off (GLM5_HAL_NATIVE)", "portable": "portable builds only (GLM5_HAL_NATIVE)"}[
+        native["mode"]
+    ]
     lines.append(
         f"native CPU kernels (backends/torch_eager/native): {state}; build cache {native['cache_dir'] or 'none'}"
     )

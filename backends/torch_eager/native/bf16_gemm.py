@@ -122,4 +122,5 @@ def is_exact(gen: torch.Generator, isa: str = FAST) -> tuple[bool, str]:
         return False, f"bf16_gemm_{isa}: off by {float((error / bound).max()):.3g}x the fp32 summation bound"
     if error.max() > 2.0**-13 * want[finite].abs().max():
         return False, f"bf16_gemm_{isa}: results rounded (error {float(error.max()):.3g})"
-    return True, f"bf16_gemm_{isa}, fp32 sums of exact bf16 products (checked at K = {EXACTNESS_DEPTH})"
+    what = availability(isa)[1].split(" (")[0]  # the build that ran: `isa`'s, or the portable one in its place
+    return True, f"{what}, fp32 sums of exact bf16 products (checked at K = {EXACTNESS_DEPTH})"

@@ -8,6 +8,8 @@ writable cache, a library without the kernel's functions): callers turn that int
 (`status`).
 
 - GLM5_HAL_NATIVE=0 switches the native kernels off (the torch paths run; for bisecting numerics or speed).
+  GLM5_HAL_NATIVE=portable runs every kernel's portable build (the same blocking in scalar C) in place of its
+  instruction-set build, on any CPU: slow, for testing the native routes where the CPU lacks their instructions.
 - GLM5_HAL_CACHE_DIR: where built libraries go (default $XDG_CACHE_HOME/glm5_hal, else ~/.cache/glm5_hal; where
   neither names an absolute folder, as with HOME unset and a uid without a passwd entry, a private folder of this
   user in the temporary directory, with the reason in `glm5-hal info`). A library's file name is a hash of its
@@ -76,6 +78,14 @@ ISAS: dict[str, Isa] = {
             ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"),
             ("avx512f", "avx512bw", "avx512vl", "avx512_vnni"),
         ),
+        # AMX tiles: TDPBF16PS / TDPBSSD on 16 x 64-byte tiles (amx_tiles.h). AVX-512F/BW only let gcc vectorise the
+        # operand staging and packing loops (every CPU with AMX has them). The process must also ask Linux for the
+        # tile state before the first tile instruction: amx_tiles.py does that once per library.
+        Isa(
+            "amx",
+            ("-mamx-tile", "-mamx-bf16", "-mamx-int8", "-mavx512f", "-mavx512bw"),
+            ("amx_tile", "amx_bf16", "amx_int8", "avx512f", "avx512bw"),
+        ),
         # The same loops around scalar arithmetic: runs on any CPU (the tests check the blocking with it everywhere).
         Isa("portable", ("-DGLM5_PORTABLE",), ()),
     )
@@ -87,6 +97,7 @@ SYMBOLS: dict[str, tuple[str, ...]] = {
     "sparse_attention": ("glm5_sparse_attention",),
     "int8_gemm": ("glm5_w8a8_gemm_nt", "glm5_w4a8_gemm_nt"),
     "topk": ("glm5_topk",),
+    "amx_gemm": ("glm5_amx_init", "glm5_amx_bf16_gemm_nt", "glm5_amx_s8_gemm_nt"),
 }
 KERNELS = tuple(SYMBOLS)
 RECORD_SUFFIX = ".record"  # <library>.record: {"size": bytes, "sha256": hex} of the library as built
@@ -94,12 +105,23 @@ RECORD_SUFFIX = ".record"  # <library>.record: {"size": bytes, "sha256": hex} of
 _lock = threading.Lock()
 
 
-def _parse_enabled(value: str) -> bool:
-    return value.strip().lower() not in ("0", "off", "false", "no")  # unset ("") is enabled
+ON, OFF, PORTABLE_ONLY = "on", "off", "portable"
+
+
+def _parse_mode(value: str) -> str:
+    value = value.strip().lower()
+    if value in ("0", "off", "false", "no"):
+        return OFF
+    return PORTABLE_ONLY if value == PORTABLE_ONLY else ON  # unset ("") is on
+
+
+def native_mode() -> str:
+    """ON, OFF or PORTABLE_ONLY, from GLM5_HAL_NATIVE."""
+    return parsed_setting(ENV_NATIVE, _parse_mode)
 
 
 def native_enabled() -> bool:
-    return parsed_setting(ENV_NATIVE, _parse_enabled)
+    return native_mode() != OFF
 
 
 @dataclass(frozen=True)
@@ -311,8 +333,11 @@ def load(kernel: str, isa: str) -> ctypes.CDLL:
     not. Either answer is kept for the process: a failing compiler runs once, not on every call."""
     if kernel not in KERNELS or isa not in ISAS:
         raise ValueError(f"native kernel: expected one of {KERNELS} x {tuple(ISAS)}, got {kernel!r}, {isa!r}")
-    if not native_enabled():
+    mode = native_mode()
+    if mode == OFF:
         raise NativeUnavailable(f"{ENV_NATIVE}={os.environ[ENV_NATIVE]}")
+    if mode == PORTABLE_ONLY:
+        isa = "portable"
     found = _loaded.get((kernel, isa))  # once loaded, no lock: a dict read is atomic, and this runs on every call
     if isinstance(found, ctypes.CDLL):
         return found
@@ -353,6 +378,8 @@ def availability(kernel: str, isa: str) -> tuple[bool, str]:
         load(kernel, isa)
     except NativeUnavailable as exc:
         return False, str(exc)
+    if native_mode() == PORTABLE_ONLY:
+        return True, f"{kernel}_portable in place of {kernel}_{isa} ({ENV_NATIVE}=portable)"
     return True, f"{kernel}_{isa} (backends/torch_eager/native/{kernel}.c)"
 
 
@@ -366,6 +393,7 @@ def status() -> dict[str, object]:
             kernels[f"{kernel}_{isa}"] = str(found) if isinstance(found, NativeUnavailable) else f"loaded {found._name}"
     return {
         "enabled": native_enabled(),
+        "mode": native_mode(),
         "cache_dir": str(where.path) if where.path is not None else None,
         "cache_note": where.note,
         "kernels": kernels,

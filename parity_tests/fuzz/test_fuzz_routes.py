@@ -1,0 +1,72 @@
+"""The torch backend on every GEMM route forced, under the same random valid configs as test_fuzz_parity.py.
+
+The probe picks a route per op family on each machine (backends/torch_eager/capabilities.py), so the route a config
+takes depends on the CPU; parity must hold on all of them, whichever the probe picks:
+
+    fp32      GLM5_HAL_FAST_PATHS=0
+    half      GLM5_HAL_FAST_PATHS=1, GLM5_HAL_NATIVE=0: torch's half GEMM (fp32 result, or rounded + residual)
+    native    GLM5_HAL_FAST_PATHS=1 with the native kernels; on a CPU without their instructions, their portable
+              builds (GLM5_HAL_NATIVE=portable: the same blocking in scalar C)
+
+The main fuzz tests run the probe's own choice; these run fewer examples per route (the routes share everything
+but their GEMMs).
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+
+from backends.torch_eager.native import bf16_gemm, build
+from fuzz.strategies import VALID_CASES, FuzzCase, examples
+from fuzz.test_fuzz_parity import check_on_backends
+from glm5_hal.registry import OP_NAMES
+
+CONFIGS_PER_ROUTE = 100
+# The native kernel each op's bf16 / int8 products must reach on the native route (so the route is not a no-op).
+# grouped_matmul is not here: its products are its outputs, rounded to bf16 anyway, which take torch's bf16 GEMM
+# on the native route too (gemm.Gemm.takes_native).
+NATIVE_KERNELS = {
+    "mla_prolog": "bf16_gemm",
+    "indexer_prolog": "bf16_gemm",
+    "fused_moe": "bf16_gemm",
+    "indexer_logits": "indexer_scores",
+    "lightning_indexer": "indexer_scores",
+    "sparse_flash_attention": "sparse_attention",
+    "quant_matmul": "int8_gemm",
+    "w4a8_matmul": "int8_gemm",
+}
+
+
+def _native_setting() -> str:
+    return "1" if bf16_gemm.availability()[0] else build.PORTABLE_ONLY
+
+
+ROUTES = {
+    "fp32": {"GLM5_HAL_FAST_PATHS": "0"},
+    "half": {"GLM5_HAL_FAST_PATHS": "1", build.ENV_NATIVE: "0"},
+    "native": {"GLM5_HAL_FAST_PATHS": "1", build.ENV_NATIVE: None},  # None: _native_setting()
+}
+
+
+@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize("op", OP_NAMES)
+def test_random_valid_configs_hold_on_every_forced_route(op: str, route: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    for name, value in ROUTES[route].items():
+        monkeypatch.setenv(name, value if value is not None else _native_setting())
+    used: set[str] = set()  # the native kernels the op's calls loaded
+    real_function = build.function
+    monkeypatch.setattr(build, "function", lambda kernel, *a, **kw: used.add(kernel) or real_function(kernel, *a, **kw))
+
+    @settings(max_examples=examples(CONFIGS_PER_ROUTE), suppress_health_check=[HealthCheck.function_scoped_fixture])
+    @given(case=VALID_CASES[op])
+    def holds(case: FuzzCase) -> None:
+        check_on_backends(case, ["torch"], kind=f"route {route}")
+
+    holds()
+    if route == "half":
+        assert not used, f"GLM5_HAL_NATIVE=0 still ran {used}"
+    elif route == "native" and op in NATIVE_KERNELS:
+        assert NATIVE_KERNELS[op] in used, f"the native route never reached {NATIVE_KERNELS[op]} ({used})"
+    elif route == "fp32":
+        assert used <= {"topk"}, f"the fp32 route ran GEMM kernels {used}"
