@@ -1,0 +1,65 @@
+"""The AMX tile state, asked of Linux before an AMX kernel runs (amx_tiles.h has the C side).
+
+Linux gives a process the AMX register file only on request (arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA),
+Linux >= 5.16); a tile instruction before that kills the process with SIGILL. Every AMX library exports
+glm5_amx_init, which asks (its portable build has nothing to ask and answers yes). `function` calls it once per
+loaded library before handing out any of the library's kernels, and a refusal becomes build.NativeUnavailable with
+the reason, never a crash: callers keep their other routes.
+
+    kernel = function("amx_gemm", "amx", "glm5_amx_bf16_gemm_nt", argtypes, ctypes.c_int)
+    ok, why = availability("amx_gemm", "amx")
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+
+from backends.torch_eager.native import build
+
+INIT = "glm5_amx_init"  # int glm5_amx_init(void): 0, or the errno of Linux's refusal
+_granted: dict[str, str | None] = {}  # a loaded library's path -> None (tile state granted) or why not
+_lock = threading.Lock()
+
+
+def refusal(kernel: str, isa: str, errno: int) -> str:
+    """Why the AMX build of `kernel` cannot run, from the errno glm5_amx_init returned."""
+    why = os.strerror(errno) if errno > 0 else f"error {errno}"
+    return (
+        f"{kernel}_{isa}: Linux refused the AMX tile state (arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA):"
+        f" {why}); AMX kernels need Linux >= 5.16 and a CPU with amx_tile"
+    )
+
+
+def tile_state(kernel: str, isa: str) -> None:
+    """Ask Linux for the tile state for the library load(kernel, isa) gives (once per library and process);
+    build.NativeUnavailable where it cannot be built or loaded, or Linux says no."""
+    library = build.load(kernel, isa)
+    found = _granted.get(library._name, "")  # once asked, no lock: a dict read is atomic
+    if found == "":
+        with _lock:
+            if library._name not in _granted:
+                errno = build.function(kernel, isa, INIT, [], ctypes.c_int)()
+                _granted[library._name] = None if errno == 0 else refusal(kernel, isa, errno)
+            found = _granted[library._name]
+    if found is not None:
+        raise build.NativeUnavailable(found)
+
+
+def function(kernel: str, isa: str, name: str, argtypes: list, restype: object = None) -> ctypes._CFuncPtr:
+    """build.function, once the process holds the tile state (tile_state)."""
+    tile_state(kernel, isa)
+    return build.function(kernel, isa, name, argtypes, restype)
+
+
+def availability(kernel: str, isa: str) -> tuple[bool, str]:
+    """build.availability, and for a build that loads, whether Linux grants the tile state."""
+    ok, why = build.availability(kernel, isa)
+    if not ok:
+        return ok, why
+    try:
+        tile_state(kernel, isa)
+    except build.NativeUnavailable as exc:
+        return False, str(exc)
+    return ok, why
