@@ -15,6 +15,8 @@ blocking, staging and padding are checked on every machine.
 
 from __future__ import annotations
 
+import errno
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -229,6 +231,7 @@ def test_the_amx_build_compiles_here_and_without_amx_it_is_a_reason(fresh_builds
     assert not ok and "Linux refused the AMX tile state" in why
     with pytest.raises(build.NativeUnavailable, match="Linux refused the AMX tile state"):
         amx_tiles.function(amx_gemm.KERNEL, amx_gemm.FAST, "glm5_amx_s8_gemm_nt", [])
+    assert "sigaltstack" in amx_tiles.refusal(amx_gemm.KERNEL, amx_gemm.FAST, errno.ENOSPC)  # a too small stack
 
 
 def test_bad_arguments_name_what_was_expected():

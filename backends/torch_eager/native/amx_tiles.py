@@ -15,6 +15,7 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
+from errno import ENOSPC
 
 from backends.torch_eager.native import build
 
@@ -26,9 +27,12 @@ _lock = threading.Lock()
 def refusal(kernel: str, isa: str, errno: int) -> str:
     """Why the AMX build of `kernel` cannot run, from the errno glm5_amx_init returned."""
     why = os.strerror(errno) if errno > 0 else f"error {errno}"
+    hint = "AMX kernels need Linux >= 5.16 and a CPU with amx_tile"
+    if errno == ENOSPC:  # Linux checks every thread's alternate signal stack against the larger signal frame
+        hint = "a thread's alternate signal stack (sigaltstack, as faulthandler's) is too small for the AMX state"
     return (
         f"{kernel}_{isa}: Linux refused the AMX tile state (arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA):"
-        f" {why}); AMX kernels need Linux >= 5.16 and a CPU with amx_tile"
+        f" {why}); {hint}"
     )
 
 
