@@ -62,16 +62,17 @@ class FakeProbe:
         self.asked.append(f"route_times {dtype} {family} {rows}")
         key = (family, rows if family == caps.WEIGHTS else 0)
         if key in self.times:
-            return {r.name: self.times[key][r.name] for r in routes}
-        return {r.name: 1.0 / self.speed.get(r.name, 1.0) if r.name != caps.FP32 else 1.0 for r in routes}
+            return {r.label: self.times[key][r.name] for r in routes}
+        return {r.label: 1.0 / self.speed.get(r.name, 1.0) if r.name != caps.FP32 else 1.0 for r in routes}
 
     def fp32_output(self, dtype: torch.dtype) -> bool:
         self.asked.append(f"fp32_output {dtype}")
         return self._fp32_output
 
-    def native_gemm(self, dtype: torch.dtype) -> tuple[bool, str]:
+    def native_gemm(self, dtype: torch.dtype, isa: str) -> tuple[bool, str]:
         self.asked.append(f"native_gemm {dtype}")
-        return self._native
+        # The fake's kernel is the AVX-512 BF16 build; the other builds do not run in it.
+        return self._native if isa == "avx512_bf16" else (False, f"no {isa} build in this fake")
 
     def residual_exact(self, dtype: torch.dtype) -> bool:
         self.asked.append(f"residual_exact {dtype}")
@@ -154,7 +155,7 @@ def test_each_family_takes_its_own_fastest_route():
     assert not attention.use and not attention.native and "fp32 fastest" in attention.reason
     assert indexer.small == indexer.large and indexer.native and "2.00x fp32" in indexer.reason
     assert weights.large.max_work == pytest.approx(20.0 / 9.0 / caps.ROUTE_MARGIN)
-    assert got.measured["bfloat16 attention native (ms)"] == 22200.0
+    assert got.measured["bfloat16 attention native:avx512_bf16 (ms)"] == 22200.0
     assert got.half_choice(torch.bfloat16, caps.ATTENTION).path == "fp32 operands"
     # fp32 activations have no choice to make: fp32 stays fp32.
     assert got.half_choice(torch.float32, caps.WEIGHTS) is None
@@ -202,13 +203,14 @@ def test_glm5_hal_native_0_turns_the_native_kernel_off(monkeypatch: pytest.Monke
     """The escape hatch for the native kernels: the real probe reports it as the reason, and the per-process cache
     answers per setting (a choice made with the kernel on is not reused with it off)."""
     monkeypatch.setenv("GLM5_HAL_NATIVE", "0")
-    ok, why = DeviceProbe(torch.device("cpu")).native_gemm(torch.bfloat16)
+    ok, why = DeviceProbe(torch.device("cpu")).native_gemm(torch.bfloat16, "avx512_bf16")
     assert not ok and why == "GLM5_HAL_NATIVE=0"
     off = caps.capabilities("cpu", FORCE).half_choice(torch.bfloat16)
     assert not off.native and "GLM5_HAL_NATIVE=0" in off.reason
     monkeypatch.delenv("GLM5_HAL_NATIVE")
     on = caps.capabilities("cpu", FORCE).half_choice(torch.bfloat16)
-    assert on.native == DeviceProbe(torch.device("cpu")).native_gemm(torch.bfloat16)[0]
+    runs = [DeviceProbe(torch.device("cpu")).native_gemm(torch.bfloat16, isa)[0] for isa in caps.native_isas()]
+    assert on.native == any(runs)
 
 
 def test_the_real_probe_sees_this_cpus_addmm_add_in_fp32_or_refuses() -> None:
@@ -481,4 +483,4 @@ def test_the_mode_and_native_settings_apply_to_the_next_call_of_capabilities(mon
     assert caps.capabilities(cpu) is auto
     monkeypatch.setenv(build.ENV_NATIVE, "0")  # a separate probe: the native kernels are out of the running
     without_native = caps.capabilities(cpu)
-    assert without_native is not auto and ("cpu", AUTO, False) in caps._cache
+    assert without_native is not auto and ("cpu", AUTO, build.OFF) in caps._cache

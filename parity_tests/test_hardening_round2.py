@@ -165,25 +165,12 @@ def force_native_portable():
     import backends.torch_eager.indexer as indexer
     import backends.torch_eager.sparse_attention as attention
     from backends.torch_eager.gemm import Gemm
-    from backends.torch_eager.native import indexer_scores, sparse_attention
+    from backends.torch_eager.native import sparse_attention
 
     assert sparse_attention.availability("portable")[0], sparse_attention.availability("portable")
-    native = Gemm(torch.bfloat16, True, 1, math.inf, True)
+    native = Gemm(torch.bfloat16, True, 1, math.inf, True, "portable")
     # Every family's bf16 products on the native route, for the rest of this process.
     attention.gemm_for = indexer.gemm_for = lambda dtype, device, family: native if dtype == torch.bfloat16 else None
-
-    class Portable:
-        def __init__(self, module, name):
-            self.module, self.name = module, name
-
-        def availability(self, isa="portable"):
-            return self.module.availability("portable")
-
-        def __getattr__(self, attr):
-            return functools.partial(getattr(self.module, attr), isa="portable")
-
-    attention.native_attention = Portable(sparse_attention, "attention")
-    indexer.native_scores = Portable(indexer_scores, "scores")
 
 
 if PATH == "native":
@@ -523,9 +510,6 @@ def _route_torch_attention_through_the_portable_kernel(monkeypatch: pytest.Monke
     """The torch backend's bf16 sparse attention on backends.torch_eager.native's portable build, as a CPU with
     AVX-512 BF16 runs it on the fast one (the same loops and the same Python side; this machine may lack the
     instructions)."""
-    import functools
-    import math
-
     import backends.torch_eager.sparse_attention as attention
     from backends.torch_eager.gemm import FP32, Gemm
     from backends.torch_eager.native import sparse_attention as kernel
@@ -533,17 +517,8 @@ def _route_torch_attention_through_the_portable_kernel(monkeypatch: pytest.Monke
     ok, why = kernel.availability("portable")
     if not ok:
         pytest.skip(f"no portable sparse attention kernel here: {why}")
-    native = Gemm(torch.bfloat16, True, 1, math.inf, True)
-    portable = type(
-        "Portable",
-        (),
-        {
-            "availability": staticmethod(lambda isa="portable": kernel.availability("portable")),
-            "attention": staticmethod(functools.partial(kernel.attention, isa="portable")),
-        },
-    )
+    native = Gemm(torch.bfloat16, True, 1, math.inf, True, "portable")
     monkeypatch.setattr(attention, "gemm_for", lambda dtype, device, _: native if dtype == torch.bfloat16 else FP32)
-    monkeypatch.setattr(attention, "native_attention", portable)
 
 
 class _LargeResults(torch.utils._python_dispatch.TorchDispatchMode):

@@ -78,6 +78,10 @@ DECODE_ROWS, PREFILL_ROWS = 4, 256  # the weight family's two measured row count
 # The routes: fp32 operands; torch's GEMM with half-precision operands (fp32 result by out_dtype, else rounded plus
 # the residual GEMM: backends/torch_eager/gemm.py); the native kernel's fp32 result (CPU bf16).
 FP32, HALF, NATIVE = "fp32", "half", "native"
+# The native bf16 kernels' builds a NATIVE route may run (native/build.py ISAS), fastest first: each that builds here
+# and is exact is a route of its own, measured like the others (=1 forces the first). Under GLM5_HAL_NATIVE=portable
+# every build is the portable one, so there is one route.
+NATIVE_ISAS = ("avx512_bf16", "avx2")
 # Row counts tried for where glm5-hal's native int8 GEMM (the weight in its panels) beats the general int8 route on a
 # product whose weight comes from memory (decode, and the short prefill chunks of speculative or batched decode), and
 # that weight [N, K] (8 MiB of int8). Past the last count the general route runs (its threading is the library's).
@@ -223,15 +227,15 @@ class Probe(Protocol):
     """What the decision may measure on the device (faked in the unit tests)."""
 
     def route_times(self, dtype: torch.dtype, family: str, routes: tuple[Route, ...], rows: int) -> dict[str, float]:
-        """Per route (by name): the best time of `family`'s workload with `dtype` activations on that route, the routes
-        timed alternately (route_workloads.py); `rows`: the weight family's row count (the others ignore it)."""
+        """Per route (by Route.label): the best time of `family`'s workload with `dtype` activations on that route, the
+        routes timed alternately (route_workloads.py); `rows`: the weight family's row count (the others ignore it)."""
 
     def fp32_output(self, dtype: torch.dtype) -> bool:
         """Whether a GEMM of `dtype` operands can hand back fp32 (torch.mm(..., out_dtype=torch.float32))."""
 
-    def native_gemm(self, dtype: torch.dtype) -> tuple[bool, str]:
-        """Whether backends.torch_eager.native's `dtype` x `dtype` -> fp32 GEMM runs here and is exact (fp32 sums of the
-        exact products), and what runs or why not: the fp32 result torch's own GEMM lacks on CPUs."""
+    def native_gemm(self, dtype: torch.dtype, isa: str) -> tuple[bool, str]:
+        """Whether backends.torch_eager.native's `dtype` x `dtype` -> fp32 GEMM built for `isa` runs here and is exact
+        (fp32 sums of the exact products), and what runs or why not: the fp32 result torch's own GEMM lacks on CPUs."""
 
     def residual_exact(self, dtype: torch.dtype) -> bool:
         """Whether addmm / baddbmm with `dtype` operands add their input matrix to the fp32 accumulator before they
@@ -333,11 +337,11 @@ class DeviceProbe:
         except RUNTIME_ERRORS:
             return False  # no such overload in this torch, or no kernel for this device
 
-    def native_gemm(self, dtype: torch.dtype) -> tuple[bool, str]:
+    def native_gemm(self, dtype: torch.dtype, isa: str) -> tuple[bool, str]:
         if self.device.type != "cpu" or dtype != torch.bfloat16:
             return False, "the native kernel is a CPU bf16 GEMM"
-        ok, why = bf16_gemm.availability()
-        return bf16_gemm.is_exact(self._gen) if ok else (False, why)
+        ok, why = bf16_gemm.availability(isa)
+        return bf16_gemm.is_exact(self._gen, isa) if ok else (False, why)
 
     def residual_exact(self, dtype: torch.dtype) -> bool:
         a = torch.randn(3, 16, 256, generator=self._gen).to(self.device, dtype)
@@ -407,13 +411,19 @@ class Route:
     name: str
     fp32_output: bool = False
     max_work: float = math.inf
+    isa: str = ""  # NATIVE: the kernels' build (NATIVE_ISAS, or "portable")
+
+    @property
+    def label(self) -> str:
+        """What the probe's times and `info` call the route: its name, and a native route's build."""
+        return f"{self.name}:{self.isa}" if self.isa else self.name
 
     def describe(self, dtype: torch.dtype) -> str:
         unit = _unit(dtype)
         if self.name == FP32:
             return "fp32 operands"
         if self.name == NATIVE:
-            text = f"{unit} operands, native kernel's fp32 result"
+            text = f"{unit} operands, native kernels' fp32 result ({self.isa} build)"
         elif self.fp32_output:
             text = f"{unit} operands, fp32 result"
         else:
@@ -631,17 +641,26 @@ def _correct_routes(dtype: torch.dtype, probe: Probe) -> tuple[list[Route], str]
     else:
         notes.append(f"{unit} GEMMs here return {unit} only and addmm rounds before it adds (no residual route)")
     if dtype == torch.bfloat16 and not fp32_output:
-        native, why = probe.native_gemm(dtype)
-        if native:
-            routes.append(Route(NATIVE, fp32_output=True))
-        notes.append(f"native kernel: {why}")
+        for isa in native_isas():
+            native, why = probe.native_gemm(dtype, isa)
+            if native:
+                routes.append(Route(NATIVE, fp32_output=True, isa=isa))
+            notes.append(f"native kernel: {why}")
     return routes, "; ".join(notes)
+
+
+def native_isas() -> tuple[str, ...]:
+    """The native builds a NATIVE route may use here: NATIVE_ISAS that build.py knows, or only the portable build
+    under GLM5_HAL_NATIVE=portable."""
+    if build.native_mode() == build.PORTABLE_ONLY:
+        return ("portable",)
+    return tuple(isa for isa in NATIVE_ISAS if isa in build.ISAS)
 
 
 def _fastest(times: dict[str, float], routes: list[Route]) -> tuple[Route, float]:
     """The fastest route of `times` (fp32 unless another beats it by ROUTE_MARGIN) and its speed ratio over fp32."""
-    best = min((r for r in routes if r.name != FP32), key=lambda r: times[r.name], default=FP32_ROUTE)
-    ratio = times[FP32] / times[best.name] if best.name != FP32 else 1.0
+    best = min((r for r in routes if r.name != FP32), key=lambda r: times[r.label], default=FP32_ROUTE)
+    ratio = times[FP32] / times[best.label] if best.name != FP32 else 1.0
     if ratio < ROUTE_MARGIN:
         return FP32_ROUTE, 1.0
     return replace(best, max_work=ratio / ROUTE_MARGIN), ratio
@@ -677,14 +696,13 @@ def _measured_choice(
     def verdict(route: Route, ratio: float, where: str) -> str:
         if route.name == FP32:
             return f"fp32 fastest {where} (others within {ROUTE_MARGIN}x or slower)"
-        return f"{route.name} measured {ratio:.2f}x fp32 {where}"
+        return f"{route.label} measured {ratio:.2f}x fp32 {where}"
 
-    if family != WEIGHTS or small.name == large.name:
-        split = 1
-        route = large if small.name == large.name else small
+    if family != WEIGHTS or small.label == large.label:
+        route = large if small.label == large.label else small
         reason = verdict(route, large_ratio if family == WEIGHTS else small_ratio, "at the measured shapes")
         return HalfChoice(dtype, family, route, route, f"{why}{reason}")
-    split = _crossing(times[DECODE_ROWS], times[PREFILL_ROWS], small.name, large.name)
+    split = _crossing(times[DECODE_ROWS], times[PREFILL_ROWS], small.label, large.label)
     reason = (
         f"{verdict(small, small_ratio, f'at {DECODE_ROWS} rows')}, {verdict(large, large_ratio, f'at {PREFILL_ROWS}')}"
         f"; lines through both cross at {split} rows"

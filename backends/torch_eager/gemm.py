@@ -95,6 +95,7 @@ class Gemm:
     min_rows: int = 1
     max_work: float = math.inf
     native: bool = False
+    native_isa: str = bf16_gemm.FAST  # the native kernels' build (native/build.py ISAS) where `native`
 
     @property
     def half(self) -> bool:
@@ -133,9 +134,9 @@ class Gemm:
             # b is in the operand dtype here (takes_native): one part; b^T is the [N, K] the kernel reads.
             b_parts = 1
             if stacked_a.dim() == 2:
-                blocks = bf16_gemm.bmm_nt(stacked_a[None], b.mT[None])[0]
+                blocks = bf16_gemm.bmm_nt(stacked_a[None], b.mT[None], isa=self.native_isa)[0]
             else:
-                blocks = bf16_gemm.bmm_nt(stacked_a, b.mT)
+                blocks = bf16_gemm.bmm_nt(stacked_a, b.mT, isa=self.native_isa)
         else:
             stacked_b, b_parts = _stacked_parts(b, self.operand, -1)  # b's along columns
             if self.fp32_output and not self.native:
@@ -213,8 +214,9 @@ def from_route(activation: torch.dtype, route: Route) -> Gemm:
     """The Gemm of one route (capabilities.Route) for `activation` operands."""
     if route.name == FP32_NAME:
         return FP32
-    native = route.name == NATIVE
-    return Gemm(activation, route.fp32_output or native, 1, route.max_work, native)
+    if route.name == NATIVE:
+        return Gemm(activation, True, 1, route.max_work, True, route.isa)
+    return Gemm(activation, route.fp32_output, 1, route.max_work)
 
 
 _forced: dict[str, Gemm | RoutedGemm] = {}

@@ -91,7 +91,7 @@ class _ScoringBatch:
             and kv_cache_dtype == AUTO
             and index_k_cache.dtype == q_idx.dtype == torch.bfloat16
             and index_k_cache.stride(-1) == 1  # the kernel reads rows contiguous in DI (others gather, as before)
-            and native_scores.availability()[0]
+            and native_scores.availability(self.gemm.native_isa)[0]
         )
         self.q = q_idx  # converted per tile, so a bf16 batch never exists whole in fp32
         self.weights = weights.to(COMPUTE_DTYPE)  # [T, HI]
@@ -124,7 +124,16 @@ class _ScoringBatch:
             raw = self.block_table[seqs]
             tables = raw.clamp(0, last_block)
             limits = positions + 1  # key positions <= the token's own are visible
-            native_scores.scores(self.q[tokens], self.weights[tokens], self.cache, tables, limits, self.width, out=out)
+            native_scores.scores(
+                self.q[tokens],
+                self.weights[tokens],
+                self.cache,
+                tables,
+                limits,
+                self.width,
+                out=out,
+                isa=self.gemm.native_isa,
+            )
             self._mask_blocks_outside_the_cache(raw, positions, out)
             return
         q = self.q[tokens].to(self.gemm.operand)  # [t, HI, DI]

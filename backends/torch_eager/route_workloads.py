@@ -71,9 +71,9 @@ def workload(family: str, device: torch.device, dtype: torch.dtype, rows: int) -
 def time_routes(
     device: torch.device, dtype: torch.dtype, family: str, routes: tuple[caps.Route, ...], rows: int, reps: int
 ) -> dict[str, float]:
-    """The best of `reps` alternating calls of `family`'s workload on each route (seconds, by route name)."""
+    """The best of `reps` alternating calls of `family`'s workload on each route (seconds, by Route.label)."""
     call = workload(family, device, dtype, rows)
-    gemms = {route.name: from_route(dtype, route) for route in routes}
+    gemms = {route.label: from_route(dtype, route) for route in routes}
 
     def timed(name: str) -> float:
         with forced_route(family, gemms[name]):

@@ -62,7 +62,7 @@ def sparse_flash_attention(
         and kv_cache_dtype == AUTO
         and kv_cache.dtype == q.dtype == torch.bfloat16
         and rows.stride(1) == 1  # the kernels read rows contiguous in D (any other layout gathers, as before)
-        and native_attention.availability()[0]
+        and native_attention.availability(gemm.native_isa)[0]
     )
     # Per token of a tile: its gathered rows (topk x D) and its scores (H x topk), in fp32.
     token_tile = rows_per_tile(topk * (width + num_heads))
@@ -83,7 +83,7 @@ def sparse_flash_attention(
         if native:
             # Invalid keys get slot -1: the kernel never reads their rows (padding in the table, NaN in the slot).
             slots = torch.where(valid, slots, -1)
-            tile_out, tile_lse = native_attention.attention(q[tokens], rows, slots, sm_scale, d_v)
+            tile_out, tile_lse = native_attention.attention(q[tokens], rows, slots, sm_scale, d_v, isa=gemm.native_isa)
             if token_tile >= num_tokens:  # one tile (decode): its results are the op's, no copy
                 return tile_out, tile_lse
             out[tokens], lse[tokens] = tile_out, tile_lse
