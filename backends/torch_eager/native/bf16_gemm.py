@@ -18,6 +18,7 @@ releases the GIL), split by batch or by columns; a result does not depend on the
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -104,23 +105,27 @@ def _fake(a: Tensor, b: Tensor) -> Tensor:
 EXACTNESS_DEPTH = 2100  # past bf16_gemm.c's K block (KC = 1024) twice, with a tail that is not a multiple of 32
 
 
-def is_exact(gen: torch.Generator, isa: str = FAST) -> tuple[bool, str]:
+def is_exact(
+    gen: torch.Generator, isa: str = FAST, product: Callable[[Tensor, Tensor], Tensor] | None = None
+) -> tuple[bool, str]:
     """Whether the kernel's results here are fp32 sums of the exact bf16 products: each within the error bound of
     fp32 summation (depth x 2^-24 x sum |a b|) of the float64 product, none rounded to bf16, and NaN exactly where
-    the float64 product has it. Ragged rows and columns, and a K tail, are included."""
+    the float64 product has it. Ragged rows and columns, and a K tail, are included. product: another kernel of
+    bmm_nt's contract to check instead (the AMX GEMM), named by `isa`."""
     a = torch.randn(2, 7, EXACTNESS_DEPTH, generator=gen).bfloat16()
     b = torch.randn(2, 13, EXACTNESS_DEPTH, generator=gen).bfloat16()
     a[1, 3, 17] = float("nan")
     want = torch.bmm(a.double(), b.double().mT)
-    got = bmm_nt(a, b, isa=isa).double()
+    name = f"bf16_gemm_{isa}" if product is None else isa
+    got = (bmm_nt(a, b, isa=isa) if product is None else product(a, b)).double()
     if not torch.equal(got.isnan(), want.isnan()):
-        return False, f"bf16_gemm_{isa}: NaN where the float64 product has none, or none where it has"
+        return False, f"{name}: NaN where the float64 product has none, or none where it has"
     finite = want.isfinite()
     error = (got - want).abs()[finite]
     bound = (EXACTNESS_DEPTH * 2.0**-24 * torch.bmm(a.double().abs(), b.double().abs().mT).nan_to_num())[finite]
     if (error > bound).any():
-        return False, f"bf16_gemm_{isa}: off by {float((error / bound).max()):.3g}x the fp32 summation bound"
+        return False, f"{name}: off by {float((error / bound).max()):.3g}x the fp32 summation bound"
     if error.max() > 2.0**-13 * want[finite].abs().max():
-        return False, f"bf16_gemm_{isa}: results rounded (error {float(error.max()):.3g})"
-    what = availability(isa)[1].split(" (")[0]  # the build that ran: `isa`'s, or the portable one in its place
+        return False, f"{name}: results rounded (error {float(error.max()):.3g})"
+    what = availability(isa)[1].split(" (")[0] if product is None else name  # the portable build may run instead
     return True, f"{what}, fp32 sums of exact bf16 products (checked at K = {EXACTNESS_DEPTH})"
