@@ -39,9 +39,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from backends.ascend.layouts import contract_quant_scale
 from backends.ascend.runtime import npu, portable
 from glm5_hal.ops.ep_plan import EPPlan
+from glm5_hal.vendor_conventions import contract_quant_scale
 
 A3_SOC_VERSIONS = range(250, 256)  # torch_npu.npu.get_soc_version() of Atlas A3 (A2: 220..225)
 MAX_WORLD = 384  # combine_v2 on A3: ep_world_size in [2, 384] (dispatch_v2 takes up to 768)

@@ -14,7 +14,7 @@ ops_reference in parity_tests/test_ascend_adapters.py.
     src_index (row r came from assignment a)   <->  sorted_indices (assignment a sits in row r): the inverse
     softmax_max, softmax_sum [N2, T, H/N2]      ->  natural-log lse [T, H], -inf for a row with no valid key
     w_packed uint8 [N, K/2] (even k low nibble) ->  int4 values as int32 [N, K] (npu_convert_weight_to_int4pack)
-    dynamic-quant scale 0 (all-zero row)        ->  scale 1, codes 0 (codes 0 as well for a NaN / inf scale)
+    dynamic-quant scale 0 (all-zero row)        ->  glm5_hal.vendor_conventions.contract_quant_scale
 """
 
 from __future__ import annotations
@@ -168,15 +168,3 @@ def int4_values(w_packed: Tensor) -> Tensor:
     low, high = packed & 0xF, packed >> 4
     nibbles = torch.stack([low, high], dim=-1).flatten(-2)  # [N, K]: k = 2j (low), 2j + 1 (high)
     return torch.where(nibbles >= 8, nibbles - 16, nibbles)
-
-
-def contract_quant_scale(q: Tensor, scale: Tensor) -> tuple[Tensor, Tensor]:
-    """Per-token int8 codes and scales from npu_dynamic_quant -> the contract's zero-row and NaN rules.
-
-    The kernel computes scale = max|x| / 127, which is 0 for an all-zero row (its codes are then undefined); the
-    contract gives such a row scale 1 and codes 0. A row holding NaN or inf has a non-finite scale, and the
-    contract gives it codes 0 whatever the kernel wrote (docs/ops.md "NaN"). q: [..., K] int8; scale: [...] fp32.
-    """
-    zero = scale == 0
-    undefined = zero | ~torch.isfinite(scale)
-    return q.masked_fill(undefined[..., None], 0), torch.where(zero, torch.ones_like(scale), scale)

@@ -17,8 +17,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from backends.ascend.layouts import contract_quant_scale, int4_values
+from backends.ascend.layouts import int4_values
 from backends.ascend.runtime import ACL_FORMAT_FRACTAL_NZ, half_or_bf16, npu, portable
+from glm5_hal.vendor_conventions import contract_quant_scale
 from glm5_hal.weight_cache import derived
 
 QUANT_MATMUL_OUT = (torch.bfloat16, torch.float16)

@@ -25,6 +25,7 @@ from backends.ascend.quantized_cache import KERNEL_FORMATS, sparse_flash_attenti
 from backends.ascend.runtime import half_or_bf16, npu, portable
 from glm5_hal.kv_formats import AUTO
 from glm5_hal.paged import token_sequences
+from glm5_hal.vendor_conventions import contract_empty_rows
 
 LATENT = 512  # npu_sparse_flash_attention in attention_mode 2: query/key/value D = 512, rope D = 64
 ROPE = 64
@@ -109,7 +110,4 @@ def sparse_flash_attention(
         out[part], lse[part] = _attend_tile(q[part], rows, local[part], float(sm_scale))  # rows [t, topk, 576]
     # The kernel leaves a row without any valid index undefined; the contract says out = 0 and lse = -inf. A head
     # whose scores were all -inf (lse -inf: an empty softmax, docs/ops.md "Edge rules") gets out = 0 as well.
-    empty = ~ordered_valid.any(dim=1)
-    lse = lse.masked_fill(empty[:, None], float("-inf"))
-    out = out.masked_fill((lse == float("-inf"))[..., None], 0)
-    return out, lse
+    return contract_empty_rows(out, lse, ~ordered_valid.any(dim=1))
