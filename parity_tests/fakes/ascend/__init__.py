@@ -21,6 +21,7 @@ import torch
 from fakes.ascend import attention, basic, mc2, mla, moe, quant
 from fakes.ascend.common import STATE, FakeNpuError
 from fakes.ascend.wheel import VERSION, schemas
+from fakes.schema_fake import define_ops
 
 KERNELS: dict[str, Callable] = {
     "npu_format_cast": basic.npu_format_cast,
@@ -49,15 +50,6 @@ NAMESPACE = "npu"
 STAND_IN_DEVICE = "cpu"
 
 
-def _counted(name: str, kernel: Callable) -> Callable:
-    @functools.wraps(kernel)
-    def run(*args, **kwargs):
-        STATE.calls[name] += 1
-        return kernel(*args, **kwargs)
-
-    return run
-
-
 class _NpuDevice(ModuleType):
     """torch_npu.npu: the device module. No NPU exists behind this fake; it answers as an Atlas A3 (soc_version
     250; tests set `soc_version` to play another SoC)."""
@@ -79,10 +71,7 @@ class _NpuDevice(ModuleType):
 @functools.cache
 def build(wheel: Path) -> ModuleType:
     """The fake torch_npu module (built once per process: torch.library definitions are global)."""
-    library = torch.library.Library(NAMESPACE, "DEF")
-    for name, schema in schemas(wheel, sorted(KERNELS)).items():
-        library.define(schema)
-        library.impl(name, _counted(name, KERNELS[name]), "CPU")
+    library = define_ops(NAMESPACE, schemas(wheel, sorted(KERNELS)), KERNELS, STATE)
     module = ModuleType("torch_npu", __doc__)
     module.__version__ = f"{VERSION} (glm5-hal strict fake, schemas from {wheel.name})"
     module.GLM5_HAL_STAND_IN_DEVICE = STAND_IN_DEVICE

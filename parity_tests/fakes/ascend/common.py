@@ -8,11 +8,10 @@ adapter that relies on undefined behaviour fails its parity test instead of pass
 
 from __future__ import annotations
 
-from collections import Counter
-
-import numpy as np
 import torch
 from torch import Tensor
+
+from fakes.schema_fake import INT8_POISON, CallCounter, device_tensor, host, poison  # noqa: F401 (re-exported)
 
 # c10::ScalarType codes: how torch.ops passes a torch.dtype to an `int?` schema argument (output_dtype, ...).
 SCALAR_TYPES: dict[int, torch.dtype] = {
@@ -29,7 +28,6 @@ SCALAR_TYPES: dict[int, torch.dtype] = {
 }
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-INT8_POISON = -128  # outside the symmetric [-127, 127] range every documented quantizer produces
 
 
 class FakeNpuError(RuntimeError):
@@ -47,22 +45,6 @@ def not_modeled(condition: bool, op: str, what: str) -> None:
         raise FakeNpuError(
             f"{op}: {what} is documented but not modeled by this fake; the glm5-hal backend must not use it"
         )
-
-
-def host(t: Tensor) -> np.ndarray:
-    """A float64 (floating tensors) or int64 (integer tensors) NumPy copy."""
-    t = t.detach().cpu()
-    return (t.to(torch.float64) if t.is_floating_point() else t.to(torch.int64)).numpy()
-
-
-def device_tensor(a: np.ndarray, dtype: torch.dtype, like: Tensor) -> Tensor:
-    return torch.from_numpy(np.ascontiguousarray(a)).to(device=like.device, dtype=dtype)
-
-
-def poison(shape: tuple[int, ...], dtype: torch.dtype, like: Tensor) -> Tensor:
-    """An output the documentation leaves undefined: NaN for floats, INT8_POISON / -1 for integers."""
-    fill = float("nan") if dtype.is_floating_point else (INT8_POISON if dtype == torch.int8 else -1)
-    return torch.full(shape, fill, dtype=dtype, device=like.device)
 
 
 def is_transposed_2d(t: Tensor) -> bool:
@@ -86,14 +68,4 @@ def marked(t: Tensor, tag: str) -> object:
     return None
 
 
-class State:
-    """Calls per op (tests assert the fused kernels really ran) and nothing else; reset between tests."""
-
-    def __init__(self) -> None:
-        self.calls: Counter[str] = Counter()
-
-    def reset(self) -> None:
-        self.calls.clear()
-
-
-STATE = State()
+STATE = CallCounter()
