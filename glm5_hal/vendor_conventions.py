@@ -5,6 +5,7 @@ backend at its edge. Pure tensor functions: no vendor library, no host read.
     lse in base 2 (FlashMLA-style log2 sum exp2) -> natural-log lse                      lse_from_base2
     per-token int8 scale 0 for an all-zero row   -> scale 1, codes 0; codes 0 for a      contract_quant_scale
       (codes undefined), NaN / inf scale            NaN / inf scale (docs/ops.md "NaN")
+    indices with -1 anywhere in a row            -> valid entries first, then -1            valid_first
     a row with no valid key: out / lse undefined -> out = 0, lse = -inf; a head whose    contract_empty_rows
       or +inf                                       lse is -inf gets out = 0
 """
@@ -43,3 +44,10 @@ def contract_empty_rows(out: Tensor, lse: Tensor, empty: Tensor) -> tuple[Tensor
     and every head whose lse is -inf (no key, or only -inf scores: an empty softmax) gets out = 0."""
     lse = lse.masked_fill(empty[:, None], float("-inf"))
     return out.masked_fill((lse == float("-inf"))[..., None], 0), lse
+
+
+def valid_first(indices: Tensor, valid: Tensor) -> Tensor:
+    """[T, k] indices with `valid` [T, k] -> the valid entries of each row first (in their order), then -1."""
+    order = torch.sort((~valid).to(torch.int8), dim=1, stable=True).indices
+    moved = indices.gather(1, order)
+    return torch.where(valid.gather(1, order), moved, torch.full_like(moved, -1))

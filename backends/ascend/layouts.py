@@ -26,6 +26,7 @@ from torch import Tensor
 
 from glm5_hal.paged import key_slots as shared_key_slots
 from glm5_hal.paged import slot_rows
+from glm5_hal.vendor_conventions import valid_first  # noqa: F401 (the adapters' name for it)
 
 
 # ------------------------------------------------------------------------------------------------ ragged batches
@@ -88,13 +89,6 @@ def halve_rope_pairs(x: Tensor) -> Tensor:
 
 
 # ------------------------------------------------------------------------------------------------ sparse indices
-def valid_first(indices: Tensor, valid: Tensor) -> Tensor:
-    """[T, k] indices with `valid` [T, k] -> the valid entries of each row first (in their order), then -1."""
-    order = torch.sort((~valid).to(torch.int8), dim=1, stable=True).indices
-    moved = indices.gather(1, order)
-    return torch.where(valid.gather(1, order), moved, torch.full_like(moved, -1))
-
-
 def selected_positions(
     indices: Tensor, seq_lens_k: Tensor, seqs: Tensor, block_table: Tensor, block_size: int, num_blocks: int
 ) -> tuple[Tensor, Tensor, Tensor]:
