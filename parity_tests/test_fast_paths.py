@@ -132,7 +132,7 @@ def test_sparse_attention_gemm_operands(mode: str) -> None:
     fast = _bf16_gemm(mode, ATTENTION)
     with fast_paths(mode), _GemmSpy() as spy:
         OPS["sparse_flash_attention"](*_sparse_attention_inputs(torch.bfloat16))
-    if fast.native and native_attention.availability()[0]:
+    if fast.fused and native_attention.availability(fast.native_isa)[0]:
         # The native kernel: bf16 q and rows, int64 slots (the probabilities are split into bf16 parts inside).
         assert spy.operands == [(torch.bfloat16, torch.bfloat16, torch.int64)]
     else:
@@ -185,7 +185,7 @@ def test_indexer_keys_feed_the_path_gemm_and_the_head_reduction_stays_fp32(mode:
         OPS["indexer_logits"](
             q, weights, cache, batch.block_table, batch.seq_lens_k, batch.cu_seqlens_q, kv_cache_dtype=kv_cache_dtype
         )
-    if fast.native and kv_cache_dtype == "auto" and indexer_scores.availability()[0]:
+    if fast.fused and kv_cache_dtype == "auto" and indexer_scores.availability(fast.native_isa)[0]:
         (fused,) = spy.operands  # one native call: q, the fp32 head weights, the bf16 cache read in place, ...
         assert fused[:3] == (torch.bfloat16, torch.float32, torch.bfloat16)
         return

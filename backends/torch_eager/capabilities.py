@@ -46,7 +46,7 @@ from typing import Protocol
 import torch
 
 from backends.torch_eager import int8_gemms, probe_store
-from backends.torch_eager.native import bf16_gemm, build
+from backends.torch_eager.native import amx_gemm, bf16_gemm, build
 from glm5_hal.checks import check
 from glm5_hal.cpu_flags import cache_flush_bytes, parse_cpuinfo, this_cpu
 from glm5_hal.environment import parsed_setting, raw_setting
@@ -81,7 +81,7 @@ FP32, HALF, NATIVE = "fp32", "half", "native"
 # The native bf16 kernels' builds a NATIVE route may run (native/build.py ISAS), fastest first: each that builds here
 # and is exact is a route of its own, measured like the others (=1 forces the first). Under GLM5_HAL_NATIVE=portable
 # every build is the portable one, so there is one route.
-NATIVE_ISAS = ("avx512_bf16", "avx2")
+NATIVE_ISAS = ("amx", "avx512_bf16", "avx2")
 # Row counts tried for where glm5-hal's native int8 GEMM (the weight in its panels) beats the general int8 route on a
 # product whose weight comes from memory (decode, and the short prefill chunks of speculative or batched decode), and
 # that weight [N, K] (8 MiB of int8). Past the last count the general route runs (its threading is the library's).
@@ -340,6 +340,10 @@ class DeviceProbe:
     def native_gemm(self, dtype: torch.dtype, isa: str) -> tuple[bool, str]:
         if self.device.type != "cpu" or dtype != torch.bfloat16:
             return False, "the native kernel is a CPU bf16 GEMM"
+        if isa == amx_gemm.FAST:  # AMX's GEMM is a kernel of its own (amx_gemm.c), with bmm_nt's contract
+            ok, why = amx_gemm.availability()
+            product = amx_gemm.bmm_nt
+            return bf16_gemm.is_exact(self._gen, "amx_gemm_amx", product) if ok else (False, why)
         ok, why = bf16_gemm.availability(isa)
         return bf16_gemm.is_exact(self._gen, isa) if ok else (False, why)
 

@@ -48,7 +48,7 @@ from torch import Tensor
 
 from backends.torch_eager.capabilities import FP32 as FP32_NAME
 from backends.torch_eager.capabilities import NATIVE, WEIGHTS, Route, capabilities
-from backends.torch_eager.native import bf16_gemm
+from backends.torch_eager.native import amx_gemm, bf16_gemm
 from backends.torch_eager.primitives import COMPUTE_DTYPE, linear
 
 
@@ -106,6 +106,13 @@ class Gemm:
         """The path for products that feed a softmax: this one (its results are fp32-accurate either way)."""
         return self
 
+    @property
+    def fused(self) -> bool:
+        """Whether the ops' fused native kernels (sparse attention, indexer scores) run on this path: they are built
+        from the same sources as bf16_gemm.c, for every build but AMX's (whose route runs its GEMM under the ops'
+        torch code instead)."""
+        return self.native and self.native_isa != amx_gemm.FAST
+
     def takes_native(self, b: Tensor, output: bool) -> bool:
         """Whether a product with column operand b runs on backends.torch_eager.native's kernel: not where it is the
         op's output (torch's rounded GEMM is enough, and faster where arithmetic sets the time), and not where b is an
@@ -134,9 +141,9 @@ class Gemm:
             # b is in the operand dtype here (takes_native): one part; b^T is the [N, K] the kernel reads.
             b_parts = 1
             if stacked_a.dim() == 2:
-                blocks = bf16_gemm.bmm_nt(stacked_a[None], b.mT[None], isa=self.native_isa)[0]
+                blocks = self._native_bmm_nt(stacked_a[None], b.mT[None])[0]
             else:
-                blocks = bf16_gemm.bmm_nt(stacked_a, b.mT, isa=self.native_isa)
+                blocks = self._native_bmm_nt(stacked_a, b.mT)
         else:
             stacked_b, b_parts = _stacked_parts(b, self.operand, -1)  # b's along columns
             if self.fp32_output and not self.native:
@@ -156,6 +163,13 @@ class Gemm:
             if i < a_parts and j < b_parts:
                 total = total + blocks[..., i * rows : (i + 1) * rows, j * cols : (j + 1) * cols]
         return total
+
+    def _native_bmm_nt(self, a: Tensor, b: Tensor) -> Tensor:
+        """a [B, M, K] bf16 @ b [B, N, K]^T bf16 -> [B, M, N] fp32 on the native build of this path: AMX's own kernel
+        (amx_gemm.c) or bf16_gemm.c's build for native_isa."""
+        if self.native_isa == amx_gemm.FAST:
+            return amx_gemm.bmm_nt(a, b)
+        return bf16_gemm.bmm_nt(a, b, isa=self.native_isa)
 
     def bmm(self, a: Tensor, b: Tensor, *, output: bool = False) -> Tensor:
         """a [B, M, K] @ b [B, K, N] -> [B, M, N] fp32 (any float dtypes in; an fp32 operand is not rounded).

@@ -87,7 +87,7 @@ class _ScoringBatch:
         self.read_rows = row_reader(kv_cache_dtype, self.gemm.operand)
         # One native kernel for products, ReLU and head reduction: bf16 queries and a bf16 cache on the native path.
         self.fused = (
-            self.gemm.native
+            self.gemm.fused
             and kv_cache_dtype == AUTO
             and index_k_cache.dtype == q_idx.dtype == torch.bfloat16
             and index_k_cache.stride(-1) == 1  # the kernel reads rows contiguous in DI (others gather, as before)

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from backends.torch_eager.native import int8_gemm
+from backends.torch_eager.native import amx_gemm, int8_gemm
 
 # u8 = s8 + 128: the zero point that maps int8 codes onto oneDNN's unsigned activations without loss.
 U8_ZERO_POINT = 128
@@ -100,6 +100,14 @@ def _native_accumulate(x_q: Tensor, prepared: int8_gemm.PanelWeight) -> Tensor:
     return int8_gemm.run_w8a8(x_q, prepared, None, None, None, torch.float32)
 
 
+def _amx_applies(m: int, k: int, n: int, device: torch.device) -> bool:
+    return device.type == "cpu" and m > 0 and amx_gemm.availability()[0]
+
+
+def _amx_accumulate(x_q: Tensor, prepared: amx_gemm.S8Weight) -> Tensor:
+    return amx_gemm.run_s8(x_q, prepared).to(torch.float32)
+
+
 ONEDNN_U8S8 = Int8Gemm(
     "oneDNN u8 x s8 (prepacked weight)", _onednn_applies, _onednn_prepare, _onednn_accumulate, caches_weights=True
 )
@@ -111,7 +119,16 @@ NATIVE_VNNI = Int8Gemm(
     _native_accumulate,
     caches_weights=True,
 )
-ROUTES: tuple[Int8Gemm, ...] = (ONEDNN_U8S8, NATIVE_VNNI, INT_MM)
+AMX_S8 = Int8Gemm(
+    "glm5-hal AMX (s8 x s8, weight in tile panels)",
+    _amx_applies,
+    amx_gemm.prepare_s8,
+    _amx_accumulate,
+    caches_weights=True,
+)
+# In order of preference: the probe takes the first exact route that beats fp32 (capabilities._decide_int8). AMX's
+# TDPBSSD multiplies s8 x s8 into int32 tiles with no zero-point correction, at 2x VNNI's work per instruction.
+ROUTES: tuple[Int8Gemm, ...] = (AMX_S8, ONEDNN_U8S8, NATIVE_VNNI, INT_MM)
 
 
 def by_name(name: str) -> Int8Gemm:

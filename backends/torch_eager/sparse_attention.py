@@ -58,7 +58,7 @@ def sparse_flash_attention(
     out = torch.empty(num_tokens, num_heads, d_v, dtype=q.dtype, device=q.device)
     lse = torch.empty(num_tokens, num_heads, dtype=COMPUTE_DTYPE, device=q.device)
     native = (
-        gemm.native
+        gemm.fused
         and kv_cache_dtype == AUTO
         and kv_cache.dtype == q.dtype == torch.bfloat16
         and rows.stride(1) == 1  # the kernels read rows contiguous in D (any other layout gathers, as before)
