@@ -8,18 +8,83 @@
  * Built twice by backends/torch_eager/native/build.py:
  * - with -mavx512bf16: a 4 x 4 tile of 512-bit accumulators fed by VDPBF16PS (32 bf16 pairs per instruction), one
  *   accumulator per output, reduced to the tile's 16 results at the end of each K block;
- * - without it (GLM5_PORTABLE): the same loops around a scalar tile, for testing the blocking on any CPU.
- * Both differ from the fp32 GEMM only in the order of the fp32 additions. VDPBF16PS treats bf16 subnormal inputs
- * and fp32 subnormal results as zero (an absolute difference below 1.2e-38).
+ * - with -mavx2 -mfma (GLM5_AVX2), for CPUs without AVX-512: a 3 x 4 tile of 256-bit fp32 accumulators, the bf16
+ *   operands widened exactly in registers (bf16.h: even k from one shift, odd k from one mask of the same load) and
+ *   multiplied with FMA (a bf16 x bf16 product is exact in fp32, so each FMA is the exact product plus one rounding,
+ *   as an add of it); lane l of an accumulator sums k = 2l and 2l + 1 modulo 16, reduced at the end of each K block;
+ * - without either (GLM5_PORTABLE): the same loops around a scalar tile, for testing the blocking on any CPU.
+ * All differ from the fp32 GEMM only in the order of the fp32 additions. VDPBF16PS treats bf16 subnormal inputs
+ * and fp32 subnormal results as zero (an absolute difference below 1.2e-38); the AVX2 and portable builds keep
+ * subnormals (nothing here sets MXCSR's DAZ / FTZ).
  */
 #include "bf16.h"
 
+#if defined(GLM5_AVX2)
+#define MR 3    /* rows of A per tile: 3 x 4 accumulators + 3 held A vectors + 1 streamed B vector = 16 ymm */
+#define NR 4    /* rows of B (columns of C) per tile; bf16_gemm.py's TILE_COLUMNS */
+#define KC 1024 /* K per block: a tile's 7 operand rows (14 KiB) stay in L1 (32 KiB on Zen 3) across the block */
+#define MC 128  /* rows of A per block: MC x KC bf16 (256 KiB) stay in L2 (512 KiB on Zen 3) while B streams past */
+#else
 #define MR 4    /* rows of A per tile */
 #define NR 4    /* rows of B (columns of C) per tile */
 #define KC 1024 /* K per block: a tile's 8 operand rows (16 KiB) stay in L1 across the block */
 #define MC 256  /* rows of A per block: MC x KC bf16 (512 KiB) stay in L2 while B streams past */
+#endif
 
-#ifndef GLM5_PORTABLE
+#if defined(GLM5_AVX2)
+#define STEP 16 /* k per step: one 256-bit load of a row is 16 bf16, 8 even and 8 odd */
+
+/* One step at k: acc[m][n] lane l gains a[m][k + 2l] b[n][k + 2l], then a[m][k + 2l + 1] b[n][k + 2l + 1]. The A
+   values of a phase stay in registers while B's rows stream past. `rows` is a constant once inlined. */
+static inline __attribute__((always_inline)) void step(const int rows, const uint16_t *const *a,
+                                                       const uint16_t *const *b, long k, __m256 acc[MR][NR]) {
+    __m256 av[MR];
+    for (int m = 0; m < rows; m++) av[m] = low_halves(_mm256_loadu_si256((const __m256i *)(a[m] + k)));
+    for (int n = 0; n < NR; n++) {
+        __m256 bv = low_halves(_mm256_loadu_si256((const __m256i *)(b[n] + k)));
+        for (int m = 0; m < rows; m++) acc[m][n] = _mm256_fmadd_ps(av[m], bv, acc[m][n]);
+    }
+    for (int m = 0; m < rows; m++) av[m] = high_halves(_mm256_loadu_si256((const __m256i *)(a[m] + k)));
+    for (int n = 0; n < NR; n++) {
+        __m256 bv = high_halves(_mm256_loadu_si256((const __m256i *)(b[n] + k)));
+        for (int m = 0; m < rows; m++) acc[m][n] = _mm256_fmadd_ps(av[m], bv, acc[m][n]);
+    }
+}
+
+/* The 4 sums of v[0..3]'s lanes, in order (two levels of pairwise adds within 128-bit halves, then the halves). */
+static inline __m128 sum_each_of_4(const __m256 v[4]) {
+    __m256 pairs = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+    return _mm_add_ps(_mm256_castps256_ps128(pairs), _mm256_extractf128_ps(pairs, 1));
+}
+
+/* out[NR * m + n] = sum over k < K of a[m][k] * b[n][k], m < rows: the tile for a constant number of rows (an edge
+   tile computes only its real rows: at decode, M = 4 is a full tile and a 1-row one). */
+static inline __attribute__((always_inline)) void tile_of(const int rows, const uint16_t *a[MR],
+                                                          const uint16_t *b[NR], long K, float out[MR * NR]) {
+    _Static_assert(NR == 4, "sum_each_of_4 reduces a row of NR = 4 accumulators");
+    __m256 acc[MR][NR];
+    for (int m = 0; m < rows; m++)
+        for (int n = 0; n < NR; n++) acc[m][n] = _mm256_setzero_ps();
+    long k = 0;
+    for (; k + STEP <= K; k += STEP) step(rows, a, b, k, acc);
+    if (k < K) { /* the K - k < 16 last values, copied into zero-padded rows (zeros add exact zeros) */
+        uint16_t edge[MR + NR][STEP] = {{0}};
+        const uint16_t *ea[MR], *eb[NR];
+        for (int m = 0; m < rows; m++) ea[m] = memcpy(edge[m], a[m] + k, sizeof(uint16_t) * (K - k));
+        for (int n = 0; n < NR; n++) eb[n] = memcpy(edge[MR + n], b[n] + k, sizeof(uint16_t) * (K - k));
+        step(rows, ea, eb, 0, acc);
+    }
+    for (int m = 0; m < rows; m++) _mm_storeu_ps(out + NR * m, sum_each_of_4(acc[m]));
+}
+
+static void tile(const uint16_t *a[MR], const uint16_t *b[NR], long K, int rows, float out[MR * NR]) {
+    switch (rows) {
+    case 1: tile_of(1, a, b, K, out); break;
+    case 2: tile_of(2, a, b, K, out); break;
+    default: tile_of(MR, a, b, K, out); break;
+    }
+}
+#elif !defined(GLM5_PORTABLE)
 #include <immintrin.h>
 
 /* The 16 sums of v[0..15] in one vector, lane 4 * i + j holding sum(v[4 * j + i]): three levels of 128-bit
@@ -38,8 +103,9 @@ static inline __m512 sum_each_of_16(const __m512 v[16]) {
     return _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(d0, d1)), _mm512_castpd_ps(_mm512_unpackhi_pd(d0, d1)));
 }
 
-/* out[4 * m + n] = sum over k < K of a[m][k] * b[n][k]. */
-static void tile(const uint16_t *a[MR], const uint16_t *b[NR], long K, float out[MR * NR]) {
+/* out[4 * m + n] = sum over k < K of a[m][k] * b[n][k] (every row: edge rows repeat a real one). */
+static void tile(const uint16_t *a[MR], const uint16_t *b[NR], long K, int rows, float out[MR * NR]) {
+    (void)rows;
     __m512 acc[MR * NR];
     for (int i = 0; i < MR * NR; i++) acc[i] = _mm512_setzero_ps();
     long k = 0;
@@ -62,12 +128,12 @@ static void tile(const uint16_t *a[MR], const uint16_t *b[NR], long K, float out
     _mm512_storeu_ps(out, sum_each_of_16(acc));
 }
 #else
-static void tile(const uint16_t *a[MR], const uint16_t *b[NR], long K, float out[MR * NR]) {
-    for (int m = 0; m < MR; m++)
+static void tile(const uint16_t *a[MR], const uint16_t *b[NR], long K, int rows, float out[MR * NR]) {
+    for (int m = 0; m < rows; m++)
         for (int n = 0; n < NR; n++) {
             float sum = 0.0f;
             for (long k = 0; k < K; k++) sum += bf16_to_float(a[m][k]) * bf16_to_float(b[n][k]);
-            out[MR * m + n] = sum;
+            out[NR * m + n] = sum;
         }
 }
 #endif
@@ -95,11 +161,11 @@ void glm5_bf16_gemm_nt(long M, long K, const uint16_t *A, long a_batch, long a_r
                         int rows = m1 - m < MR ? (int)(m1 - m) : MR;
                         const uint16_t *ap[MR];
                         for (int i = 0; i < MR; i++) ap[i] = Ab + (m + (i < rows ? i : 0)) * a_row + k0;
-                        tile(ap, bp, kc, out);
+                        tile(ap, bp, kc, rows, out);
                         float *c = Cb + m * c_row + n;
                         for (int i = 0; i < rows; i++)
                             for (int j = 0; j < cols; j++)
-                                c[i * c_row + j] = k0 == 0 ? out[MR * i + j] : c[i * c_row + j] + out[MR * i + j];
+                                c[i * c_row + j] = k0 == 0 ? out[NR * i + j] : c[i * c_row + j] + out[NR * i + j];
                     }
                 }
                 k0 += KC;

@@ -28,6 +28,7 @@ from backends.torch_eager.native import threads as threads_
 from glm5_hal.checks import check
 
 FAST = "avx512_bf16"  # build.ISAS: the kernel the backend uses
+AVX2 = "avx2"  # 256-bit FMA on exactly widened bf16: CPUs without AVX-512 (a 3 x 4 tile, NR = TILE_COLUMNS)
 PORTABLE = "portable"  # the same blocking with scalar arithmetic (tests, any CPU)
 TILE_COLUMNS = 4  # NR in bf16_gemm.c: a thread's share of columns is a multiple of it
 

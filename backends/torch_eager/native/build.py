@@ -86,6 +86,9 @@ ISAS: dict[str, Isa] = {
             ("-mamx-tile", "-mamx-bf16", "-mamx-int8", "-mavx512f", "-mavx512bw"),
             ("amx_tile", "amx_bf16", "amx_int8", "avx512f", "avx512bw"),
         ),
+        # 256-bit FMA on fp32 lanes, bf16 widened exactly (the 16 bits moved to the top of an fp32): the float kernels
+        # for CPUs without AVX-512 (AVX2 EPYCs). No masked 16-bit loads: edges are copied or handled in scalar code.
+        Isa("avx2", ("-mavx2", "-mfma", "-DGLM5_AVX2"), ("avx2", "fma")),
         # The same loops around scalar arithmetic: runs on any CPU (the tests check the blocking with it everywhere).
         Isa("portable", ("-DGLM5_PORTABLE",), ()),
     )
