@@ -23,6 +23,64 @@ static inline unsigned live_lanes(long heads, long first) {
     return left >= 16 ? 0xFFFFu : left > 0 ? (1u << left) - 1u : 0u;
 }
 
+#if defined(GLM5_AVX2)
+#define PAIR_KEYS 6 /* keys per AVX2 tile: 6 keys x 2 head vectors or 3 x 4 (the tile's two halves) = 12 accumulators */
+
+/* acc[j][v] lane i += q[h0 + 8 v + i] . key_j over every dim, for `keys` keys x `vectors` vectors of 8 heads
+   (constants once inlined). Per pair of dims, the keys' widened values stay in registers while q's head vectors
+   stream past, the even dim then the odd one: keys + 1 + keys x vectors <= 16 ymm. Each lane adds exact products
+   in the order of the dims, wherever its key and head sit in the tile. */
+static inline __attribute__((always_inline)) void heads_by_keys_of(const int keys, const int vectors,
+                                                                   const uint16_t *const *rows, const uint16_t *q,
+                                                                   long pairs, long odd, long hp, long h0,
+                                                                   __m256 acc[PAIR_KEYS][4]) {
+    for (int j = 0; j < keys; j++)
+        for (int v = 0; v < vectors; v++) acc[j][v] = _mm256_setzero_ps();
+    for (long p = 0; p < pairs + odd; p++) {
+        const __m256i *qp = (const __m256i *)(q + (p * hp + h0) * 2); /* 8 heads' (dim 2p, dim 2p + 1) dwords */
+        __m256i kp[PAIR_KEYS];
+        for (int j = 0; j < keys; j++) {
+            uint32_t pair;
+            if (p < pairs) {
+                memcpy(&pair, rows[j] + 2 * p, sizeof pair); /* dims 2p (low half) and 2p + 1 (high half) */
+            } else {
+                pair = rows[j][2 * p]; /* odd D: the last dim alone (q's packed partner is 0) */
+            }
+            kp[j] = _mm256_set1_epi32((int)pair);
+        }
+        __m256 kv[PAIR_KEYS];
+        for (int j = 0; j < keys; j++) kv[j] = low_halves(kp[j]);
+        for (int v = 0; v < vectors; v++) {
+            __m256 qv = low_halves(_mm256_loadu_si256(qp + v));
+            for (int j = 0; j < keys; j++) acc[j][v] = _mm256_fmadd_ps(qv, kv[j], acc[j][v]);
+        }
+        for (int j = 0; j < keys; j++) kv[j] = high_halves(kp[j]);
+        for (int v = 0; v < vectors; v++) {
+            __m256 qv = high_halves(_mm256_loadu_si256(qp + v));
+            for (int j = 0; j < keys; j++) acc[j][v] = _mm256_fmadd_ps(qv, kv[j], acc[j][v]);
+        }
+    }
+}
+
+/* dots[j][i] = q_{h0 + i} . key_j (fp32) for the PAIR_KEYS keys and the 8 x vectors heads from h0 (vectors: 2 or
+   4). */
+static inline void heads_by_keys(const uint16_t *const rows[PAIR_KEYS], const uint16_t *q, long pairs, long odd,
+                                 long hp, long h0, int vectors, float dots[PAIR_KEYS][32]) {
+    __m256 acc[PAIR_KEYS][4];
+    if (vectors == 2) {
+        heads_by_keys_of(PAIR_KEYS, 2, rows, q, pairs, odd, hp, h0, acc);
+        for (int j = 0; j < PAIR_KEYS; j++)
+            for (int v = 0; v < 2; v++) _mm256_storeu_ps(dots[j] + 8 * v, acc[j][v]);
+        return;
+    }
+    for (int half = 0; half < 2; half++) {
+        heads_by_keys_of(PAIR_KEYS / 2, 4, rows + half * (PAIR_KEYS / 2), q, pairs, odd, hp, h0, acc);
+        for (int j = 0; j < PAIR_KEYS / 2; j++)
+            for (int v = 0; v < 4; v++) _mm256_storeu_ps(dots[half * (PAIR_KEYS / 2) + j] + 8 * v, acc[j][v]);
+    }
+}
+#endif
+
 #ifndef GLM5_PORTABLE
 #include <immintrin.h>
 

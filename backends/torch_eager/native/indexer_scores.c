@@ -8,13 +8,19 @@
  * KEYS keys x 32 heads. The products are exact in fp32 and every sum is an fp32 add, as in the fp32 path; relu
  * keeps NaN (max(0, x) returns x when x is NaN), and heads past H contribute nothing, even where a key holds inf
  * or NaN (their lanes are zeroed by mask, not multiplied by a zero weight). backends/torch_eager/native/indexer_scores.py has
- * the Python side; built with and without AVX-512 BF16 like bf16_gemm.c.
+ * the Python side; built with AVX-512 BF16, with AVX2 and portable like bf16_gemm.c. The AVX2 build puts 8 heads in a
+ * 256-bit vector, widens q and the keys exactly in registers (bf16.h) and adds each exact product with an FMA; a
+ * tile is 6 keys x 16 heads or 3 keys x 32 (head_pairs.h), and subnormals are kept (no DAZ / FTZ).
  */
 #include <math.h>
 
 #include "head_pairs.h"
 
+#if defined(GLM5_AVX2)
+#define KEYS PAIR_KEYS /* keys per tile: 6 (or 2 x 3) keys x 16 (32) heads in 8-lane vectors = 12 accumulators */
+#else
 #define KEYS 8         /* keys per tile: 8 x 2 head vectors = 16 accumulators */
+#endif
 #define CHUNK 256      /* key positions per chunk: a chunk's rows (64 KiB at D = 128) stay in L2 across tokens */
 #define HEAD_GROUP 32  /* heads per pass over a key: two 16-lane vectors */
 #define PREFETCH_KEYS 16 /* prefetch the rows of the tile this many keys ahead (two tiles) */
@@ -37,7 +43,33 @@ static inline void tile_rows(const uint16_t *cache, long block_stride, long row_
     for (int j = 0; j < KEYS; j++) rows[j] = key_row(cache, block_stride, row_stride, block_size, table, s + (j < n ? j : 0));
 }
 
-#ifndef GLM5_PORTABLE
+#if defined(GLM5_AVX2)
+
+/* The lanes of the 8-head vector `v` (of 16-head vector v / 2) that are live, as all-ones lanes. */
+static inline __m256 live_vector(const unsigned live[2], int v) {
+    unsigned bits = (live[v / 2] >> (8 * (v % 2))) & 0xFFu;
+    __m256i lane = _mm256_srlv_epi32(_mm256_set1_epi32((int)bits), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    return _mm256_castsi256_ps(_mm256_cmpeq_epi32(_mm256_and_si256(lane, _mm256_set1_epi32(1)), _mm256_set1_epi32(1)));
+}
+
+/* out[j] += sum over heads h0 .. h0 + 16 nv - 1 of w[h] relu(q_h . key_j), for KEYS keys; nv: 16-head groups. */
+static inline void tile(const uint16_t *keys[KEYS], const uint16_t *q, long pairs, long odd, long hp, long h0,
+                        int nv, const unsigned live[2], const float *w, float out[KEYS]) {
+    float dots[KEYS][32];
+    heads_by_keys(keys, q, pairs, odd, hp, h0, 2 * nv, dots);
+    const __m256 zero = _mm256_setzero_ps();
+    __m256 keep[4], wv[4];
+    for (int v = 0; v < 2 * nv; v++) keep[v] = live_vector(live, v), wv[v] = _mm256_loadu_ps(w + h0 + 8 * v);
+    for (int j = 0; j < KEYS; j++) {
+        __m256 sum = zero;
+        for (int v = 0; v < 2 * nv; v++) /* dead lanes are cleared, not weighted by 0 (their dot may be NaN) */
+            sum = _mm256_add_ps(sum, _mm256_and_ps(keep[v], _mm256_mul_ps(_mm256_max_ps(zero, _mm256_loadu_ps(dots[j] + 8 * v)), wv[v])));
+        __m128 half = _mm_add_ps(_mm256_castps256_ps128(sum), _mm256_extractf128_ps(sum, 1));
+        half = _mm_add_ps(half, _mm_movehl_ps(half, half));
+        out[j] += _mm_cvtss_f32(_mm_add_ss(half, _mm_movehdup_ps(half)));
+    }
+}
+#elif !defined(GLM5_PORTABLE)
 
 /* out[j] += sum over heads h0 .. h0 + heads - 1 of w[h] relu(q_h . key_j), for KEYS keys; nv: 16-lane head vectors. */
 static inline void tile(const uint16_t *keys[KEYS], const uint16_t *q, long pairs, long odd, long hp, long h0,
@@ -108,7 +140,7 @@ void glm5_indexer_scores(long heads, long dims, const uint16_t *q, const float *
                 float out[KEYS] = {0};
                 for (long h0 = 0; h0 < hp; h0 += HEAD_GROUP) {
                     int nv = hp - h0 > 16 ? 2 : 1;
-#ifndef GLM5_PORTABLE
+#if !defined(GLM5_PORTABLE) && !defined(GLM5_AVX2)
                     __mmask16 live[2];
 #else
                     unsigned live[2];

@@ -25,6 +25,7 @@ from backends.torch_eager.native.packing import HEAD_LANES, head_pairs
 from glm5_hal.checks import check
 
 FAST = "avx512_bf16"
+AVX2 = "avx2"  # 256-bit FMA on exactly widened bf16: CPUs without AVX-512
 PORTABLE = "portable"
 KEY_CHUNK = 256  # CHUNK in indexer_scores.c: a thread's share of key positions is a multiple of it
 

@@ -16,6 +16,13 @@
  * probabilities enter as hi + lo bf16 parts (P to ~2^-16, as glm5_hal's other half-precision products take an fp32
  * operand), exact products summed in fp32, a tile is 8 heads x 32 dims. So this is the fp32 path's arithmetic up to
  * the order of the sums and ~2^-16 of each probability; the result is rounded once, to the output's dtype.
+ *
+ * The AVX2 build (GLM5_AVX2, CPUs without AVX-512): 8 heads per 256-bit vector, q and the rows widened exactly in
+ * registers (bf16.h) and each exact product added by an FMA; scores in tiles of 6 keys x 16 heads or 3 x 32
+ * (head_pairs.h); the same softmax (exp8 is exp16's arithmetic on 8 lanes); the values take the normalised
+ * probabilities in fp32, not as hi + lo parts: with the rows widened to fp32 there is no bf16-only multiplier to
+ * feed, and an FMA of the fp32 P rounds once per term as the fp32 path's GEMM does (so P is not cut to ~2^-16).
+ * A value tile is 4 heads x 16 dims. Subnormals are kept (no DAZ / FTZ in this build or the portable one).
  */
 #include <float.h>
 #include <math.h>
@@ -23,14 +30,134 @@
 
 #include "head_pairs.h"
 
+#if defined(GLM5_AVX2)
+#define KEYS PAIR_KEYS /* scores: keys per tile (6 x 2 or 3 x 4 head vectors of 8 = 12 accumulators) */
+#define HEAD_GROUP 32  /* scores: heads per pass over a key (at most 4 vectors of 8) */
+#define VALUE_HEADS 4  /* values: heads per tile (P and O are padded to a multiple of it; it divides 16) */
+#define VALUE_DIMS 16  /* values: dims per tile (one 16-bf16 load of a row: its even and odd dims) */
+#else
 #define KEYS 6        /* scores: keys per tile (x 4 head vectors = 24 accumulators) */
 #define HEAD_GROUP 64 /* scores: heads per pass over a key */
 #define VALUE_HEADS 8 /* values: heads per tile (P and O are padded to a multiple of it) */
 #define VALUE_DIMS 32 /* values: dims per tile (two 16-lane vectors) */
+#endif
 
 #define PREFETCH_KEYS 8 /* rows are read this many keys ahead of use: selected rows are scattered over the cache */
 
-#ifndef GLM5_PORTABLE
+#if defined(GLM5_AVX2)
+static void score_tile(const uint16_t *keys[KEYS], int n_keys, const uint16_t *q, long pairs, long odd, long hp,
+                       long h0, int nv, const unsigned live[4], float scale, float *s, long s_key) {
+    (void)live; /* every lane is stored: exponentiate clears the dead ones (their dot may be NaN) */
+    float dots[KEYS][32];
+    heads_by_keys(keys, q, pairs, odd, hp, h0, 2 * nv, dots);
+    const __m256 scaled = _mm256_set1_ps(scale);
+    for (int j = 0; j < n_keys; j++)
+        for (int v = 0; v < 2 * nv; v++)
+            _mm256_storeu_ps(s + j * s_key + h0 + 8 * v, _mm256_mul_ps(_mm256_loadu_ps(dots[j] + 8 * v), scaled));
+}
+
+/* All-ones in the lanes i < live (of 8). */
+static inline __m256 lanes_below(long live) {
+    return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32((int)(live < 8 ? live : 8)),
+                                                  _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
+}
+
+/* exp16's arithmetic on 8 lanes (the same clamp, reduction and polynomial, so the same values). AVX2 has no scalef:
+   2^n is applied as two normal factors 2^a 2^(n - a), a = floor(n / 2), both within 2^-75 .. 2^64 for n in
+   [-150, 128]; p 2^a is exact, so the second product rounds once, as scalef does (to a subnormal or inf where the
+   result is one). NaN stays NaN through p. */
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_min_ps(_mm256_set1_ps(89.0f), _mm256_max_ps(_mm256_set1_ps(-104.0f), x));
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x); /* ln2 in two parts: r is exact */
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    /* Horner in exp16's order: coefficients of r^7 .. r^2, then p r^2 + (r + 1) */
+    static const float poly[] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                                 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+    __m256 p = _mm256_set1_ps(poly[0]);
+    for (int i = 1; i < (int)(sizeof poly / sizeof *poly); i++) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(poly[i]));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    __m256i whole = _mm256_cvtps_epi32(n), a = _mm256_srai_epi32(whole, 1), b = _mm256_sub_epi32(whole, a);
+    const __m256i bias = _mm256_set1_epi32(127);
+    __m256 two_a = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(a, bias), 23));
+    __m256 two_b = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(b, bias), 23));
+    return _mm256_mul_ps(_mm256_mul_ps(p, two_a), two_b);
+}
+
+/* s [n][hp] scores -> E = exp(s - peak) in place, and per head (h < heads) lse = peak + log(total) and
+   denominator = max(total, FLT_MIN) (see the top of the file; padding lanes: scores read as 0, denominator 1). */
+static void exponentiate(float *s, long n, long hp, long heads, float *lse, float *denominator) {
+    const __m256 zero = _mm256_setzero_ps();
+    for (long h0 = 0; h0 < hp; h0 += 8) {
+        __m256 live = lanes_below(heads - h0);
+        __m256 peak = _mm256_set1_ps(-INFINITY), nan = zero;
+        for (long k = 0; k < n; k++) {
+            __m256 x = _mm256_and_ps(live, _mm256_loadu_ps(s + k * hp + h0));
+            peak = _mm256_max_ps(peak, x);
+            nan = _mm256_or_ps(nan, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+        }
+        __m256 finite = _mm256_cmp_ps(_mm256_sub_ps(peak, peak), zero, _CMP_EQ_OQ);
+        peak = _mm256_and_ps(_mm256_andnot_ps(nan, finite), peak);
+        __m256 total = zero;
+        for (long k = 0; k < n; k++) {
+            __m256 e = exp8(_mm256_sub_ps(_mm256_and_ps(live, _mm256_loadu_ps(s + k * hp + h0)), peak));
+            _mm256_storeu_ps(s + k * hp + h0, e);
+            total = _mm256_add_ps(total, e);
+        }
+        float peaks[8], totals[8];
+        _mm256_storeu_ps(peaks, peak);
+        _mm256_storeu_ps(totals, total);
+        for (int i = 0; i < 8; i++) {
+            if (h0 + i < heads) lse[h0 + i] = peaks[i] + logf(totals[i]);
+            denominator[h0 + i] = h0 + i < heads ? fmaxf(totals[i], FLT_MIN) : 1.0f;
+        }
+    }
+}
+
+/* E [n][hp] -> P = E / denominator in place, fp32 (value_tile's operand; pair_copy is not needed). */
+static void pack_probabilities(float *s, long n, long hp, long heads, const float *denominator, float *pair_copy) {
+    (void)heads, (void)pair_copy;
+    for (long k = 0; k < n; k++)
+        for (long h0 = 0; h0 < hp; h0 += 8)
+            _mm256_storeu_ps(s + k * hp + h0, _mm256_div_ps(_mm256_loadu_ps(s + k * hp + h0), _mm256_loadu_ps(denominator + h0)));
+}
+
+static void pack_slice(const uint16_t *const *rows, long n_valid, long d0, long dv, uint16_t *vp) {
+    (void)rows, (void)n_valid, (void)d0, (void)dv, (void)vp; /* value_tile reads the rows themselves */
+}
+
+/* O[h0 + i][d0 .. d0 + 15] = sum over the valid keys of P[k][h0 + i] * row_k[d0 ..], P fp32 [n][hp] (pp, as
+   pack_probabilities left it). Lane l of acc[i][0] sums dim d0 + 2l, of acc[i][1] dim d0 + 2l + 1; a slice past dv
+   is copied into zeros first (a row may end at dv). */
+static void value_tile(const uint16_t *const *rows, const uint16_t *vp, long n_valid, const uint16_t *pp, long hp,
+                       long h0, long d0, long dv, float *o, long o_head) {
+    (void)vp;
+    const float *p = (const float *)pp + h0;
+    long left = dv - d0 < VALUE_DIMS ? dv - d0 : VALUE_DIMS;
+    uint16_t edge[VALUE_DIMS] = {0};
+    __m256 acc[VALUE_HEADS][2];
+    for (int i = 0; i < VALUE_HEADS; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+    for (long k = 0; k < n_valid; k++) {
+        const uint16_t *row = rows[k] + d0;
+        if (left < VALUE_DIMS) row = memcpy(edge, row, sizeof *row * left);
+        __m256i x = _mm256_loadu_si256((const __m256i *)row);
+        __m256 even = low_halves(x), odd = high_halves(x);
+        for (int i = 0; i < VALUE_HEADS; i++) {
+            __m256 pk = _mm256_broadcast_ss(p + k * hp + i);
+            acc[i][0] = _mm256_fmadd_ps(pk, even, acc[i][0]);
+            acc[i][1] = _mm256_fmadd_ps(pk, odd, acc[i][1]);
+        }
+    }
+    for (int i = 0; i < VALUE_HEADS; i++) {
+        __m256 lo = _mm256_unpacklo_ps(acc[i][0], acc[i][1]), hi = _mm256_unpackhi_ps(acc[i][0], acc[i][1]);
+        float ordered[VALUE_DIMS]; /* dims d0 .. d0 + 15 in order: unpack interleaves within 128-bit halves */
+        _mm256_storeu_ps(ordered, _mm256_permute2f128_ps(lo, hi, 0x20));
+        _mm256_storeu_ps(ordered + 8, _mm256_permute2f128_ps(lo, hi, 0x31));
+        memcpy(o + (h0 + i) * o_head + d0, ordered, sizeof *o * left);
+    }
+}
+#elif !defined(GLM5_PORTABLE)
 #include <immintrin.h>
 
 static void score_tile(const uint16_t *keys[KEYS], int n_keys, const uint16_t *q, long pairs, long odd, long hp,
@@ -290,7 +417,11 @@ static void pack_probabilities(float *s, long n, long hp, long heads, const floa
             }
     }
 }
+#endif
 
+#if defined(GLM5_AVX2) || defined(GLM5_PORTABLE)
+/* o [heads][dv] fp32 -> out[h][d] (row stride out_head), fp32 or bf16 rounded as torch rounds (bf16.h). A pass over
+   heads x dv values per token: in scalar code for the AVX2 build too, a small part of its time. */
 static void store_output(const float *o, long heads, long dv, void *out, int out_fp32, long out_head) {
     for (long h = 0; h < heads; h++)
         for (long d = 0; d < dv; d++) {
@@ -347,8 +478,8 @@ int glm5_sparse_attention(long heads, long dims, long dv, long topk, const uint1
             for (long ahead = n0 + 2 * KEYS; ahead < n0 + 3 * KEYS && ahead < n; ahead++) /* two tiles ahead */
                 prefetch(valid_rows[ahead], dims);
             for (long h0 = 0; h0 < hp; h0 += HEAD_GROUP) {
-                int nv = (int)((hp - h0) / 16 < 4 ? (hp - h0) / 16 : 4);
-#ifndef GLM5_PORTABLE
+                int nv = (int)((hp - h0) / 16 < HEAD_GROUP / 16 ? (hp - h0) / 16 : HEAD_GROUP / 16);
+#if !defined(GLM5_PORTABLE) && !defined(GLM5_AVX2)
                 __mmask16 live[4];
 #else
                 unsigned live[4];

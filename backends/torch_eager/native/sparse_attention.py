@@ -33,6 +33,7 @@ from backends.torch_eager.native.packing import head_pairs
 from glm5_hal.checks import check
 
 FAST = "avx512_bf16"
+AVX2 = "avx2"  # 256-bit FMA on exactly widened bf16, P in fp32 for the values: CPUs without AVX-512
 PORTABLE = "portable"
 
 _L, _P, _F, _I = ctypes.c_long, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
