@@ -2,8 +2,8 @@
 
 - Each kernel against a float64 computation of its own contract, on random shapes (hypothesis) that cross its
   tile, block and vector edges, with NaN / inf, unused (-1) slots, odd widths and strided operands, for every build
-  that runs here: the AVX-512 BF16 one where the CPU has it, and the portable one (the same loops around scalar
-  arithmetic) on any CPU with a compiler, so the blocking is checked on every machine.
+  that runs here: the AVX-512 BF16 one and the AVX2 one where the CPU has them, and the portable one (the same loops
+  around scalar arithmetic) on any CPU with a compiler, so the blocking is checked on every machine.
 - A result does not depend on how the work is split over threads (bit for bit).
 - The builder: GLM5_HAL_NATIVE=0, a CPU without the flags, a failing compiler and a missing one are reasons, never
   crashes; the build cache is keyed by the source.
@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from backends.torch_eager.native import bf16_gemm, build, indexer_scores
 from backends.torch_eager.native import sparse_attention as native_attention
 
-ISAS = ("avx512_bf16", "portable")
+ISAS = ("avx512_bf16", "avx2", "portable")
 SETTINGS = settings(max_examples=30, deadline=None, derandomize=True)
 FP32_SUM = 2.0**-24  # the unit roundoff of fp32 sums: a sum of n terms is within n * FP32_SUM * sum |terms|
 
@@ -120,6 +120,67 @@ def _indexer_want(q, weights, cache, tables, limits, width) -> tuple[torch.Tenso
     magnitude = per_head.where(dots.isfinite(), 0.0).sum(-1)
     visible = positions[None, :] < limits[:, None]
     return scores.where(visible, float("-inf")), magnitude.where(visible, 0.0)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@SETTINGS
+@given(
+    tokens=st.integers(1, 3),
+    heads=st.integers(1, 40),
+    dims=st.sampled_from([1, 2, 7, 64, 128, 129]),
+    block_size=st.sampled_from([1, 4, 16]),
+    width=st.integers(0, 300),
+    special=st.booleans(),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_indexer_scores_are_the_fp32_scores_over_the_keys_in_place(
+    isa, tokens, heads, dims, block_size, width, special, seed
+):
+    _runs(indexer_scores, isa)
+    gen = torch.Generator().manual_seed(seed)
+    blocks = -(-max(width, 1) // block_size)
+    cache = _bf16(gen, blocks + 2, block_size, dims)
+    q, weights = _bf16(gen, tokens, heads, dims), torch.randn(tokens, heads, generator=gen)
+    tables = torch.randint(0, blocks + 2, (tokens, blocks), generator=gen, dtype=torch.int32)
+    limits = torch.randint(0, width + 2, (tokens,), generator=gen)
+    if special:
+        cache.view(-1, dims)[torch.randint(0, cache.shape[0] * block_size, (3,), generator=gen)] = float("nan")
+        q[0, -1, 0] = float("inf")
+    want, magnitude = _indexer_want(q, weights, cache, tables, limits, width)
+    got = indexer_scores.scores(q, weights, cache, tables, limits, width, isa=isa, threads=1)
+    _assert_within_fp32_sums(got, want, magnitude, heads * dims)
+    assert _same_bits(indexer_scores.scores(q, weights, cache, tables, limits, width, isa=isa, threads=3), got)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_indexer_heads_past_h_add_nothing_even_where_a_key_holds_inf(isa):
+    """3 heads: the vector lanes past them hold q = 0, whose product with an inf in a key is NaN; they must be masked
+    out, not weighted by 0. Key 0's -inf makes every real head's dot -inf (ReLU: 0); key 1's +inf makes it +inf."""
+    _runs(indexer_scores, isa)
+    cache = torch.ones(1, 2, 8, dtype=torch.bfloat16)
+    cache[0, 0, 0], cache[0, 1, 0] = float("-inf"), float("inf")
+    q = torch.ones(1, 3, 8, dtype=torch.bfloat16)
+    table, limit = torch.zeros(1, 1, dtype=torch.int32), torch.tensor([2])
+    got = indexer_scores.scores(q, torch.ones(1, 3), cache, table, limit, 2, isa=isa, threads=1)
+    assert got.tolist() == [[0.0, float("inf")]]
+
+
+def test_indexer_scores_reject_bad_arguments():
+    q, w = torch.zeros(2, 4, 8, dtype=torch.bfloat16), torch.zeros(2, 4)
+    cache = torch.zeros(3, 4, 8, dtype=torch.bfloat16)
+    tables, limits = torch.zeros(2, 2, dtype=torch.int32), torch.zeros(2, dtype=torch.int64)
+    with pytest.raises(ValueError, match=r"tables: expected \[2, >= 9 / 4\], got \(2, 2\)"):
+        indexer_scores.scores(q, w, cache, tables, limits, 9)
+    with pytest.raises(TypeError, match=r"cache: expected \[blocks, block_size, 8\] bf16"):
+        indexer_scores.scores(q, w, cache.float(), tables, limits, 8)
+    strided = torch.zeros(3, 4, 16, dtype=torch.bfloat16)[..., ::2]
+    with pytest.raises(ValueError, match=r"cache: expected rows contiguous in D, got strides \(64, 16, 2\)"):
+        indexer_scores.scores(q, w, strided, tables, limits, 8)
+    with pytest.raises(ValueError, match=r"weights: expected \(2, 4\), got \(2, 3\)"):
+        indexer_scores.scores(q, w[:, :3], cache, tables, limits, 8)
+
+
+# ------------------------------------------------------------------------------------------------ sparse attention
 
 
 def _attention_reference(q, rows, slots, scale, d_v):
