@@ -104,9 +104,11 @@ def _all(got: caps.Capabilities, dtype: torch.dtype = torch.bfloat16) -> list[ca
 
 
 def test_cpu_without_bf16_or_int8_units_keeps_the_conservative_path_and_measures_nothing():
+    """No units and no native build that runs: nothing is timed (the native builds are only asked whether they run),
+    and the choices are GLM5_HAL_FAST_PATHS=0's."""
     probe = FakeProbe()
     got = decide(_cpu(AVX2_ZEN3), probe, AUTO)
-    assert probe.asked == []
+    assert not any(a.startswith(("route_times", "int8_speedup", "residual")) for a in probe.asked), probe.asked
     assert not any(choice.use for dtype in caps.HALF_DTYPES for choice in _all(got, dtype))
     assert got.int8.route is None and got.int8_route() is None
     assert all("no CPU flag avx512_bf16" in c.reason for c in _all(got))
@@ -116,6 +118,31 @@ def test_cpu_without_bf16_or_int8_units_keeps_the_conservative_path_and_measures
     assert all(not c.use for c in _all(off)) and got.int8.route == off.int8.route is None
     for dtype in caps.HALF_DTYPES:
         assert [(c.small, c.large) for c in _all(got, dtype)] == [(c.small, c.large) for c in _all(off, dtype)]
+
+
+def test_a_cpu_without_bf16_units_measures_its_native_builds_against_fp32_only():
+    """An AVX2 CPU: torch's bf16 GEMM is emulated there (not a candidate, not timed), but a native build that widens
+    bf16 to fp32 in registers is, and wins where it measures faster (decode-sized weight products here)."""
+
+    class Avx2Build(FakeProbe):
+        def native_gemm(self, dtype: torch.dtype, isa: str) -> tuple[bool, str]:
+            self.asked.append(f"native_gemm {dtype} {isa}")
+            return (True, "bf16_gemm_avx2") if isa == "avx2" else (False, f"no {isa} here")
+
+    times = {
+        (caps.WEIGHTS, caps.DECODE_ROWS): {"fp32": 3.4, "native": 1.1},
+        (caps.WEIGHTS, caps.PREFILL_ROWS): {"fp32": 33.0, "native": 50.0},
+        (caps.ATTENTION, 0): {"fp32": 5.9, "native": 6.4},
+        (caps.INDEXER, 0): {"fp32": 2.3, "native": 1.9},
+    }
+    probe = Avx2Build(times=times)
+    got = decide(_cpu(AVX2_ZEN3), probe, AUTO)
+    weights, attention, indexer = (got.half_choice(torch.bfloat16, f) for f in caps.FAMILIES)
+    assert weights.small == caps.replace(weights.small, name="native", isa="avx2") and weights.large.name == "fp32"
+    assert not attention.use and indexer.native and indexer.large.isa == "avx2"
+    assert "residual_exact torch.bfloat16" not in probe.asked  # torch's half GEMM was never a candidate
+    assert all(not c.use for c in _all(got, torch.float16))  # the native kernels are bf16 ones
+    assert all("no bfloat16 units" in c.reason for c in (weights, attention, indexer))
 
 
 def test_a_rounded_result_that_cannot_be_recovered_keeps_the_conservative_path():
@@ -232,7 +259,7 @@ def test_the_real_route_timer_runs_every_family_on_every_route() -> None:
     assert routes[0] == caps.FP32_ROUTE and len(routes) >= 2  # fp32 and at least the residual route here
     for family in caps.FAMILIES:
         got = probe.route_times(torch.bfloat16, family, tuple(routes), caps.DECODE_ROWS)
-        assert set(got) == {r.name for r in routes} and all(0 < t < 10 for t in got.values()), (family, got)
+        assert set(got) == {r.label for r in routes} and all(0 < t < 10 for t in got.values()), (family, got)
 
 
 def test_cpu_with_units_and_a_measured_win_takes_the_fast_paths():

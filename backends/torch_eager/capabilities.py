@@ -628,15 +628,19 @@ def _speed_verdict(speedup: float, what: str) -> tuple[bool, str]:
     return False, f"{what} measured {speedup:.2f}x the fp32 GEMM (a fast path needs >= {MIN_SPEEDUP}x)"
 
 
-def _correct_routes(dtype: torch.dtype, probe: Probe) -> tuple[list[Route], str]:
+def _correct_routes(dtype: torch.dtype, probe: Probe, torch_half: bool = True) -> tuple[list[Route], str]:
     """The routes that give fp32-accurate products for `dtype` operands on the device (fp32 always), and what the
     checks found: torch's GEMM needs an fp32 result or a residual that recovers its rounding (fp16: an fp32 result,
-    since an fp16 one could overflow where fp32 does not); the native kernel needs to be exact here."""
+    since an fp16 one could overflow where fp32 does not); the native kernel needs to be exact here. torch_half:
+    whether torch's own half GEMM is a candidate at all (not on a CPU without units for the dtype, where it is
+    emulated, ~15x slower than fp32; the native builds widen bf16 to fp32 in registers and need no such unit)."""
     unit = _unit(dtype)
     routes = [FP32_ROUTE]
     fp32_output = probe.fp32_output(dtype)
     notes = []
-    if fp32_output:
+    if not torch_half:
+        pass
+    elif fp32_output:
         routes.append(Route(HALF, fp32_output=True))
     elif dtype == torch.float16:
         notes.append("fp16 GEMMs here return fp16 only (no out_dtype=float32): products that fit fp32 could overflow")
@@ -718,16 +722,22 @@ def _decide_half(
     dtype: torch.dtype, facts: DeviceFacts, probe: Probe, mode: str, measured: dict[str, float]
 ) -> dict[str, HalfChoice]:
     unit = _unit(dtype)
-    if mode == AUTO and facts.units[unit] is False:
+    no_units = mode == AUTO and facts.units[unit] is False
+    if no_units and (dtype != torch.bfloat16 or facts.device != "cpu"):  # the native kernels are CPU bf16 ones
         return _everywhere(dtype, FP32_ROUTE, f"no {unit} units: {facts.evidence[unit]}")
-    routes, notes = _correct_routes(dtype, probe)
+    routes, notes = _correct_routes(dtype, probe, torch_half=not no_units)
     notes = f"{notes}; " if notes else ""
     if len(routes) == 1:
+        if no_units:
+            return _everywhere(dtype, FP32_ROUTE, f"no {unit} units: {facts.evidence[unit]}; {notes.rstrip('; ')}")
         return _everywhere(dtype, FP32_ROUTE, f"no fp32-accurate {unit} route: {notes.rstrip('; ')}")
-    fastest_kind = next((r for r in reversed(routes) if r.name == NATIVE), routes[1])
+    fastest_kind = next((r for r in routes if r.name == NATIVE), routes[1])  # NATIVE_ISAS: fastest first
     if mode == FORCE:
         return _everywhere(dtype, fastest_kind, f"{ENV_FAST_PATHS}=1; {notes}".rstrip("; "))
-    known = f"{unit} units: {facts.evidence[unit]}; " if facts.units[unit] else f"{unit} units unknown here; "
+    if facts.units[unit] is None:
+        known = f"{unit} units unknown here; "
+    else:
+        known = f"{unit} units: {facts.evidence[unit]}; " if facts.units[unit] else f"no {unit} units; "
     if not facts.measure_speed:  # the accelerators GLM-5 targets: their half-precision units are the fast path
         return _everywhere(dtype, fastest_kind, f"{known}{notes}".rstrip("; "))
     choices = {}

@@ -24,8 +24,10 @@ from glm5_hal.cpu_flags import this_cpu
 from glm5_hal.environment import ENV_REPROBE, parsed_setting
 
 FORMAT = 1  # of the files: a reader of another format measures again
-# The sources whose code decides: capabilities.py (the decisions), route_workloads.py (what is timed), int8_gemms.py.
-_SOURCES = ("capabilities.py", "route_workloads.py", "int8_gemms.py")
+# The sources whose code decides: capabilities.py (the decisions), route_workloads.py (what is timed), int8_gemms.py
+# and gemm.py (the routes), and the native kernels (which builds exist, and how fast and exact they are).
+_SOURCES = ("capabilities.py", "route_workloads.py", "int8_gemms.py", "gemm.py")
+_NATIVE_SOURCES = ("*.c", "*.h", "*.py")
 
 
 def reprobe_requested() -> bool:
@@ -42,8 +44,10 @@ def _glm5_hal_version() -> str:
 def _source_digest() -> str:
     digest = hashlib.sha256()
     here = Path(__file__).resolve().parent
-    for name in _SOURCES:
-        digest.update((here / name).read_bytes())
+    native = sorted(path for pattern in _NATIVE_SOURCES for path in (here / "native").glob(pattern))
+    for path in [here / name for name in _SOURCES] + native:
+        digest.update(path.name.encode())
+        digest.update(path.read_bytes())
     return digest.hexdigest()[:16]
 
 

@@ -88,18 +88,18 @@ def bmm_nt(a: Tensor, b: Tensor, *, isa: str = FAST, threads: int | None = None)
         ValueError,
         lambda: f"b: expected [{a.shape[0]}, N, {a.shape[2]}] to match a {tuple(a.shape)}, got {tuple(b.shape)}",
     )
-    if isa == FAST and threads is None:
-        return torch.ops.glm5_hal.native_bf16_bmm_nt(a, b)
+    if threads is None:  # the build is an argument of the op: torch.compile and FakeTensor see every build
+        return torch.ops.glm5_hal.native_bf16_bmm_nt(a, b, isa)
     return _run(a, b, isa, threads)
 
 
 _LIBRARY = torch.library.Library("glm5_hal", "FRAGMENT")
-_LIBRARY.define("native_bf16_bmm_nt(Tensor a, Tensor b) -> Tensor")
-_LIBRARY.impl("native_bf16_bmm_nt", lambda a, b: _run(a, b, FAST, None), "CPU")
+_LIBRARY.define(f"native_bf16_bmm_nt(Tensor a, Tensor b, str isa='{FAST}') -> Tensor")
+_LIBRARY.impl("native_bf16_bmm_nt", lambda a, b, isa=FAST: _run(a, b, isa, None), "CPU")
 
 
 @torch.library.register_fake("glm5_hal::native_bf16_bmm_nt")
-def _fake(a: Tensor, b: Tensor) -> Tensor:
+def _fake(a: Tensor, b: Tensor, isa: str = FAST) -> Tensor:
     return a.new_empty(a.shape[0], a.shape[1], b.shape[1], dtype=torch.float32)
 
 

@@ -142,25 +142,30 @@ def scores(
         ValueError,
         lambda: f"out: expected [{tokens}, {width}] fp32 with contiguous rows, got {tuple(out.shape)}",
     )
-    if isa == FAST and threads is None:
-        torch.ops.glm5_hal.native_indexer_scores(q, weights, cache, tables, limits, out)
+    if threads is None:  # the build is an argument of the op: torch.compile and FakeTensor see every build
+        torch.ops.glm5_hal.native_indexer_scores(q, weights, cache, tables, limits, out, isa)
         return out
     return _run(q, weights, cache, tables, limits, out, isa, threads)
 
 
 _LIBRARY = torch.library.Library("glm5_hal", "FRAGMENT")
 _LIBRARY.define(
-    "native_indexer_scores(Tensor q, Tensor weights, Tensor cache, Tensor tables, Tensor limits, Tensor(a!) out) -> ()"
+    "native_indexer_scores(Tensor q, Tensor weights, Tensor cache, Tensor tables, Tensor limits, Tensor(a!) out, "
+    f"str isa='{FAST}') -> ()"
 )
 
 
-def _cpu_op(q: Tensor, weights: Tensor, cache: Tensor, tables: Tensor, limits: Tensor, out: Tensor) -> None:
-    _run(q, weights, cache, tables, limits, out, FAST, None)
+def _cpu_op(
+    q: Tensor, weights: Tensor, cache: Tensor, tables: Tensor, limits: Tensor, out: Tensor, isa: str = FAST
+) -> None:
+    _run(q, weights, cache, tables, limits, out, isa, None)
 
 
 _LIBRARY.impl("native_indexer_scores", _cpu_op, "CPU")
 
 
 @torch.library.register_fake("glm5_hal::native_indexer_scores")
-def _fake(q: Tensor, weights: Tensor, cache: Tensor, tables: Tensor, limits: Tensor, out: Tensor) -> None:
+def _fake(
+    q: Tensor, weights: Tensor, cache: Tensor, tables: Tensor, limits: Tensor, out: Tensor, isa: str = FAST
+) -> None:
     return None

@@ -115,23 +115,26 @@ def attention(
     """(out, lse) as described in the module docstring. out_dtype: bf16 (the op's) or fp32 (the unrounded result,
     for tests). isa: the build (backends.torch_eager.native.build.ISAS). threads: default torch's."""
     _check_arguments(q, rows, slots, d_v, out_dtype)
-    if isa == FAST and threads is None and out_dtype == torch.bfloat16:
-        return torch.ops.glm5_hal.native_sparse_attention(q, rows, slots, scale, d_v)
+    if threads is None and out_dtype == torch.bfloat16:  # the build is an argument of the op: compile sees each
+        return torch.ops.glm5_hal.native_sparse_attention(q, rows, slots, scale, d_v, isa)
     return _attention(q, rows, slots, scale, d_v, out_dtype, isa, threads)
 
 
 _LIBRARY = torch.library.Library("glm5_hal", "FRAGMENT")
 _LIBRARY.define(
-    "native_sparse_attention(Tensor q, Tensor rows, Tensor slots, float scale, int d_v) -> (Tensor, Tensor)"
+    f"native_sparse_attention(Tensor q, Tensor rows, Tensor slots, float scale, int d_v, str isa='{FAST}') "
+    "-> (Tensor, Tensor)"
 )
 _LIBRARY.impl(
     "native_sparse_attention",
-    lambda q, rows, slots, scale, d_v: _attention(q, rows, slots, scale, d_v, torch.bfloat16, FAST, None),
+    lambda q, rows, slots, scale, d_v, isa=FAST: _attention(q, rows, slots, scale, d_v, torch.bfloat16, isa, None),
     "CPU",
 )
 
 
 @torch.library.register_fake("glm5_hal::native_sparse_attention")
-def _fake_attention(q: Tensor, rows: Tensor, slots: Tensor, scale: float, d_v: int) -> tuple[Tensor, Tensor]:
+def _fake_attention(
+    q: Tensor, rows: Tensor, slots: Tensor, scale: float, d_v: int, isa: str = FAST
+) -> tuple[Tensor, Tensor]:
     tokens, heads, _ = q.shape
     return q.new_empty(tokens, heads, d_v), q.new_empty(tokens, heads, dtype=torch.float32)
