@@ -6,57 +6,25 @@ torch_npu/csrc/aten/npu_native_functions_by_codegen.yaml still carries the exact
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
-import zipfile
 from pathlib import Path
+
+from fakes.wheels import WheelUnavailable, cache_dir, cached_wheel, read_member  # noqa: F401 (re-exported)
 
 VERSION = "2.14.0"
 # The schemas are the same in every build; one fixed build makes the download independent of the host.
 PLATFORM, PYTHON, ABI = "manylinux_2_28_x86_64", "3.11", "cp311"
 SCHEMA_FILE = "torch_npu/csrc/aten/npu_native_functions_by_codegen.yaml"
-CACHE_ENV = "GLM5_HAL_WHEEL_CACHE"
-DOWNLOAD_TIMEOUT_S = 600
-
-
-class WheelUnavailable(RuntimeError):
-    """The wheel is neither cached nor downloadable (no network, PyPI unreachable, pip failure)."""
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "glm5-hal" / "wheels")
-
-
-def _readable(wheel: Path) -> bool:
-    try:
-        with zipfile.ZipFile(wheel) as archive:
-            return SCHEMA_FILE in archive.namelist()
-    except (OSError, zipfile.BadZipFile):
-        return False
 
 
 def torch_npu_wheel() -> Path:
     """The cached wheel, downloading it with `pip download --no-deps` on first use; WheelUnavailable otherwise."""
-    directory = cache_dir()
-    directory.mkdir(parents=True, exist_ok=True)
-    pattern = f"torch_npu-{VERSION}-{ABI}-{ABI}-{PLATFORM}.whl"
-    for wheel in directory.glob(pattern):
-        if _readable(wheel):
-            return wheel
-        wheel.unlink()  # a truncated download: fetch it again
-    command = [sys.executable, "-m", "pip", "download", "--no-deps", f"torch-npu=={VERSION}", "-d", str(directory)]
-    command += ["--only-binary=:all:", "--platform", PLATFORM, "--python-version", PYTHON, "--abi", ABI]
-    try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=DOWNLOAD_TIMEOUT_S)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        raise WheelUnavailable(f"pip download torch-npu=={VERSION} failed: {exc}") from exc
-    wheels = [w for w in directory.glob(pattern) if _readable(w)]
-    if done.returncode != 0 or not wheels:
-        tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
-        raise WheelUnavailable(f"pip download torch-npu=={VERSION} failed (exit {done.returncode}): {' | '.join(tail)}")
-    return wheels[0]
+    return cached_wheel(
+        f"torch-npu=={VERSION}",
+        f"torch_npu-{VERSION}-{ABI}-{ABI}-{PLATFORM}.whl",
+        SCHEMA_FILE,
+        ["--only-binary=:all:", "--platform", PLATFORM, "--python-version", PYTHON, "--abi", ABI],
+    )
 
 
 _FUNC = re.compile(r"^\s*(?:-\s*)?func:\s*(?P<schema>(?P<name>[\w.]+)\(.*)$")
@@ -64,8 +32,7 @@ _FUNC = re.compile(r"^\s*(?:-\s*)?func:\s*(?P<schema>(?P<name>[\w.]+)\(.*)$")
 
 def schemas(wheel: Path, names: list[str]) -> dict[str, str]:
     """{op name: its schema string} for `names`, read from the wheel's codegen yaml (overloads excluded)."""
-    with zipfile.ZipFile(wheel) as archive:
-        text = archive.read(SCHEMA_FILE).decode()
+    text = read_member(wheel, SCHEMA_FILE)
     found: dict[str, str] = {}
     for line in text.splitlines():
         match = _FUNC.match(line)
