@@ -6,6 +6,9 @@ backend at its edge. Pure tensor functions: no vendor library, no host read.
     per-token int8 scale 0 for an all-zero row   -> scale 1, codes 0; codes 0 for a      contract_quant_scale
       (codes undefined), NaN / inf scale            NaN / inf scale (docs/ops.md "NaN")
     indices with -1 anywhere in a row            -> valid entries first, then -1            valid_first
+    softmax row max and sum of exp(score - max)  -> natural-log lse, -inf for an empty row  lse_from_max_and_sum
+    scatter index (assignment a sits in row r)  <-> gather index src_index (row r came     invert_permutation
+                                                    from assignment a)
     a row with no valid key: out / lse undefined -> out = 0, lse = -inf; a head whose    contract_empty_rows
       or +inf                                       lse is -inf gets out = 0
 """
@@ -51,3 +54,23 @@ def valid_first(indices: Tensor, valid: Tensor) -> Tensor:
     order = torch.sort((~valid).to(torch.int8), dim=1, stable=True).indices
     moved = indices.gather(1, order)
     return torch.where(valid.gather(1, order), moved, torch.full_like(moved, -1))
+
+
+def lse_from_max_and_sum(row_max: Tensor, row_sum: Tensor) -> Tensor:
+    """[...] softmax statistics (max of the scores, sum of exp(score - max)) -> [...] fp32 natural-log lse.
+
+    A row whose sum is 0 (no valid key: whatever the kernel left in its max) or whose max is -inf (only -inf scores,
+    an empty softmax) gets -inf, the log of an empty sum; a NaN sum (a NaN score) stays NaN (docs/ops.md "NaN").
+    """
+    lse = row_max.to(torch.float32) + torch.log(row_sum.to(torch.float32))
+    # A max of -inf: the kernel's sum exp(score - max) may be NaN there (-inf - -inf), the contract's lse is -inf.
+    empty = (row_sum == 0) | (row_max == float("-inf"))
+    return torch.where(empty, torch.full_like(lse, float("-inf")), lse)
+
+
+def invert_permutation(perm: Tensor) -> Tensor:
+    """[M] permutation of 0..M-1 -> its inverse (same dtype): inverse[perm[r]] = r. Turns the contract's src_index
+    (row r came from assignment a) into the scatter index kernels take (assignment a sits in row r), and back."""
+    inverse = torch.empty_like(perm)
+    inverse[perm.to(torch.int64)] = torch.arange(perm.shape[0], dtype=perm.dtype, device=perm.device)
+    return inverse

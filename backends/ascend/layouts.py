@@ -26,7 +26,11 @@ from torch import Tensor
 
 from glm5_hal.paged import key_slots as shared_key_slots
 from glm5_hal.paged import slot_rows
-from glm5_hal.vendor_conventions import valid_first  # noqa: F401 (the adapters' name for it)
+from glm5_hal.vendor_conventions import (  # noqa: F401 (the adapters' names for them)
+    invert_permutation,
+    lse_from_max_and_sum,
+    valid_first,
+)
 
 
 # ------------------------------------------------------------------------------------------------ ragged batches
@@ -123,15 +127,9 @@ def gathered_rows(
 
 
 def natural_lse(softmax_max: Tensor, softmax_sum: Tensor) -> Tensor:
-    """[N2, T, G] row max and sum of exp(score - max) -> [T, N2 * G] fp32 natural-log logsumexp.
-
-    A row whose sum is 0 (no valid key: whatever the kernel left in its max) or whose max is -inf (only -inf scores,
-    an empty softmax) gets -inf, the log of an empty sum; a NaN sum (a NaN score) stays NaN (docs/ops.md "NaN").
-    """
-    lse = softmax_max.to(torch.float32) + torch.log(softmax_sum.to(torch.float32))
-    # A max of -inf: the kernel's sum exp(score - max) may be NaN there (-inf - -inf), the contract's lse is -inf.
-    empty = (softmax_sum == 0) | (softmax_max == float("-inf"))
-    lse = torch.where(empty, torch.full_like(lse, float("-inf")), lse)
+    """[N2, T, G] row max and sum of exp(score - max) -> [T, N2 * G] fp32 natural-log logsumexp (the edge rules of
+    glm5_hal.vendor_conventions.lse_from_max_and_sum: -inf for a row with no valid key)."""
+    lse = lse_from_max_and_sum(softmax_max, softmax_sum)
     return lse.permute(1, 0, 2).reshape(lse.shape[1], -1)
 
 
@@ -146,13 +144,6 @@ def offsets_from_counts(counts: Tensor) -> Tensor:
     """[E] per-expert row counts -> [E+1] int64 row offsets starting at 0."""
     counts = counts.to(torch.int64)
     return torch.cat([counts.new_zeros(1), torch.cumsum(counts, 0)])
-
-
-def invert_permutation(perm: Tensor) -> Tensor:
-    """[M] permutation of 0..M-1 -> its inverse (same dtype): inverse[perm[r]] = r."""
-    inverse = torch.empty_like(perm)
-    inverse[perm.to(torch.int64)] = torch.arange(perm.shape[0], dtype=perm.dtype, device=perm.device)
-    return inverse
 
 
 # ------------------------------------------------------------------------------------------------ quantization
