@@ -30,8 +30,9 @@ from dataclasses import dataclass
 
 import torch
 
+from glm5_hal.kv_formats import FORMATS
 from glm5_hal.probing import call_bounded, import_bounded, is_installed, run_commands
-from glm5_hal.registry import ALL_OP_NAMES, Availability, Backend, registry
+from glm5_hal.registry import ALL_OP_NAMES, Availability, Backend, BackendReport, registry
 
 ENV_VENDOR = "GLM5_HAL_VENDOR"
 ENV_STAND_IN = "GLM5_HAL_STAND_IN_DEVICE"
@@ -221,4 +222,59 @@ def vendor_backend(spec: VendorSpec) -> Backend:
                 else ""
             ),
         ),
+    )
+
+
+@dataclass(frozen=True)
+class VendorKernels:
+    """A vendor's own kernels over its portable table (tuned_vendor_backend).
+
+    summary: the backend's line in `glm5-hal info`. notes: its extra lines there.
+    load: (the portable ops {op: implementation}) -> {op: adapter} for the ops the vendor's kernels serve. Called
+        when the ops load, so the vendor library is imported there (bounded), never at `import glm5_hal`; with the
+        library missing it returns adapters that run the portable op, and `routes` says why. An adapter runs the
+        portable op itself for inputs its kernel's documented range does not cover.
+    routes: () -> {op: {"kernel": what runs where inputs fit ("" if nothing), "why": why not, or its limits}},
+        the per-op section of `glm5-hal info`.
+    """
+
+    summary: str
+    notes: tuple[str, ...]
+    load: Callable[[Mapping[str, Callable]], Mapping[str, Callable]]
+    routes: Callable[[], Mapping[str, Mapping[str, str]]]
+
+
+def tuned_vendor_backend(spec: VendorSpec, kernels: VendorKernels) -> Backend:
+    """The Backend of a vendor with kernels of its own: detection and the portable table as vendor_backend, the
+    ops `kernels.load` maps replaced by its adapters (shown "native" by `glm5-hal info`, the rest "via torch" /
+    "via triton"), and a report listing each op's kernel or why the portable path runs."""
+    portable = vendor_backend(spec)
+    delegates: dict[str, str] = {}
+
+    def load_ops() -> Mapping[str, Callable]:
+        ops = dict(portable.load_ops())
+        mapped = kernels.load(ops)
+        delegates.clear()
+        delegates.update({op: how for op, how in portable.delegates.items() if op not in mapped})
+        return {**ops, **mapped}
+
+    def report() -> BackendReport:
+        table = {op: dict(route) for op, route in kernels.routes().items()}
+        lines = [f"{spec.name} kernels (per op: the vendor kernel that runs where inputs fit, or why not)"]
+        for op, route in table.items():
+            kernel, why = route.get("kernel", ""), route.get("why", "")
+            lines.append(f"  {op}: {kernel}" + (f" ({why})" if why else "") if kernel else f"  {op}: portable ({why})")
+        return BackendReport(tuple(lines), {"kernels": table})
+
+    return Backend(
+        name=spec.name,
+        summary=kernels.summary,
+        probe=portable.probe,
+        load_ops=load_ops,
+        auto_priority=portable.auto_priority,
+        delegates=delegates,
+        notes=kernels.notes,
+        # The quantized cache formats: adapters read them with a kernel where one takes them, portably otherwise.
+        kv_cache_dtypes=tuple(FORMATS),
+        report=report,
     )
