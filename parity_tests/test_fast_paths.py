@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import math
 
 import pytest
 import torch
@@ -160,13 +161,14 @@ def test_projections_and_experts_gemm_operands(mode: str) -> None:
 @pytest.mark.parametrize("kv_cache_dtype", ["fp8_ds_mla", "int8_mla"])
 def test_quantized_latent_rows_feed_the_same_gemms(mode: str, kv_cache_dtype: str) -> None:
     """Rows decoded from a quantized cache reach sparse attention's GEMMs in the operand dtype of the path (as hi + lo
-    parts on the fast path: decoded values are fp32)."""
+    parts on the fast path: decoded values are fp32). Where torch's half GEMM is emulated (a CPU without bf16 units,
+    on a native route), products the native kernel does not take (fp32 rows) run in fp32 instead."""
     q, cache, *rest = _sparse_attention_inputs(torch.bfloat16)
     quantized = encode_cache(cache.float(), FORMATS[kv_cache_dtype], reference=False)
     fast = _bf16_gemm(mode, ATTENTION)
     with fast_paths(mode), _GemmSpy() as spy:
         OPS["sparse_flash_attention"](q, quantized, *rest, kv_cache_dtype=kv_cache_dtype)
-    assert _operand_dtypes(spy) == {fast.operand}
+    assert _operand_dtypes(spy) == {fast.operand if fast.torch_half else torch.float32}
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -190,7 +192,9 @@ def test_indexer_keys_feed_the_path_gemm_and_the_head_reduction_stays_fp32(mode:
         assert fused[:3] == (torch.bfloat16, torch.float32, torch.bfloat16)
         return
     *dots, head_reduction = spy.operands  # one key chunk: the q . k GEMMs, then the fp32 sum over heads
-    assert dots and {d for dtypes in dots for d in dtypes} == {fast.operand}
+    # Decoded keys are fp32: where torch's half GEMM is emulated, the native route runs their products in fp32.
+    decoded_in_fp32 = kv_cache_dtype != "auto" and not fast.torch_half
+    assert dots and {d for dtypes in dots for d in dtypes} == {torch.float32 if decoded_in_fp32 else fast.operand}
     assert head_reduction == (torch.float32, torch.float32)
 
 
@@ -309,6 +313,26 @@ def test_the_native_gemm_takes_bf16_column_operands_and_fp32_rows_only() -> None
         want_product = a.double() @ b.double()
         rel = float((got.double() - want_product).norm() / want_product.norm())
         assert rel <= (2.0**-8 if output else 2.0**-14), rel  # hi + lo carries ~2^-16 of an fp32 operand
+
+
+def test_without_fast_torch_half_gemms_the_native_kernel_takes_the_outputs_too() -> None:
+    """On a CPU without bf16 units (torch_half False: torch emulates its bf16 GEMM there), the native route sends the
+    op's outputs to the native kernel as well, and a product it cannot take (an fp32 column operand) to fp32 GEMMs:
+    never to torch's emulated bf16 GEMM."""
+    gemm = Gemm(torch.bfloat16, True, 1, math.inf, True, "portable", torch_half=False)
+    native = torch.ops.glm5_hal.native_bf16_bmm_nt.default
+    w = torch.randn(16, 32).bfloat16()
+    for a, b, output, want in (
+        (torch.randn(2, 4, 32).bfloat16(), w.T.expand(2, 32, 16), True, [native]),
+        (torch.randn(2, 4, 32).bfloat16(), w.T.expand(2, 32, 16), False, [native]),
+        (torch.randn(2, 4, 32).bfloat16(), torch.randn(2, 32, 16), False, [torch.ops.aten.bmm.default]),
+    ):
+        with _GemmSpy() as spy:
+            got = gemm.bmm(a, b, output=output)
+        assert spy.functions == want, (b.dtype, output)
+        assert all(d != torch.bfloat16 for d in spy.operands[0]) or want == [native]
+        rel = float((got.double() - a.double() @ b.double()).norm() / (a.double() @ b.double()).norm())
+        assert rel <= 2.0**-14, rel
 
 
 def test_half_gemm_passes_nan_and_inf_through() -> None:

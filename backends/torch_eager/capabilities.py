@@ -416,6 +416,9 @@ class Route:
     fp32_output: bool = False
     max_work: float = math.inf
     isa: str = ""  # NATIVE: the kernels' build (NATIVE_ISAS, or "portable")
+    # NATIVE: whether torch's own half GEMM is fast here (the device has units for the dtype); where not, the native
+    # kernel also takes the op's outputs and what it cannot take runs in fp32 (gemm.Gemm.torch_half).
+    torch_half: bool = True
 
     @property
     def label(self) -> str:
@@ -726,6 +729,8 @@ def _decide_half(
     if no_units and (dtype != torch.bfloat16 or facts.device != "cpu"):  # the native kernels are CPU bf16 ones
         return _everywhere(dtype, FP32_ROUTE, f"no {unit} units: {facts.evidence[unit]}")
     routes, notes = _correct_routes(dtype, probe, torch_half=not no_units)
+    if facts.units[unit] is False:  # torch's half GEMM is emulated here: the native routes must not lean on it
+        routes = [replace(r, torch_half=False) if r.name == NATIVE else r for r in routes]
     notes = f"{notes}; " if notes else ""
     if len(routes) == 1:
         if no_units:

@@ -96,6 +96,10 @@ class Gemm:
     max_work: float = math.inf
     native: bool = False
     native_isa: str = bf16_gemm.FAST  # the native kernels' build (native/build.py ISAS) where `native`
+    # Whether torch's own half-precision GEMM is fast here. False on a CPU without units for the dtype (torch emulates
+    # it there, ~15x slower than fp32 at prefill sizes): the native kernel then also takes the op's outputs, and a
+    # product it does not take runs in fp32.
+    torch_half: bool = True
 
     @property
     def half(self) -> bool:
@@ -115,16 +119,18 @@ class Gemm:
 
     def takes_native(self, b: Tensor, output: bool) -> bool:
         """Whether a product with column operand b runs on backends.torch_eager.native's kernel: not where it is the
-        op's output (torch's rounded GEMM is enough, and faster where arithmetic sets the time), and not where b is an
-        fp32 operand: b is the weight-like one (a weight, the cache rows), and splitting it into parts with torch ops
-        costs more per element (~0.9 ns on this project's CPU) than the kernel spends on it at these row counts.
-        An fp32 `a` (activations: few rows) is split cheaply."""
-        return self.native and not output and b.dtype == self.operand
+        op's output and torch's half GEMM is fast (its rounded result is enough, and faster where arithmetic sets the
+        time), and not where b is an fp32 operand: b is the weight-like one (a weight, the cache rows), and splitting
+        it into parts with torch ops costs more per element (~0.9 ns on this project's CPU) than the kernel spends on
+        it at these row counts. An fp32 `a` (activations: few rows) is split cheaply."""
+        return self.native and (not output or not self.torch_half) and b.dtype == self.operand
 
     def takes_half(self, a: Tensor, b: Tensor, rows: int, output: bool) -> bool:
         """Whether a product of a and b (any float dtypes) with `rows` rows runs on the half-precision path."""
         if not self.half or rows < self.min_rows:
             return False
+        if not self.torch_half and not self.takes_native(b, output):
+            return False  # torch's emulated half GEMM would run it: fp32 is faster
         parts = (1 if a.dtype == self.operand else 2) * (1 if b.dtype == self.operand else 2)
         # One pass where the GEMM returns fp32 (torch's out_dtype, or the native kernel where it takes the product),
         # or where the result is the op's output; else the residual's second pass.
@@ -229,7 +235,7 @@ def from_route(activation: torch.dtype, route: Route) -> Gemm:
     if route.name == FP32_NAME:
         return FP32
     if route.name == NATIVE:
-        return Gemm(activation, True, 1, route.max_work, True, route.isa)
+        return Gemm(activation, True, 1, route.max_work, True, route.isa, route.torch_half)
     return Gemm(activation, route.fp32_output, 1, route.max_work)
 
 
