@@ -218,16 +218,20 @@ class RoutedGemm:
     def logits(self) -> RoutedGemm:
         return self
 
-    def _for(self, rows: int) -> Gemm:
-        return self.small if rows < self.split_rows else self.large
+    def _for(self, a: Tensor, rows: int) -> Gemm:
+        """The route for a product of `rows` rows of `a`: by the rows its GEMM really runs, which an fp32 `a`
+        doubles (it enters as two stacked parts on a half-precision route: the split measured in those rows)."""
+        half = self.small.operand if self.small.half else self.large.operand  # the routes' half-precision dtype
+        parts = 1 if a.dtype == half else 2
+        return self.small if rows * parts < self.split_rows else self.large
 
     def bmm(self, a: Tensor, b: Tensor, *, output: bool = False) -> Tensor:
         """As Gemm.bmm, on the route for a's rows."""
-        return self._for(a.shape[1]).bmm(a, b, output=output)
+        return self._for(a, a.shape[1]).bmm(a, b, output=output)
 
     def linear(self, x: Tensor, weight: Tensor, *, output: bool = False) -> Tensor:
         """As Gemm.linear, on the route for x's rows (all leading dims)."""
-        return self._for(x.numel() // max(x.shape[-1], 1)).linear(x, weight, output=output)
+        return self._for(x, x.numel() // max(x.shape[-1], 1)).linear(x, weight, output=output)
 
 
 def from_route(activation: torch.dtype, route: Route) -> Gemm:

@@ -3,12 +3,13 @@ GLM-5 widths, run by this backend's ops on each candidate route (gemm.forced_rou
 
     weights    a projection [rows, 2048] @ [2048, 2048]^T (8 MiB of bf16: past the caches, as a real weight),
                at capabilities.DECODE_ROWS and PREFILL_ROWS rows
-    attention  sparse_flash_attention: 2 tokens x 16 heads over 2048 selected keys of 576 (d_v 512), bf16 cache
-    indexer    indexer_logits: 2 tokens x 32 heads of 128 over 4096 keys, bf16 cache
+    attention  sparse_flash_attention: 4 tokens x 64 heads over 2048 selected keys of 576 (d_v 512), bf16 cache
+    indexer    indexer_logits: 4 tokens x 32 heads of 128 over 4096 keys, bf16 cache
 
-A head count of 16 is a tile's rows for a matrix unit (GLM-5 runs 64 heads, split over ranks), and two tokens are a
-decode step of speculative or batched decoding. Each call is a few milliseconds: the whole probe stays within its
-budget (docs/perf.md). The routes are timed alternately, best of `reps` each (other processes only ever add time).
+GLM-5's own head counts: a kernel's speed depends on them (a native attention kernel that won at 16 heads lost 2.4x
+at 64 on an AVX2 Zen 3, where torch's GEMM makes better use of 64 rows); four tokens are a batched decode step.
+Attention's and the indexer's per-token work is the same at prefill, so one shape decides for both. Each call takes
+milliseconds to tens of them: the whole probe stays within its budget (docs/perf.md). The routes are timed alternately, best of `reps` each (other processes only ever add time).
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ from backends.torch_eager.sparse_attention import sparse_flash_attention
 from glm5_hal.parity.inputs import SeqSpec, paged_batch, randn, random_topk_indices
 
 WIDTH = 2048  # the weight family's K and N
-ATTENTION_SHAPE = {"tokens": 2, "heads": 16, "keys": 4096, "topk": 2048, "width": 576, "d_v": 512}
-INDEXER_SHAPE = {"tokens": 2, "heads": 32, "keys": 4096, "head_dim": 128}
+ATTENTION_SHAPE = {"tokens": 4, "heads": 64, "keys": 4096, "topk": 2048, "width": 576, "d_v": 512}
+INDEXER_SHAPE = {"tokens": 4, "heads": 32, "keys": 4096, "head_dim": 128}
 BLOCK_SIZE = 64
 
 
