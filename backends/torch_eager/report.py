@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from backends.torch_eager.capabilities import capabilities
-from backends.torch_eager.native import bf16_gemm, build, indexer_scores, int8_gemm, sparse_attention
+from backends.torch_eager.capabilities import capabilities, native_isas
+from backends.torch_eager.native import amx_gemm, bf16_gemm, build, indexer_scores, int8_gemm, sparse_attention
 from backends.torch_eager.native import topk as native_topk
 from glm5_hal.registry import BackendReport
 
@@ -27,8 +27,11 @@ def fast_paths() -> dict[str, dict[str, object]]:
 def native_kernels() -> dict[str, object]:
     """The native kernels' state: on or off, the build cache (and why it is where it is, or why there is none), and
     each kernel build the routes use on this CPU, asked for here (built on first use): loaded, or why not."""
-    for module in (bf16_gemm, indexer_scores, sparse_attention, int8_gemm, native_topk):
-        module.availability()  # the build each route takes; the answer lands in build.status()
+    for isa in native_isas():  # every build a native route may take (AMX's GEMM is a kernel of its own)
+        for module in (amx_gemm,) if isa == amx_gemm.FAST else (bf16_gemm, indexer_scores, sparse_attention):
+            module.availability(isa)  # the answer lands in build.status()
+    for module in (int8_gemm, native_topk):
+        module.availability()
     return build.status()
 
 
