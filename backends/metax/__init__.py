@@ -12,9 +12,7 @@ says what is validated without hardware.
 
 from collections.abc import Callable, Mapping
 
-from glm5_hal.kv_formats import FORMATS
-from glm5_hal.registry import Backend, BackendReport
-from glm5_hal.vendors import VendorSpec, vendor_backend
+from glm5_hal.vendors import VendorKernels, VendorSpec, tuned_vendor_backend
 
 SPEC = VendorSpec(
     name="metax",
@@ -27,9 +25,6 @@ SPEC = VendorSpec(
     presents_as_cuda=True,
 )
 
-# Detection, availability and the portable table (triton where the vendor's Triton compiles, else torch).
-_PORTABLE = vendor_backend(SPEC)
-
 NOTES = (
     "MetaX kernels (mcoplib, mcFlashMLA) where their documented semantics express the contract; every other op, "
     "and inputs outside a kernel's documented range, on the portable torch / triton path (per-op list below)",
@@ -38,37 +33,25 @@ NOTES = (
     "validated here only against a strict fake of the published schemas (docs/vendors.md), not on MetaX hardware",
 )
 
-_delegates: dict[str, str] = {}
 
-
-def _load_ops() -> Mapping[str, Callable]:
+def _load(portable_ops: Mapping[str, Callable]) -> Mapping[str, Callable]:
     from backends.metax.ops import vendor_ops
 
-    portable = dict(_PORTABLE.load_ops())
-    mapped = vendor_ops(portable)
-    _delegates.clear()
-    _delegates.update({op: how for op, how in _PORTABLE.delegates.items() if op not in mapped})
-    return {**portable, **mapped}
+    return vendor_ops(portable_ops)
 
 
-def _report() -> BackendReport:
+def _routes() -> Mapping[str, Mapping[str, str]]:
     from backends.metax.ops import routes
 
-    table = routes()
-    lines = ["metax kernels (per op: the MetaX kernel that runs where inputs fit, or why the portable path runs)"]
-    for op, route in table.items():
-        lines.append(f"  {op}: {route['kernel']}" if route["kernel"] else f"  {op}: portable ({route['why']})")
-    return BackendReport(tuple(lines), {"kernels": table})
+    return routes()
 
 
-BACKEND = Backend(
-    name=SPEC.name,
-    summary=f"{SPEC.vendor} ({SPEC.device_type}): mcoplib / mcFlashMLA kernels where they fit, portable paths else",
-    probe=_PORTABLE.probe,
-    load_ops=_load_ops,
-    auto_priority=_PORTABLE.auto_priority,
-    delegates=_delegates,
-    notes=NOTES,
-    kv_cache_dtypes=tuple(FORMATS),
-    report=_report,
+BACKEND = tuned_vendor_backend(
+    SPEC,
+    VendorKernels(
+        summary=f"{SPEC.vendor} ({SPEC.device_type}): mcoplib / mcFlashMLA kernels where they fit, portable paths else",
+        notes=NOTES,
+        load=_load,
+        routes=_routes,
+    ),
 )

@@ -59,12 +59,12 @@ def vendor_ops(portable_ops: Mapping[str, Callable]) -> dict[str, Callable]:
     return {op: m.adapter for op, m in MAPPED.items() if available(m.library)[0]}
 
 
-def routes() -> dict[str, dict[str, object]]:
-    """Per op: {"kernel": what runs or None, "why": the reason it does not}; valid after vendor_ops()."""
-    table: dict[str, dict[str, object]] = {}
+def routes() -> dict[str, dict[str, str]]:
+    """Per op: {"kernel": what runs where inputs fit ("" if nothing), "why": why not}; valid after vendor_ops()."""
+    table: dict[str, dict[str, str]] = {}
     for op, m in MAPPED.items():
         ok, why = available(m.library)
-        table[op] = {"kernel": m.kernels if ok else None, "why": "" if ok else why}
+        table[op] = {"kernel": m.kernels if ok else "", "why": "" if ok else why}
     for op, why in UNMAPPED.items():
-        table[op] = {"kernel": None, "why": why}
+        table[op] = {"kernel": "", "why": why}
     return table

@@ -1,10 +1,12 @@
 """What every strict vendor fake shares: ops defined from the vendor's real schema strings with torch.library (so
 PyTorch itself refuses a call the real schema would refuse: a misspelt keyword, a missing argument, a wrong type),
-a CPU kernel per op written from the documented semantics, calls counted per op, and the host helpers those
-kernels compute with (float64 NumPy, poison for what the documentation leaves undefined).
+a CPU kernel per op written from the documented semantics, calls counted per op, the rule checks that refuse what
+the vendor's sources rule out (`rule_checks`), and the host helpers those kernels compute with (float64 NumPy,
+poison for what the documentation leaves undefined).
 
-Used by parity_tests/fakes/ascend (schemas from the torch-npu wheel) and parity_tests/fakes/metax (schemas
-written into the project from MetaX's repositories).
+Used by parity_tests/fakes/ascend (schemas from the torch-npu wheel), parity_tests/fakes/kunlun (schemas rebuilt
+from the vllm-kunlun wheel) and parity_tests/fakes/metax (schemas written into the project from MetaX's
+repositories).
 """
 
 from __future__ import annotations
@@ -18,6 +20,27 @@ import torch
 from torch import Tensor
 
 INT8_POISON = -128  # outside the symmetric [-127, 127] range every documented quantizer produces
+
+
+def rule_checks(
+    error: type[Exception], fake: str, unmodeled: str = "is not modeled by this fake"
+) -> tuple[Callable[[bool, str, str], None], Callable[[bool, str, str], None]]:
+    """(require, not_modeled) for one fake, both raising `error` naming the op and the rule, tagged [`fake`].
+
+    require(condition, op, rule): a call the vendor's sources refuse (a TORCH_CHECK, a docstring, an assert).
+    not_modeled(condition, op, what): a feature the glm5-hal backend does not use, refused rather than guessed
+    ("<op>: <what> <unmodeled>; the glm5-hal backend must not use it").
+    """
+
+    def require(condition: bool, op: str, rule: str) -> None:
+        if not condition:
+            raise error(f"{op}: {rule} [{fake}]")
+
+    def not_modeled(condition: bool, op: str, what: str) -> None:
+        if not condition:
+            raise error(f"{op}: {what} {unmodeled}; the glm5-hal backend must not use it")
+
+    return require, not_modeled
 
 
 def host(t: Tensor) -> np.ndarray:

@@ -11,7 +11,14 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from fakes.schema_fake import INT8_POISON, CallCounter, device_tensor, host, poison  # noqa: F401 (re-exported)
+from fakes.schema_fake import (  # noqa: F401 (INT8_POISON, device_tensor, host, poison: re-exported)
+    INT8_POISON,
+    CallCounter,
+    device_tensor,
+    host,
+    poison,
+    rule_checks,
+)
 
 # c10::ScalarType codes: how torch.ops passes a torch.dtype to an `int?` schema argument (output_dtype, ...).
 SCALAR_TYPES: dict[int, torch.dtype] = {
@@ -34,17 +41,10 @@ class FakeNpuError(RuntimeError):
     """A call the torch_npu 2.14.0 documentation forbids (or that this fake does not model)."""
 
 
-def require(condition: bool, op: str, rule: str) -> None:
-    if not condition:
-        raise FakeNpuError(f"{op}: {rule} [strict torch_npu 2.14.0 fake]")
-
-
-def not_modeled(condition: bool, op: str, what: str) -> None:
-    """For documented features the glm5-hal backend does not use: refuse rather than guess their semantics."""
-    if not condition:
-        raise FakeNpuError(
-            f"{op}: {what} is documented but not modeled by this fake; the glm5-hal backend must not use it"
-        )
+# not_modeled: a feature torch_npu documents that the glm5-hal backend does not use.
+require, not_modeled = rule_checks(
+    FakeNpuError, "strict torch_npu 2.14.0 fake", "is documented but not modeled by this fake"
+)
 
 
 def is_transposed_2d(t: Tensor) -> bool:

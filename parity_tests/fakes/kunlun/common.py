@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from fakes.schema_fake import CallCounter
+from fakes.schema_fake import CallCounter, rule_checks
 
 CALLS = CallCounter()
 ACTIVATION_DTYPES = (torch.bfloat16, torch.float16)
@@ -22,15 +22,7 @@ class FakeKunlunError(RuntimeError):
     """A call vllm-kunlun 0.11.1's sources rule out, or that this fake does not model."""
 
 
-def require(condition: bool, op: str, rule: str) -> None:
-    if not condition:
-        raise FakeKunlunError(f"{op}: {rule} [strict vllm-kunlun 0.11.1 fake]")
-
-
-def not_modeled(condition: bool, op: str, what: str) -> None:
-    """For features the glm5-hal backend does not use: refuse rather than guess their semantics."""
-    if not condition:
-        raise FakeKunlunError(f"{op}: {what} is not modeled by this fake; the glm5-hal backend must not use it")
+require, not_modeled = rule_checks(FakeKunlunError, "strict vllm-kunlun 0.11.1 fake")
 
 
 def require_output(op: str, name: str, t: Tensor, shapes: tuple[tuple[int, ...], ...], dtype: torch.dtype) -> None:
