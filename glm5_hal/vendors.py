@@ -17,9 +17,12 @@ A detected vendor is available when torch can use its device. Testing without th
 module carrying `GLM5_HAL_STAND_IN_DEVICE = "cpu"`, or the environment variable `GLM5_HAL_STAND_IN_DEVICE=cpu`
 next to a detection signal, makes the backend accept CPU tensors and says so in its reason.
 
-No vendor-tuned kernels exist yet: every op runs the portable `torch` implementation on the vendor's device, or
-the `triton` one where the vendor's Triton toolchain imports and glm5-hal's triton backend runs compiled kernels
-on that device (never Triton's CPU interpreter on a real device). `glm5-hal info` shows which, per op.
+A portable vendor (`vendor_backend`: Cambricon, Moore Threads, Hygon, Enflame) has no vendor-tuned kernels: every
+op runs the portable `torch` implementation on the vendor's device, or the `triton` one where the vendor's Triton
+toolchain imports and glm5-hal's triton backend runs compiled kernels on that device (never Triton's CPU
+interpreter on a real device). A vendor with kernels of its own (`tuned_vendor_backend`: Kunlunxin, MetaX; Ascend
+has its own backend) runs them for the ops and inputs they fit, over that portable table. `glm5-hal info` shows
+which, per op.
 """
 
 from __future__ import annotations
