@@ -47,6 +47,8 @@ def _params():
         if case.op not in MAPPED:
             continue
         for dtype in case.dtypes:
+            if case.slow and not expected_kernels(case, str(dtype).removeprefix("torch.")):
+                continue  # real dims on the portable path: the torch / triton backends' own parity runs cover them
             marks = [pytest.mark.slow] if case.slow else []
             yield pytest.param(case, dtype, id=f"{case.id}-{str(dtype).removeprefix('torch.')}", marks=marks)
 
