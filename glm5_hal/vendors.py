@@ -30,6 +30,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -228,23 +229,34 @@ def vendor_backend(spec: VendorSpec) -> Backend:
     )
 
 
+class KernelTable(Protocol):
+    """A vendor's op table (backends/<vendor>/ops.py): the adapters of the ops its kernels serve, and their routes.
+
+    vendor_ops(portable_ops): {op: adapter}, given the portable ops {op: implementation}. Imports the vendor library
+        (bounded), never at `import glm5_hal`; with the library missing it maps nothing (or adapters that run the
+        portable op) and `routes` says why. An adapter runs the portable op itself for inputs its kernel's
+        documented range does not cover.
+    routes(): {op: {"kernel": what runs where inputs fit ("" if nothing), "why": why not, or its limits}}, the
+        per-op section of `glm5-hal info`.
+    """
+
+    def vendor_ops(self, portable_ops: Mapping[str, Callable]) -> Mapping[str, Callable]: ...
+
+    def routes(self) -> Mapping[str, Mapping[str, str]]: ...
+
+
 @dataclass(frozen=True)
 class VendorKernels:
     """A vendor's own kernels over its portable table (tuned_vendor_backend).
 
     summary: the backend's line in `glm5-hal info`. notes: its extra lines there.
-    load: (the portable ops {op: implementation}) -> {op: adapter} for the ops the vendor's kernels serve. Called
-        when the ops load, so the vendor library is imported there (bounded), never at `import glm5_hal`; with the
-        library missing it returns adapters that run the portable op, and `routes` says why. An adapter runs the
-        portable op itself for inputs its kernel's documented range does not cover.
-    routes: () -> {op: {"kernel": what runs where inputs fit ("" if nothing), "why": why not, or its limits}},
-        the per-op section of `glm5-hal info`.
+    table: () -> the vendor's KernelTable (its ops module), called when the ops load or the report is made, so that
+        importing the vendor's backend package imports none of its adapters.
     """
 
     summary: str
     notes: tuple[str, ...]
-    load: Callable[[Mapping[str, Callable]], Mapping[str, Callable]]
-    routes: Callable[[], Mapping[str, Mapping[str, str]]]
+    table: Callable[[], KernelTable]
 
 
 def tuned_vendor_backend(spec: VendorSpec, kernels: VendorKernels) -> Backend:
@@ -256,13 +268,13 @@ def tuned_vendor_backend(spec: VendorSpec, kernels: VendorKernels) -> Backend:
 
     def load_ops() -> Mapping[str, Callable]:
         ops = dict(portable.load_ops())
-        mapped = kernels.load(ops)
+        mapped = kernels.table().vendor_ops(ops)
         delegates.clear()
         delegates.update({op: how for op, how in portable.delegates.items() if op not in mapped})
         return {**ops, **mapped}
 
     def report() -> BackendReport:
-        table = {op: dict(route) for op, route in kernels.routes().items()}
+        table = {op: dict(route) for op, route in kernels.table().routes().items()}
         lines = [f"{spec.name} kernels (per op: the vendor kernel that runs where inputs fit, or why not)"]
         for op, route in table.items():
             kernel, why = route.get("kernel", ""), route.get("why", "")

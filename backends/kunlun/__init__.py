@@ -10,8 +10,6 @@ Importing this package imports neither vllm-kunlun nor kunlun_ops. docs/vendors.
 says what is validated without hardware.
 """
 
-from collections.abc import Callable, Mapping
-
 from glm5_hal.vendors import VendorKernels, VendorSpec, tuned_vendor_backend
 
 SPEC = VendorSpec(
@@ -37,16 +35,10 @@ NOTES = (
 )
 
 
-def _load(portable_ops: Mapping[str, Callable]) -> Mapping[str, Callable]:
-    from backends.kunlun.ops import vendor_ops
+def _kernel_table():
+    from backends.kunlun import ops  # the adapters, imported when the ops load
 
-    return vendor_ops(portable_ops)
-
-
-def _routes() -> Mapping[str, Mapping[str, str]]:
-    from backends.kunlun.ops import routes
-
-    return routes()
+    return ops
 
 
 BACKEND = tuned_vendor_backend(
@@ -54,7 +46,6 @@ BACKEND = tuned_vendor_backend(
     VendorKernels(
         summary=f"{SPEC.vendor} ({SPEC.device_type}): vllm-kunlun kernels where they fit, portable paths else",
         notes=NOTES,
-        load=_load,
-        routes=_routes,
+        table=_kernel_table,
     ),
 )

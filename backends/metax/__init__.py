@@ -10,8 +10,6 @@ its ops on the portable path with the reason in `glm5-hal info`. docs/vendors.md
 says what is validated without hardware.
 """
 
-from collections.abc import Callable, Mapping
-
 from glm5_hal.vendors import VendorKernels, VendorSpec, tuned_vendor_backend
 
 SPEC = VendorSpec(
@@ -34,16 +32,10 @@ NOTES = (
 )
 
 
-def _load(portable_ops: Mapping[str, Callable]) -> Mapping[str, Callable]:
-    from backends.metax.ops import vendor_ops
+def _kernel_table():
+    from backends.metax import ops  # the adapters, imported when the ops load
 
-    return vendor_ops(portable_ops)
-
-
-def _routes() -> Mapping[str, Mapping[str, str]]:
-    from backends.metax.ops import routes
-
-    return routes()
+    return ops
 
 
 BACKEND = tuned_vendor_backend(
@@ -51,7 +43,6 @@ BACKEND = tuned_vendor_backend(
     VendorKernels(
         summary=f"{SPEC.vendor} ({SPEC.device_type}): mcoplib / mcFlashMLA kernels where they fit, portable paths else",
         notes=NOTES,
-        load=_load,
-        routes=_routes,
+        table=_kernel_table,
     ),
 )
