@@ -85,6 +85,21 @@ def _attention_inputs(num_heads: int, seqs, block_size: int = 16, topk: int = 24
     return q, cache, indices, batch
 
 
+def _reference_attention(q, cache, indices, b, sm_scale: float = 0.06):
+    """ops_reference's (out, natural lse) of _attention_inputs' batch, in float64."""
+    import ops_reference as ref
+
+    return ref.sparse_flash_attention(
+        q.double().numpy(),
+        cache.double().numpy(),
+        indices.numpy(),
+        b.block_table.numpy(),
+        b.seq_lens_k.numpy(),
+        b.cu_seqlens_q.numpy(),
+        sm_scale,
+    )
+
+
 @pytest.mark.parametrize(
     ("heads", "seqs", "kernel"),
     [
@@ -95,21 +110,11 @@ def _attention_inputs(num_heads: int, seqs, block_size: int = 16, topk: int = 24
     ids=["prefill-64-heads", "decode-64-heads", "prefill-8-heads-decode-kernel"],
 )
 def test_sparse_attention_kernels_match_the_reference(fake_metax, heads, seqs, kernel) -> None:
-    import ops_reference as ref
-
     q, cache, indices, b = _attention_inputs(heads, seqs)
     with use_backend("metax", strict=True):
         out, lse = glm5_hal.sparse_flash_attention(q, cache, indices, b.block_table, b.seq_lens_k, b.cu_seqlens_q, 0.06)
     assert fake_metax.calls[kernel] == 1, dict(fake_metax.calls)
-    want_out, want_lse = ref.sparse_flash_attention(
-        q.double().numpy(),
-        cache.double().numpy(),
-        indices.numpy(),
-        b.block_table.numpy(),
-        b.seq_lens_k.numpy(),
-        b.cu_seqlens_q.numpy(),
-        0.06,
-    )
+    want_out, want_lse = _reference_attention(q, cache, indices, b)
     assert lse[0].tolist() == [float("-inf")] * heads and (out[0] == 0).all()
     torch.testing.assert_close(lse[1:].double(), torch.from_numpy(want_lse[1:]), rtol=0, atol=1e-5)
     torch.testing.assert_close(out.double(), torch.from_numpy(want_out), rtol=1.6e-2, atol=1.6e-2)
@@ -233,17 +238,7 @@ def test_the_fake_catches_a_broken_adapter(fake_metax, monkeypatch, bug, target,
             _, lse = glm5_hal.sparse_flash_attention(
                 q, cache, indices, b.block_table, b.seq_lens_k, b.cu_seqlens_q, 0.06
             )
-        import ops_reference as ref
-
-        _, want = ref.sparse_flash_attention(
-            q.double().numpy(),
-            cache.double().numpy(),
-            indices.numpy(),
-            b.block_table.numpy(),
-            b.seq_lens_k.numpy(),
-            b.cu_seqlens_q.numpy(),
-            0.06,
-        )
+        _, want = _reference_attention(q, cache, indices, b)
         assert not torch.allclose(lse[1:].double(), torch.from_numpy(want[1:]), rtol=1e-3), f"'{bug}' passed"
         return
     result = run_case(_case("dynamic_quant/zero_row_3d"), "metax", torch.bfloat16, device="cpu")
