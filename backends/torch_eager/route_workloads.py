@@ -9,7 +9,8 @@ GLM-5 widths, run by this backend's ops on each candidate route (gemm.forced_rou
 GLM-5's own head counts: a kernel's speed depends on them (a native attention kernel that won at 16 heads lost 2.4x
 at 64 on an AVX2 Zen 3, where torch's GEMM makes better use of 64 rows); four tokens are a batched decode step.
 Attention's and the indexer's per-token work is the same at prefill, so one shape decides for both. Each call takes
-milliseconds to tens of them: the whole probe stays within its budget (docs/perf.md). The routes are timed alternately, best of `reps` each (other processes only ever add time).
+milliseconds to tens of them: the whole probe stays within its budget (docs/perf.md). The routes are timed
+alternately, best of `reps` each (other processes only ever add time).
 """
 
 from __future__ import annotations
