@@ -168,7 +168,7 @@ def force_native_portable():
     from backends.torch_eager.native import sparse_attention
 
     assert sparse_attention.availability("portable")[0], sparse_attention.availability("portable")
-    native = Gemm(torch.bfloat16, True, 1, math.inf, True, "portable")
+    native = Gemm(torch.bfloat16, True, math.inf, True, "portable")
     # Every family's bf16 products on the native route, for the rest of this process.
     attention.gemm_for = indexer.gemm_for = lambda dtype, device, family: native if dtype == torch.bfloat16 else None
 
@@ -517,7 +517,7 @@ def _route_torch_attention_through_the_portable_kernel(monkeypatch: pytest.Monke
     ok, why = kernel.availability("portable")
     if not ok:
         pytest.skip(f"no portable sparse attention kernel here: {why}")
-    native = Gemm(torch.bfloat16, True, 1, math.inf, True, "portable")
+    native = Gemm(torch.bfloat16, True, math.inf, True, "portable")
     monkeypatch.setattr(attention, "gemm_for", lambda dtype, device, _: native if dtype == torch.bfloat16 else FP32)
 
 

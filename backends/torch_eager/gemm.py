@@ -25,12 +25,12 @@ Two paths, one interface:
   their fp32 sum, which adds at most one more rounding of the output's own size (2^-9 |out|, plus 2^-18 of the
   magnitudes summed): unlike a rounded operand, cancellation inside the product does not amplify it. Sparse
   attention normalises its probabilities first so that its value product is such an output. The parts of an
-  operand are stacked into one GEMM, so a product reads its weight once per pass; below `min_rows` rows
-  (measured by the probe: there the weight's bytes, not the arithmetic, set the time) the second pass costs more
-  than bf16 saves, and the product takes the fp32 GEMM instead. The same holds for a product whose parts and
-  passes multiply its half-precision work past `max_work` (the probe's measured half / fp32 speed ratio over the
-  required margin): on a CPU that returns bf16 only, an fp32 operand times a bf16 one is four GEMMs' work (two
-  parts, two passes), no faster than one fp32 GEMM.
+  operand are stacked into one GEMM, so a product reads its weight once per pass. Where few rows favour another
+  route than many (the weight's bytes, not the arithmetic, set the time there), the weight family's products pick
+  their route by row count (`RoutedGemm`, the split measured by the probe). A product whose parts and passes
+  multiply its half-precision work past `max_work` (the probe's measured half / fp32 speed ratio over the
+  required margin) takes the fp32 GEMM: on a CPU that returns bf16 only, an fp32 operand times a bf16 one is four
+  GEMMs' work (two parts, two passes), no faster than one fp32 GEMM.
   Everything around the GEMMs (norms, RoPE, softmax statistics, lse) stays fp32.
 
 `gemm.logits` (products that feed a softmax) is the same path: the results are fp32-accurate on both kinds of device.
@@ -82,8 +82,7 @@ def _stacked_parts(t: Tensor, dtype: torch.dtype, dim: int) -> tuple[Tensor, int
 class Gemm:
     """operand: the dtype GEMM operands are given in (COMPUTE_DTYPE = the fp32 path). fp32_output: the GEMM returns
     its fp32 accumulators (torch.mm / torch.bmm with out_dtype=float32); otherwise its rounded result is corrected
-    by the residual GEMM (see the module docstring). min_rows: products with fewer rows take the fp32 GEMM (the
-    probe measured the residual's second pass over the weight to cost more than it saves there). max_work: products
+    by the residual GEMM (see the module docstring). max_work: products
     whose half-precision GEMMs would do more than this many times the product's own work (parts of fp32 operands
     times passes) take the fp32 GEMM. native: the fp32 results come from backends.torch_eager.native.bf16_gemm (a CPU
     kernel torch lacks; fp32_output is then True); a product that is the op's output still takes torch's GEMM, whose
@@ -92,7 +91,6 @@ class Gemm:
 
     operand: torch.dtype
     fp32_output: bool = True
-    min_rows: int = 1
     max_work: float = math.inf
     native: bool = False
     native_isa: str = bf16_gemm.FAST  # the native kernels' build (native/build.py ISAS) where `native`
@@ -127,7 +125,7 @@ class Gemm:
 
     def takes_half(self, a: Tensor, b: Tensor, rows: int, output: bool) -> bool:
         """Whether a product of a and b (any float dtypes) with `rows` rows runs on the half-precision path."""
-        if not self.half or rows < self.min_rows:
+        if not self.half:
             return False
         if not self.torch_half and not self.takes_native(b, output):
             return False  # torch's emulated half GEMM would run it: fp32 is faster
@@ -239,8 +237,8 @@ def from_route(activation: torch.dtype, route: Route) -> Gemm:
     if route.name == FP32_NAME:
         return FP32
     if route.name == NATIVE:
-        return Gemm(activation, True, 1, route.max_work, True, route.isa, route.torch_half)
-    return Gemm(activation, route.fp32_output, 1, route.max_work)
+        return Gemm(activation, True, route.max_work, True, route.isa, route.torch_half)
+    return Gemm(activation, route.fp32_output, route.max_work)
 
 
 _forced: dict[str, Gemm | RoutedGemm] = {}
