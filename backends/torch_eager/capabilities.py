@@ -1,34 +1,31 @@
-"""Which fast GEMM units a device has and whether the portable backends use them: the capability probe.
+"""Which GEMM route each op family of the torch backend takes on a device, and why: the capability probe.
 
-Per device (cached per process), two questions, answered from known device facts and, where facts are not enough,
-a short measurement on the device itself:
+Per device and mode, answered from known device facts and, where facts are not enough, measurements on the device
+(once per machine: the answer is kept on disk by probe_store.py, and in memory per process):
 
-- half-precision GEMMs (bf16, fp16): are there units for them, and is a GEMM with half-precision operands and
-  fp32 accumulation faster than the fp32 GEMM? If so, ops whose activations are bf16 / fp16 give their products
-  half-precision operands (fp32 accumulation; softmax statistics, norms and lse stay fp32). fp16 additionally
-  needs a GEMM that hands back fp32 (`out_dtype=torch.float32`): an fp16 result could overflow where fp32 does not,
-  and its rounding (2^-11) is a large part of the fp16 tolerance. A bf16 result has fp32's exponent range; where
-  torch has no fp32-result GEMM, backends.torch_eager.native's bf16 kernels give one on CPUs with AVX-512 BF16 (checked
-  for exactness on the device, GLM5_HAL_NATIVE=0 turns them off); elsewhere the rounded result is followed by a
-  residual GEMM that recovers its rounding
-  (backends/torch_eager/gemm.py), if the probe finds that the GEMM adds in fp32 before it rounds; the probe also
-  measures where those extra passes cost more than bf16 saves (few rows; fp32 operands that enter in two parts),
-  and there the products stay fp32.
+- half-precision products (bf16, fp16): per op family (FAMILIES: the weight products of the prologs and experts,
+  sparse attention, the indexer), the fastest route that is correct here, timed on the family's own workload
+  (route_workloads.py). The routes: fp32 operands; torch's GEMM with half-precision operands and fp32 accumulation
+  (its fp32 result by out_dtype, else its rounded result plus a residual GEMM that recovers the rounding, where the
+  probe finds that the GEMM adds in fp32 before it rounds: backends/torch_eager/gemm.py); and the native kernels'
+  fp32 result, one route per build that runs here and is exact (NATIVE_ISAS: AMX, AVX-512 BF16, AVX2). fp16 needs
+  an fp32 result (an fp16 one could overflow where fp32 does not). The weight family is timed at a decode and a
+  prefill row count, and its products switch route where the lines through the two cross.
 - an exact int8 GEMM (int8 x int8 -> int32, backends.torch_eager.int8_gemms): which route runs here, is it bit-exact at
-  large K with extreme codes (checked on the device every time), and is it faster than the fp32 GEMM? Otherwise the
-  quantized ops keep their exact chunked-fp32 path.
+  large K with extreme codes, and is it faster than the fp32 GEMM? Otherwise the quantized ops keep their exact
+  chunked-fp32 path.
 
 Facts: the accelerator types the project targets (CUDA, NPU, MLU, MUSA, GCU; and Intel XPU) have bf16 / fp16 /
-int8 units (CUDA: by compute capability); a CPU has them when its ISA flags say so (x86 avx512_bf16 / amx_bf16,
-avx512_fp16 / amx_fp16, avx512_vnni / avx_vnni / amx_int8; Arm bf16, asimdhp, asimddp / i8mm). A CPU whose flags
-lack a unit keeps the conservative path for it without measuring anything: such a machine runs the same code as
-with GLM5_HAL_FAST_PATHS=0. Where the flags name a unit (or cannot be read) the choice also needs a measured win:
-the flag says the ISA has it, the measurement says torch's kernels use it.
+int8 units (CUDA: by compute capability) and take their half-precision route untimed; a CPU has them when its ISA
+flags say so (x86 avx512_bf16 / amx_bf16, avx512_fp16 / amx_fp16, avx512_vnni / avx_vnni / amx_int8; Arm bf16,
+asimdhp, asimddp / i8mm). On a CPU whose flags lack a unit torch's GEMM for it is emulated and never a candidate;
+only the native builds (which widen bf16 to fp32 in registers) are timed against fp32 there, and without one the
+CPU runs the same code as with GLM5_HAL_FAST_PATHS=0.
 
 `GLM5_HAL_FAST_PATHS` overrides the choice: `auto` (default) as above; `0` the conservative fp32 path everywhere
-(for bisecting numerics: the arithmetic the backends did before they had fast paths); `1` every fast path that is
-correct on the device, whatever its speed (exactness and the fp16 rule still apply; for testing the fast paths on
-machines where they are slow).
+(for bisecting numerics: the arithmetic the backends did before they had fast paths); `1` every family on the first
+correct fast route (a native build, else torch's half GEMM), whatever its speed (exactness and the fp16 rule still
+apply; for testing the fast paths on machines where they are slow).
 """
 
 from __future__ import annotations
@@ -289,8 +286,9 @@ def _one_cpu_thread(device: torch.device) -> Iterator[None]:
 
 
 class DeviceProbe:
-    """The real measurements: a few GEMMs at PROBE_SHAPE on the device. A speedup is the ratio of the best of
-    PROBE_REPS alternating calls of each kernel (other processes only ever add time, so the minimum is what the
+    """The real measurements on the device: the families' workloads on each route (route_workloads.py), the int8
+    routes at PROBE_SHAPE, the exactness checks. A speedup is the ratio of the best of PROBE_REPS alternating calls of
+    each kernel (other processes only ever add time, so the minimum is what the
     hardware does, and alternating exposes both kernels to the same conditions)."""
 
     def __init__(self, device: torch.device) -> None:
