@@ -18,6 +18,8 @@ from test_capabilities import NATIVE_OK, SAPPHIRE_RAPIDS, FakeProbe
 from backends.torch_eager import capabilities as caps
 from backends.torch_eager import probe_store
 from backends.torch_eager.native import build
+from glm5_hal.cli import main
+from glm5_hal.cli.info import report_data
 from glm5_hal.environment import ENV_REPROBE
 from glm5_hal.selection import prepare
 
@@ -151,3 +153,12 @@ def test_a_new_process_reads_the_store(store: Path) -> None:
         for _ in range(2)
     )
     assert first.startswith("measured in ") and second.startswith("read from "), (first, second)
+
+
+def test_info_reprobe_measures_again_and_leaves_the_setting_as_it_was(store: Path, capsys) -> None:
+    _fresh("auto")  # a stored record for the auto mode
+    caps.clear_cache()
+    assert main(["info", "--reprobe", "--json"]) == 0
+    cpu = report_data(json.loads(capsys.readouterr().out), "torch")["fast_paths"]["cpu"]
+    assert cpu["origin"].startswith("measured in "), cpu["origin"]
+    assert ENV_REPROBE not in os.environ  # the command's own setting, not the process's from then on

@@ -2,10 +2,11 @@
 once per machine, not once per process (capabilities.capabilities reads and writes them).
 
 One JSON file per key: the device (CPU model and ISA flags, or the accelerator's name), torch's version, the thread
-count, glm5-hal's version, the probe's own source (a change to what is measured or how it is decided measures
-again), the mode and whether the native kernels are on. A file that is missing, unreadable, damaged or for another
-key is measured again and replaced; GLM5_HAL_REPROBE=1 (`glm5-hal info --reprobe`) measures again whatever is
-there. Where the build cache has no usable folder (backends/torch_eager/native/build.py), nothing is kept.
+count, glm5-hal's version, the probe's own source and the native kernels' (a change to what is measured, how it is
+decided or what a kernel does measures again), the mode and GLM5_HAL_NATIVE. A file that is missing, unreadable,
+damaged or for another key is measured again and replaced; GLM5_HAL_REPROBE=1 (`glm5-hal info --reprobe`) measures
+again whatever is there. Where the build cache has no usable folder (backends/torch_eager/native/build.py), nothing
+is kept.
 """
 
 from __future__ import annotations
@@ -102,6 +103,7 @@ def save(found_key: dict[str, object], value: dict[str, object]) -> Path | None:
     path = path_for(found_key)
     if path is None:
         return None
+    scratch = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, scratch = tempfile.mkstemp(dir=path.parent, prefix=".routes-", suffix=".tmp")
@@ -109,5 +111,7 @@ def save(found_key: dict[str, object], value: dict[str, object]) -> Path | None:
             json.dump({"key": found_key, "value": value}, f, indent=1, allow_nan=True)
         os.replace(scratch, path)
     except OSError:
+        if scratch is not None:  # a full disk mid-write: no half-written scratch file left behind
+            Path(scratch).unlink(missing_ok=True)
         return None
     return path

@@ -119,10 +119,22 @@ def collect() -> dict[str, object]:
     }
 
 
+def _collect_reprobed() -> dict[str, object]:
+    """collect() with GLM5_HAL_REPROBE=1 while it runs: the backends measure again and replace what they keep (a
+    backend that already answered in this process keeps that answer: the command runs in a fresh one)."""
+    previous = os.environ.get(ENV_REPROBE)
+    os.environ[ENV_REPROBE] = "1"
+    try:
+        return collect()
+    finally:
+        if previous is None:
+            del os.environ[ENV_REPROBE]
+        else:
+            os.environ[ENV_REPROBE] = previous
+
+
 def run(args: argparse.Namespace) -> int:
-    if args.reprobe:
-        os.environ[ENV_REPROBE] = "1"  # this process only: its backends measure again and replace what they kept
-    data = collect()
+    data = _collect_reprobed() if args.reprobe else collect()
     if args.json:
         print(json.dumps(data, indent=2))
         return 0
