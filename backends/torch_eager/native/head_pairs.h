@@ -62,15 +62,19 @@ static inline __attribute__((always_inline)) void heads_by_keys_of(const int key
     }
 }
 
-/* dots[j][i] = q_{h0 + i} . key_j (fp32) for the PAIR_KEYS keys and the 8 x vectors heads from h0 (vectors: 2 or
-   4). */
+/* dots[j][i] = q_{h0 + i} . key_j (fp32) for the PAIR_KEYS keys and the 8 x vectors heads from h0 (vectors: 1, 2
+   or 4; one where at most 8 heads from h0 are real: a model with few heads per device, as GLM-5 split 8 ways, then
+   does no products for padding heads, about 2x fewer per key). */
 static inline void heads_by_keys(const uint16_t *const rows[PAIR_KEYS], const uint16_t *q, long pairs, long odd,
                                  long hp, long h0, int vectors, float dots[PAIR_KEYS][32]) {
     __m256 acc[PAIR_KEYS][4];
-    if (vectors == 2) {
-        heads_by_keys_of(PAIR_KEYS, 2, rows, q, pairs, odd, hp, h0, acc);
+    if (vectors <= 2) {
+        if (vectors == 1)
+            heads_by_keys_of(PAIR_KEYS, 1, rows, q, pairs, odd, hp, h0, acc);
+        else
+            heads_by_keys_of(PAIR_KEYS, 2, rows, q, pairs, odd, hp, h0, acc);
         for (int j = 0; j < PAIR_KEYS; j++)
-            for (int v = 0; v < 2; v++) _mm256_storeu_ps(dots[j] + 8 * v, acc[j][v]);
+            for (int v = 0; v < vectors; v++) _mm256_storeu_ps(dots[j] + 8 * v, acc[j][v]);
         return;
     }
     for (int half = 0; half < 2; half++) {

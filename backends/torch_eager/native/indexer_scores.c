@@ -56,13 +56,14 @@ static inline __m256 live_vector(const unsigned live[2], int v) {
 static inline void tile(const uint16_t *keys[KEYS], const uint16_t *q, long pairs, long odd, long hp, long h0,
                         int nv, const unsigned live[2], const float *w, float out[KEYS]) {
     float dots[KEYS][32];
-    heads_by_keys(keys, q, pairs, odd, hp, h0, 2 * nv, dots);
+    int vectors = live[0] >> 8 ? 2 * nv : 1; /* heads past h0 + 8 are all padding: their products are not made */
+    heads_by_keys(keys, q, pairs, odd, hp, h0, vectors, dots);
     const __m256 zero = _mm256_setzero_ps();
     __m256 keep[4], wv[4];
-    for (int v = 0; v < 2 * nv; v++) keep[v] = live_vector(live, v), wv[v] = _mm256_loadu_ps(w + h0 + 8 * v);
+    for (int v = 0; v < vectors; v++) keep[v] = live_vector(live, v), wv[v] = _mm256_loadu_ps(w + h0 + 8 * v);
     for (int j = 0; j < KEYS; j++) {
         __m256 sum = zero;
-        for (int v = 0; v < 2 * nv; v++) /* dead lanes are cleared, not weighted by 0 (their dot may be NaN) */
+        for (int v = 0; v < vectors; v++) /* dead lanes are cleared, not weighted by 0 (their dot may be NaN) */
             sum = _mm256_add_ps(sum, _mm256_and_ps(keep[v], _mm256_mul_ps(_mm256_max_ps(zero, _mm256_loadu_ps(dots[j] + 8 * v)), wv[v])));
         __m128 half = _mm_add_ps(_mm256_castps256_ps128(sum), _mm256_extractf128_ps(sum, 1));
         half = _mm_add_ps(half, _mm_movehl_ps(half, half));

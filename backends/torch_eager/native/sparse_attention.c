@@ -35,6 +35,7 @@
 #define HEAD_GROUP 32  /* scores: heads per pass over a key (at most 4 vectors of 8) */
 #define VALUE_HEADS 4  /* values: heads per tile (P and O are padded to a multiple of it; it divides 16) */
 #define VALUE_DIMS 16  /* values: dims per tile (one 16-bf16 load of a row: its even and odd dims) */
+#define VALUE_KEY_BLOCK 32 /* values: keys whose rows every value tile reads before the next block (32 KiB at dv 512) */
 #else
 #define KEYS 6        /* scores: keys per tile (x 4 head vectors = 24 accumulators) */
 #define HEAD_GROUP 64 /* scores: heads per pass over a key */
@@ -47,13 +48,16 @@
 #if defined(GLM5_AVX2)
 static void score_tile(const uint16_t *keys[KEYS], int n_keys, const uint16_t *q, long pairs, long odd, long hp,
                        long h0, int nv, const unsigned live[4], float scale, float *s, long s_key) {
-    (void)live; /* every lane is stored: exponentiate clears the dead ones (their dot may be NaN) */
+    /* Every lane is stored: exponentiate clears the dead ones (their dot may be NaN). Where the heads past h0 + 8
+       are all padding their products are not made, and their lanes are stored as 0. */
+    int vectors = live[0] >> 8 ? 2 * nv : 1;
     float dots[KEYS][32];
-    heads_by_keys(keys, q, pairs, odd, hp, h0, 2 * nv, dots);
+    heads_by_keys(keys, q, pairs, odd, hp, h0, vectors, dots);
     const __m256 scaled = _mm256_set1_ps(scale);
     for (int j = 0; j < n_keys; j++)
         for (int v = 0; v < 2 * nv; v++)
-            _mm256_storeu_ps(s + j * s_key + h0 + 8 * v, _mm256_mul_ps(_mm256_loadu_ps(dots[j] + 8 * v), scaled));
+            _mm256_storeu_ps(s + j * s_key + h0 + 8 * v,
+                             v < vectors ? _mm256_mul_ps(_mm256_loadu_ps(dots[j] + 8 * v), scaled) : _mm256_setzero_ps());
 }
 
 /* All-ones in the lanes i < live (of 8). */
@@ -139,9 +143,13 @@ static void value_tile(const uint16_t *const *rows, const uint16_t *vp, long n_v
     __m256 acc[VALUE_HEADS][2];
     for (int i = 0; i < VALUE_HEADS; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
     for (long k = 0; k < n_valid; k++) {
-        const uint16_t *row = rows[k] + d0;
-        if (left < VALUE_DIMS) row = memcpy(edge, row, sizeof *row * left);
-        __m256i x = _mm256_loadu_si256((const __m256i *)row);
+        __m256i x;
+        if (left == VALUE_DIMS) {
+            x = _mm256_loadu_si256((const __m256i *)(rows[k] + d0));
+        } else { /* a slice past dv: copied into zeros first (a row may end at dv) */
+            memcpy(edge, rows[k] + d0, sizeof *edge * left);
+            x = _mm256_loadu_si256((const __m256i *)edge);
+        }
         __m256 even = low_halves(x), odd = high_halves(x);
         for (int i = 0; i < VALUE_HEADS; i++) {
             __m256 pk = _mm256_broadcast_ss(p + k * hp + i);
@@ -154,7 +162,7 @@ static void value_tile(const uint16_t *const *rows, const uint16_t *vp, long n_v
         float ordered[VALUE_DIMS]; /* dims d0 .. d0 + 15 in order: unpack interleaves within 128-bit halves */
         _mm256_storeu_ps(ordered, _mm256_permute2f128_ps(lo, hi, 0x20));
         _mm256_storeu_ps(ordered + 8, _mm256_permute2f128_ps(lo, hi, 0x31));
-        memcpy(o + (h0 + i) * o_head + d0, ordered, sizeof *o * left);
+        for (long d = 0; d < left; d++) o[(h0 + i) * o_head + d0 + d] += ordered[d]; /* a block of keys' share */
     }
 }
 #elif !defined(GLM5_PORTABLE)
@@ -490,6 +498,18 @@ int glm5_sparse_attention(long heads, long dims, long dv, long topk, const uint1
         }
         exponentiate(s, n, hp, heads, lse + t * lse_token, per_head);
         pack_probabilities(s, n, hp, heads, per_head, per_head + hp);
+#if defined(GLM5_AVX2)
+        /* Blocks of keys outer: a block's rows (VALUE_KEY_BLOCK x dv bf16) stay in L1 / L2 while every dim slice and
+           head tile reads them, and each tile adds its block's share to o. Dims outer instead read every selected
+           row once per 16-dim slice from L3 or memory, scattered (at 4 heads the value pass took ~2x as long). */
+        memset(o, 0, sizeof *o * value_heads * dv);
+        for (long k0 = 0; k0 < n; k0 += VALUE_KEY_BLOCK) {
+            long block = n - k0 < VALUE_KEY_BLOCK ? n - k0 : VALUE_KEY_BLOCK;
+            for (long d0 = 0; d0 < dv; d0 += VALUE_DIMS)
+                for (long h0 = 0; h0 < value_heads; h0 += VALUE_HEADS)
+                    value_tile(valid_rows + k0, vp, block, (const uint16_t *)(s + k0 * hp), hp, h0, d0, dv, o, dv);
+        }
+#else
         /* Dims outer: each 32-dim slice of the selected rows is gathered and paired once (128 KiB at topk 2048, in
            L2), then every head block streams it. */
         for (long d0 = 0; d0 < dv; d0 += VALUE_DIMS) {
@@ -497,6 +517,7 @@ int glm5_sparse_attention(long heads, long dims, long dv, long topk, const uint1
             for (long h0 = 0; h0 < value_heads; h0 += VALUE_HEADS)
                 value_tile(valid_rows, vp, n, (const uint16_t *)s, hp, h0, d0, dv, o, dv);
         }
+#endif
         store_output(o, heads, dv, out_t, out_fp32, out_head);
         for (long h = 0; h < heads; h++) /* all scores -inf: an empty softmax, out 0 whatever V holds (0 * inf) */
             if (lse[t * lse_token + h] == -INFINITY) memset(out_t + h * out_head * out_size, 0, dv * out_size);
