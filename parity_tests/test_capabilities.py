@@ -134,15 +134,17 @@ def test_a_cpu_without_bf16_units_measures_its_native_builds_against_fp32_only()
         (caps.WEIGHTS, caps.PREFILL_ROWS): {"fp32": 33.0, "native": 50.0},
         (caps.ATTENTION, 0): {"fp32": 5.9, "native": 6.4},
         (caps.INDEXER, 0): {"fp32": 2.3, "native": 1.9},
+        (caps.QUANTIZED_INDEXER, 0): {"fp32": 5.1, "native": 1.3},
     }
     probe = Avx2Build(times=times)
     got = decide(_cpu(AVX2_ZEN3), probe, AUTO)
-    weights, attention, indexer = (got.half_choice(torch.bfloat16, f) for f in caps.FAMILIES)
+    weights, attention, indexer, quantized = (got.half_choice(torch.bfloat16, f) for f in caps.FAMILIES)
     assert weights.small == caps.replace(weights.small, name="native", isa="avx2") and weights.large.name == "fp32"
     assert not attention.use and indexer.native and indexer.large.isa == "avx2"
+    assert quantized.native and quantized.large.isa == "avx2" and "3.92x fp32" in quantized.reason
     assert "residual_exact torch.bfloat16" not in probe.asked  # torch's half GEMM was never a candidate
     assert all(not c.use for c in _all(got, torch.float16))  # the native kernels are bf16 ones
-    assert all("no bfloat16 units" in c.reason for c in (weights, attention, indexer))
+    assert all("no bfloat16 units" in c.reason for c in (weights, attention, indexer, quantized))
 
 
 def test_a_rounded_result_that_cannot_be_recovered_keeps_the_conservative_path():
@@ -171,10 +173,13 @@ def test_each_family_takes_its_own_fastest_route():
         (caps.WEIGHTS, caps.PREFILL_ROWS): {"fp32": 20.0, "half": 9.0, "native": 10.0},
         (caps.ATTENTION, 0): {"fp32": 15.8, "half": 30.0, "native": 22.2},
         (caps.INDEXER, 0): {"fp32": 4.0, "half": 5.0, "native": 2.0},
+        (caps.QUANTIZED_INDEXER, 0): {"fp32": 6.0, "half": 2.0, "native": 3.0},
     }
     probe = FakeProbe(times=times, native=NATIVE_OK)
     got = decide(_cpu(SAPPHIRE_RAPIDS), probe, AUTO)
-    weights, attention, indexer = (got.half_choice(torch.bfloat16, f) for f in caps.FAMILIES)
+    weights, attention, indexer, quantized = (got.half_choice(torch.bfloat16, f) for f in caps.FAMILIES)
+    # The indexer over quantized rows decides apart from the bf16 rows' (another kernel, decoding first).
+    assert quantized.large.name == "half" and "3.00x fp32" in quantized.reason
     assert (weights.small.name, weights.large.name) == ("native", "half") and weights.use
     # Lines through (4, 1.0) and (256, 10.0) for native, (4, 3.0) and (256, 9.0) for half: 1 + 9x = 3 + 6x at
     # x = 2/3 of the span, 4 + 168 = 172 rows.

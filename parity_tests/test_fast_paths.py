@@ -25,9 +25,17 @@ import glm5_hal
 import ops_reference as ref
 from backends.torch_eager import OPS
 from backends.torch_eager import quant as quant_backend
-from backends.torch_eager.capabilities import ATTENTION, INDEXER, WEIGHTS, DeviceProbe, capabilities, fast_paths
+from backends.torch_eager.capabilities import (
+    ATTENTION,
+    INDEXER,
+    QUANTIZED_INDEXER,
+    WEIGHTS,
+    DeviceProbe,
+    capabilities,
+    fast_paths,
+)
 from backends.torch_eager.gemm import FP32, Gemm, RoutedGemm, gemm_for
-from backends.torch_eager.native import bf16_gemm, indexer_scores, int8_gemm
+from backends.torch_eager.native import bf16_gemm, indexer_scores, int8_gemm, quantized_index_scores
 from backends.torch_eager.native import sparse_attention as native_attention
 from conftest import parity_backends
 from glm5_hal import weight_cache
@@ -49,6 +57,7 @@ GEMM_OPS = {
     torch.ops.glm5_hal.native_bf16_bmm_nt.default,  # backends.torch_eager.native's bf16 GEMM with fp32 results (CPU)
     torch.ops.glm5_hal.native_indexer_scores.default,  # its fused indexer scores (products, ReLU, head sum)
     torch.ops.glm5_hal.native_sparse_attention.default,  # its sparse attention (both products), rows read in place
+    torch.ops.glm5_hal.native_quantized_index_scores.default,  # its indexer scores over quantized rows (decoded in it)
 }
 
 
@@ -182,14 +191,15 @@ def test_indexer_keys_feed_the_path_gemm_and_the_head_reduction_stays_fp32(mode:
     )
     q = randn((batch.num_tokens, 4, 128), gen, dtype=torch.bfloat16)
     weights = torch.rand(batch.num_tokens, 4, generator=gen)
-    fast = _bf16_gemm(mode, INDEXER)
+    fast = _bf16_gemm(mode, INDEXER if kv_cache_dtype == "auto" else QUANTIZED_INDEXER)
     with fast_paths(mode), _GemmSpy() as spy:
         OPS["indexer_logits"](
             q, weights, cache, batch.block_table, batch.seq_lens_k, batch.cu_seqlens_q, kv_cache_dtype=kv_cache_dtype
         )
-    if fast.fused and kv_cache_dtype == "auto" and indexer_scores.availability(fast.native_isa)[0]:
-        (fused,) = spy.operands  # one native call: q, the fp32 head weights, the bf16 cache read in place, ...
-        assert fused[:3] == (torch.bfloat16, torch.float32, torch.bfloat16)
+    kernel = indexer_scores if kv_cache_dtype == "auto" else quantized_index_scores
+    if fast.fused and kernel.availability(fast.native_isa)[0]:
+        (fused,) = spy.operands  # one native call: q, the fp32 head weights, the cache read in place, ...
+        assert fused[:3] == (torch.bfloat16, torch.float32, cache.dtype)
         return
     *dots, head_reduction = spy.operands  # one key chunk: the q . k GEMMs, then the fp32 sum over heads
     # Decoded keys are fp32: where torch's half GEMM is emulated, the native route runs their products in fp32.

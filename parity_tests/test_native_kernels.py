@@ -19,8 +19,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from backends.torch_eager.native import bf16_gemm, build, indexer_scores
+from backends.torch_eager.native import bf16_gemm, build, indexer_scores, quantized_index_scores
 from backends.torch_eager.native import sparse_attention as native_attention
+from glm5_hal.kv_formats import FORMATS, decode_rows, encode_rows
 
 ISAS = ("avx512_bf16", "avx2", "portable")
 SETTINGS = settings(max_examples=30, deadline=None, derandomize=True)
@@ -178,6 +179,110 @@ def test_indexer_scores_reject_bad_arguments():
         indexer_scores.scores(q, w, strided, tables, limits, 8)
     with pytest.raises(ValueError, match=r"weights: expected \(2, 4\), got \(2, 3\)"):
         indexer_scores.scores(q, w[:, :3], cache, tables, limits, 8)
+
+
+# ------------------------------------------------------------------------------------------ quantized index scores
+
+
+def _quantized_index_cache(gen: torch.Generator, kv_cache_dtype: str, blocks: int, block_size: int, raw: bool):
+    """uint8 [blocks, block_size, 132] rows of `kv_cache_dtype`: random keys as kv_formats encodes them, or (raw)
+    random codes (every code, NaN e4m3 codes included) with random scales, a few of them NaN or inf. (Not random
+    scale bytes: fp32 products of scales near 1e38 overflow where the float64 reference does not.)"""
+    fmt = FORMATS[kv_cache_dtype]
+    if raw:
+        rows = torch.randint(0, 256, (blocks * block_size, fmt.row_bytes), generator=gen, dtype=torch.uint8)
+        scales = torch.randn(blocks * block_size, 1, generator=gen).abs()
+        scales[torch.randint(0, scales.shape[0], (2,), generator=gen)] = torch.tensor([[float("nan")], [float("inf")]])
+        rows[:, fmt.scales_offset :] = scales.view(torch.uint8)
+        return rows.view(blocks, block_size, fmt.row_bytes)
+    keys = torch.randn(blocks * block_size, fmt.quantized_dims, generator=gen) * 4
+    return encode_rows(keys, fmt).view(blocks, block_size, fmt.row_bytes)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@SETTINGS
+@given(
+    kv_cache_dtype=st.sampled_from(sorted(quantized_index_scores.CODES)),
+    q_dtype=st.sampled_from([torch.bfloat16, torch.float32]),
+    tokens=st.integers(1, 4),
+    heads=st.integers(1, 40),
+    block_size=st.sampled_from([1, 3, 16, 64]),
+    width=st.integers(0, 600),
+    one_sequence=st.booleans(),
+    raw=st.booleans(),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_quantized_index_scores_are_the_fp32_scores_over_the_decoded_rows(
+    isa, kv_cache_dtype, q_dtype, tokens, heads, block_size, width, one_sequence, raw, seed
+):
+    """Widths past the kernel's 256-key chunk, tokens sharing one block table (the decoded chunk is reused) or each
+    their own (decoded again), rows of random bytes (NaN codes, any scale) or as the writer encodes them."""
+    _runs(quantized_index_scores, isa)
+    gen = torch.Generator().manual_seed(seed)
+    blocks = -(-max(width, 1) // block_size)
+    cache = _quantized_index_cache(gen, kv_cache_dtype, blocks + 2, block_size, raw)
+    q = torch.randn(tokens, heads, 128, generator=gen).to(q_dtype)
+    weights = torch.randn(tokens, heads, generator=gen)
+    tables = torch.randint(0, blocks + 2, (tokens, blocks), generator=gen, dtype=torch.int32)
+    if one_sequence:
+        tables[1:] = tables[0]
+    limits = torch.randint(0, width + 2, (tokens,), generator=gen)
+    keys = decode_rows(cache, FORMATS[kv_cache_dtype])  # fp32, exactly what the kernel multiplies
+    want, magnitude = _indexer_want(q, weights, keys, tables, limits, width)
+    got = quantized_index_scores.scores(q, weights, cache, tables, limits, width, kv_cache_dtype, isa=isa, threads=1)
+    _assert_within_fp32_sums(got, want, magnitude, heads * 128)
+    three = quantized_index_scores.scores(q, weights, cache, tables, limits, width, kv_cache_dtype, isa=isa, threads=3)
+    assert _same_bits(three, got)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("kv_cache_dtype", sorted(quantized_index_scores.CODES))
+def test_every_code_decodes_to_kv_formats_value_bit_for_bit(isa, kv_cache_dtype):
+    """Token d's query is the unit vector e_d (one head), so its score over a row is relu(key[d]) exactly, and with
+    -e_d relu(-key[d]): every one of the 256 codes, at a scale of 1, a plain one and one that makes products
+    subnormal, against kv_formats.decode_rows. NaN codes sit in rows of their own (0 x NaN would spread them)."""
+    _runs(quantized_index_scores, isa)
+    fmt = FORMATS[kv_cache_dtype]
+    finite = [c for c in range(256) if kv_cache_dtype != "fp8_index" or c & 0x7F != 0x7F]
+    codes = torch.tensor(finite + [0] * (-len(finite) % 128), dtype=torch.uint8).view(-1, 128)
+    if kv_cache_dtype == "fp8_index":  # NaN codes 0x7F and 0xFF, one row each
+        codes = torch.cat([codes, torch.zeros(2, 128, dtype=torch.uint8)])
+        codes[-2, 5], codes[-1, 77] = 0x7F, 0xFF
+    rows = []
+    for scale in (1.0, 0.3712, 2.0**-140):
+        scales = torch.full((codes.shape[0], 1), scale).view(torch.uint8)
+        rows.append(torch.cat([codes, scales], dim=1))
+    cache = torch.stack(rows).flatten(0, 1)[:, None, :]  # one row per block
+    width = cache.shape[0]
+    want = decode_rows(cache, fmt)[:, 0]  # [rows, 128]
+    table = torch.arange(width, dtype=torch.int32).expand(128, width)
+    limits = torch.full((128,), width)
+    for sign in (1.0, -1.0):
+        q = (sign * torch.eye(128))[:, None, :]  # token d: q = sign e_d
+        got = quantized_index_scores.scores(
+            q, torch.ones(128, 1), cache, table, limits, width, kv_cache_dtype, isa=isa, threads=1
+        )
+        expected = (sign * want).T.clamp_min(0.0)  # [token d, row]
+        nan_rows = want.isnan().any(dim=1)
+        assert got[:, nan_rows].isnan().all()
+        assert torch.equal(got[:, ~nan_rows], expected[:, ~nan_rows])  # equal values (a zero's sign aside)
+
+
+def test_quantized_index_scores_reject_bad_arguments():
+    q, w = torch.zeros(2, 4, 128, dtype=torch.bfloat16), torch.zeros(2, 4)
+    cache = torch.zeros(3, 4, 132, dtype=torch.uint8)
+    tables, limits = torch.zeros(2, 2, dtype=torch.int32), torch.zeros(2, dtype=torch.int64)
+    scores = quantized_index_scores.scores
+    with pytest.raises(ValueError, match=r"kv_cache_dtype: expected one of \('fp8_index', 'int8_index'\)"):
+        scores(q, w, cache, tables, limits, 8, "fp8_ds_mla")
+    with pytest.raises(TypeError, match=r"q: expected \[T, H, 128\] bf16, fp16 or fp32, got \(2, 4, 64\)"):
+        scores(q[..., :64], w, cache, tables, limits, 8, "fp8_index")
+    with pytest.raises(TypeError, match=r"cache: expected \[blocks, block_size, 132\] uint8 fp8_index rows"):
+        scores(q, w, cache[..., :128], tables, limits, 8, "fp8_index")
+    with pytest.raises(ValueError, match=r"tables: expected \[2, >= 9 / 4\], got \(2, 2\)"):
+        scores(q, w, cache, tables, limits, 9, "int8_index")
+    with pytest.raises(ValueError, match=r"weights: expected \(2, 4\), got \(2, 3\)"):
+        scores(q, w[:, :3], cache, tables, limits, 8, "fp8_index")
 
 
 # ------------------------------------------------------------------------------------------------ sparse attention

@@ -63,13 +63,16 @@ PROBE_REPS = 5
 # The op families whose products take one route each (per activation dtype), measured on their own workloads
 # (route_workloads.py): the weight products of the prologs and experts, measured at a decode and a prefill row count
 # (a line through the two gives the row count where two routes cross); sparse attention's and the indexer's
-# batched products over gathered rows, measured at a decode-sized call each.
-WEIGHTS, ATTENTION, INDEXER = "weights", "attention", "indexer"
-FAMILIES = (WEIGHTS, ATTENTION, INDEXER)
+# batched products over gathered rows, measured at a decode-sized call each. The indexer over quantized index rows
+# (fp8_index, int8_index: the rows vLLM stores) is a family of its own: its rows are decoded before any product, and
+# its native kernel (native/quantized_index_scores.c) is another kernel than the bf16 rows' one.
+WEIGHTS, ATTENTION, INDEXER, QUANTIZED_INDEXER = "weights", "attention", "indexer", "quantized_indexer"
+FAMILIES = (WEIGHTS, ATTENTION, INDEXER, QUANTIZED_INDEXER)
 FAMILY_OPS = {
     WEIGHTS: "mla_prolog, indexer_prolog, grouped_matmul, fused_moe",
     ATTENTION: "sparse_flash_attention",
     INDEXER: "indexer_logits, lightning_indexer",
+    QUANTIZED_INDEXER: "indexer_logits, lightning_indexer over fp8_index / int8_index keys",
 }
 DECODE_ROWS, PREFILL_ROWS = 4, 256  # the weight family's two measured row counts
 # The routes: fp32 operands; torch's GEMM with half-precision operands (fp32 result by out_dtype, else rounded plus

@@ -2,10 +2,11 @@
 per token I[t, s] = sum_j w[t, j] * ReLU(q[t, j] . k[s]) over the visible keys (the logits), then top-k.
 
 The scores are computed tile by tile: a tile of tokens against a chunk of key positions, with the head
-reduction done inside the tile, so the [T, HI, S] product never exists (only [tokens, HI, chunk]). Where the GEMM
-path is backends.torch_eager.native's (bf16 on a CPU with AVX-512 BF16) and the cache holds bf16 rows, one native kernel
-does a token tile's products, ReLU and head reduction with the keys read in place from the cache (same fp32 arithmetic,
-no gathered copy and no [tokens, HI, chunk] intermediate).
+reduction done inside the tile, so the [T, HI, S] product never exists (only [tokens, HI, chunk]). Where the probe
+chose a native route for the family (capabilities: `indexer` over bf16 rows, `quantized_indexer` over fp8_index /
+int8_index rows), one native kernel does a token tile's products, ReLU and head reduction with the keys read in place
+from the cache (same fp32 arithmetic, no gathered copy and no [tokens, HI, chunk] intermediate): indexer_scores.c over
+bf16 rows, quantized_index_scores.c over quantized rows, decoded in the kernel exactly as kv_formats decodes them.
 """
 
 from __future__ import annotations
@@ -13,9 +14,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from backends.torch_eager.capabilities import INDEXER
+from backends.torch_eager.capabilities import INDEXER, QUANTIZED_INDEXER
 from backends.torch_eager.gemm import gemm_for
 from backends.torch_eager.native import indexer_scores as native_scores
+from backends.torch_eager.native import quantized_index_scores as native_quantized_scores
 from backends.torch_eager.paged import gather_rows
 from backends.torch_eager.primitives import COMPUTE_DTYPE, layer_norm, linear, rope_leading, rows_per_tile
 from backends.torch_eager.quantized_cache import row_reader, write_rows
@@ -82,17 +84,21 @@ class _ScoringBatch:
         kv_cache_dtype: str = AUTO,
     ) -> None:
         num_tokens, num_heads, head_dim = q_idx.shape
-        self.gemm = gemm_for(q_idx.dtype, q_idx.device, INDEXER)  # q . k products; the head reduction stays fp32
+        # q . k products; the head reduction stays fp32. Quantized rows are their own family (decoded first).
+        family = INDEXER if kv_cache_dtype == AUTO else QUANTIZED_INDEXER
+        self.gemm = gemm_for(q_idx.dtype, q_idx.device, family)
         # Keys reach the q . k GEMM in its operand dtype, decoded first where the cache holds a quantized format.
         self.read_rows = row_reader(kv_cache_dtype, self.gemm.operand)
-        # One native kernel for products, ReLU and head reduction: bf16 queries and a bf16 cache on the native path.
-        self.fused = (
-            self.gemm.fused
-            and kv_cache_dtype == AUTO
-            and index_k_cache.dtype == q_idx.dtype == torch.bfloat16
-            and index_k_cache.stride(-1) == 1  # the kernel reads rows contiguous in DI (others gather, as before)
-            and native_scores.availability(self.gemm.native_isa)[0]
-        )
+        self.kv_cache_dtype = kv_cache_dtype
+        # One native kernel for products, ReLU and head reduction on the native path, with the rows read in place
+        # (contiguous in a row; other layouts gather, as before): bf16 queries over a bf16 cache, or any float
+        # queries over quantized index rows (decoded in the kernel).
+        in_place = self.gemm.fused and index_k_cache.stride(-1) == 1
+        if kv_cache_dtype == AUTO:
+            self.native = native_scores if index_k_cache.dtype == q_idx.dtype == torch.bfloat16 else None
+        else:
+            self.native = native_quantized_scores if kv_cache_dtype in native_quantized_scores.CODES else None
+        self.fused = in_place and self.native is not None and self.native.availability(self.gemm.native_isa)[0]
         self.q = q_idx  # converted per tile, so a bf16 batch never exists whole in fp32
         self.weights = weights.to(COMPUTE_DTYPE)  # [T, HI]
         self.cache = index_k_cache  # [num_blocks, block_size, DI]
@@ -124,16 +130,13 @@ class _ScoringBatch:
             raw = self.block_table[seqs]
             tables = raw.clamp(0, last_block)
             limits = positions + 1  # key positions <= the token's own are visible
-            native_scores.scores(
-                self.q[tokens],
-                self.weights[tokens],
-                self.cache,
-                tables,
-                limits,
-                self.width,
-                out=out,
-                isa=self.gemm.native_isa,
-            )
+            q, weights, isa = self.q[tokens], self.weights[tokens], self.gemm.native_isa
+            if self.kv_cache_dtype == AUTO:
+                native_scores.scores(q, weights, self.cache, tables, limits, self.width, out=out, isa=isa)
+            else:
+                native_quantized_scores.scores(
+                    q, weights, self.cache, tables, limits, self.width, self.kv_cache_dtype, out=out, isa=isa
+                )
             self._mask_blocks_outside_the_cache(raw, positions, out)
             return
         q = self.q[tokens].to(self.gemm.operand)  # [t, HI, DI]

@@ -5,6 +5,7 @@ GLM-5 widths, run by this backend's ops on each candidate route (gemm.forced_rou
                at capabilities.DECODE_ROWS and PREFILL_ROWS rows
     attention  sparse_flash_attention: 4 tokens x 64 heads over 2048 selected keys of 576 (d_v 512), bf16 cache
     indexer    indexer_logits: 4 tokens x 32 heads of 128 over 4096 keys, bf16 cache
+    quantized_indexer  the same over the keys as fp8_index rows (as vLLM stores them)
 
 GLM-5's own head counts: a kernel's speed depends on them (a native attention kernel that won at 16 heads lost 2.4x
 at 64 on an AVX2 Zen 3, where torch's GEMM makes better use of 64 rows); four tokens are a batched decode step.
@@ -24,6 +25,7 @@ from backends.torch_eager import capabilities as caps
 from backends.torch_eager.gemm import forced_route, from_route, gemm_for
 from backends.torch_eager.indexer import indexer_logits
 from backends.torch_eager.sparse_attention import sparse_flash_attention
+from glm5_hal.kv_formats import AUTO, FORMATS, encode_rows
 from glm5_hal.parity.inputs import SeqSpec, paged_batch, randn, random_topk_indices
 
 WIDTH = 2048  # the weight family's K and N
@@ -48,14 +50,18 @@ def _attention(device: torch.device, dtype: torch.dtype, gen: torch.Generator) -
     return lambda: sparse_flash_attention(*args, 0.07, shape["d_v"])
 
 
-def _indexer(device: torch.device, dtype: torch.dtype, gen: torch.Generator) -> Callable[[], object]:
+def _indexer(
+    device: torch.device, dtype: torch.dtype, gen: torch.Generator, kv_cache_dtype: str
+) -> Callable[[], object]:
     shape = INDEXER_SHAPE
     batch = paged_batch([SeqSpec(shape["tokens"], shape["keys"])], BLOCK_SIZE, gen)
     q = randn((shape["tokens"], shape["heads"], shape["head_dim"]), gen, dtype=dtype)
     weights = torch.rand(shape["tokens"], shape["heads"], generator=gen)
     cache = randn((batch.num_blocks, BLOCK_SIZE, shape["head_dim"]), gen, dtype=dtype)
+    if kv_cache_dtype != AUTO:  # the same keys as the format's rows
+        cache = encode_rows(cache.flatten(0, 1), FORMATS[kv_cache_dtype]).view(batch.num_blocks, BLOCK_SIZE, -1)
     args = [t.to(device) for t in (q, weights, cache, batch.block_table, batch.seq_lens_k, batch.cu_seqlens_q)]
-    return lambda: indexer_logits(*args)
+    return lambda: indexer_logits(*args, kv_cache_dtype=kv_cache_dtype)
 
 
 def workload(family: str, device: torch.device, dtype: torch.dtype, rows: int) -> Callable[[], object]:
@@ -66,7 +72,9 @@ def workload(family: str, device: torch.device, dtype: torch.dtype, rows: int) -
     if family == caps.ATTENTION:
         return _attention(device, dtype, gen)
     if family == caps.INDEXER:
-        return _indexer(device, dtype, gen)
+        return _indexer(device, dtype, gen, AUTO)
+    if family == caps.QUANTIZED_INDEXER:
+        return _indexer(device, dtype, gen, "fp8_index")
     raise ValueError(f"family: expected one of {caps.FAMILIES}, got {family!r}")
 
 

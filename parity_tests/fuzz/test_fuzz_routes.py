@@ -18,11 +18,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 
 from backends.torch_eager.native import bf16_gemm, build
-from fuzz.strategies import VALID_CASES, FuzzCase, examples
-from fuzz.test_fuzz_parity import check_on_backends
+from fuzz.strategies import QUANTIZED_CASES, VALID_CASES, FuzzCase, examples
+from fuzz.test_fuzz_parity import check_on_backends, check_quantized_on_backends
 from glm5_hal.registry import OP_NAMES
 
 CONFIGS_PER_ROUTE = 100
+QUANTIZED_CONFIGS_PER_ROUTE = 80  # per indexer op: the quantized rows' products alone differ from the above
 # The native kernel each op's bf16 / int8 products must reach on the native route (so the route is not a no-op).
 # grouped_matmul is not here: its products are its outputs, rounded to bf16 anyway, which take torch's bf16 GEMM
 # on the native route too (gemm.Gemm.takes_native).
@@ -50,14 +51,20 @@ ROUTES = {
 }
 
 
+def _forced(route: str, monkeypatch: pytest.MonkeyPatch) -> set[str]:
+    """Force `route` for the rest of the test; returns the set of native kernels that calls then load."""
+    for name, value in ROUTES[route].items():
+        monkeypatch.setenv(name, value if value is not None else _native_setting())
+    used: set[str] = set()
+    real_function = build.function
+    monkeypatch.setattr(build, "function", lambda kernel, *a, **kw: used.add(kernel) or real_function(kernel, *a, **kw))
+    return used
+
+
 @pytest.mark.parametrize("route", ROUTES)
 @pytest.mark.parametrize("op", OP_NAMES)
 def test_random_valid_configs_hold_on_every_forced_route(op: str, route: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    for name, value in ROUTES[route].items():
-        monkeypatch.setenv(name, value if value is not None else _native_setting())
-    used: set[str] = set()  # the native kernels the op's calls loaded
-    real_function = build.function
-    monkeypatch.setattr(build, "function", lambda kernel, *a, **kw: used.add(kernel) or real_function(kernel, *a, **kw))
+    used = _forced(route, monkeypatch)  # the native kernels the op's calls loaded
 
     @settings(max_examples=examples(CONFIGS_PER_ROUTE), suppress_health_check=[HealthCheck.function_scoped_fixture])
     @given(case=VALID_CASES[op])
@@ -72,3 +79,24 @@ def test_random_valid_configs_hold_on_every_forced_route(op: str, route: str, mo
         assert used & ({wanted} if isinstance(wanted, str) else set(wanted)), f"the native route never reached {wanted}"
     elif route == "fp32":
         assert used <= {"topk"}, f"the fp32 route ran GEMM kernels {used}"
+
+
+@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize("op", ["indexer_logits", "lightning_indexer"])
+def test_quantized_index_rows_hold_on_every_forced_route(op: str, route: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The indexer over fp8_index / int8_index rows (the quantized_indexer family: decoded then multiplied, or decoded
+    in native/quantized_index_scores.c), with NaN / inf tiles and zeroed tiles; the native route must reach it."""
+    used = _forced(route, monkeypatch)
+
+    @settings(
+        max_examples=examples(QUANTIZED_CONFIGS_PER_ROUTE), suppress_health_check=[HealthCheck.function_scoped_fixture]
+    )
+    @given(case=QUANTIZED_CASES[op])
+    def holds(case: FuzzCase) -> None:
+        check_quantized_on_backends(case, ["torch"], kind=f"route {route}")
+
+    holds()
+    if route == "native":
+        assert "quantized_index_scores" in used, "the native route never reached quantized_index_scores"
+    elif route in ("half", "fp32"):
+        assert used <= {"topk"}, f"the {route} route ran {used}"

@@ -127,10 +127,6 @@ static void pack_probabilities(float *s, long n, long hp, long heads, const floa
             _mm256_storeu_ps(s + k * hp + h0, _mm256_div_ps(_mm256_loadu_ps(s + k * hp + h0), _mm256_loadu_ps(denominator + h0)));
 }
 
-static void pack_slice(const uint16_t *const *rows, long n_valid, long d0, long dv, uint16_t *vp) {
-    (void)rows, (void)n_valid, (void)d0, (void)dv, (void)vp; /* value_tile reads the rows themselves */
-}
-
 /* O[h0 + i][d0 .. d0 + 15] = sum over the valid keys of P[k][h0 + i] * row_k[d0 ..], P fp32 [n][hp] (pp, as
    pack_probabilities left it). Lane l of acc[i][0] sums dim d0 + 2l, of acc[i][1] dim d0 + 2l + 1; a slice past dv
    is copied into zeros first (a row may end at dv). */

@@ -1,0 +1,196 @@
+/* The lightning indexer's scores straight from a paged cache of quantized index rows (glm5_hal.kv_formats
+ * "fp8_index" and "int8_index": D codes, then one little-endian fp32 scale; vLLM's 132-byte DeepSeek-V3.2 rows), on
+ * CPUs:
+ *
+ *   score[t][s] = sum_h w[t][h] * relu(sum_d q[t][h][d] * key_t(s)[d])     for s < limit[t], else -inf
+ *   key_t(s)[d] = value(code[d]) * scale     (the row cache[table[t][s / block_size]][s % block_size])
+ *
+ * value(code) is the code's exact fp32 value (e4m3fn, NaN for 0x7F and 0xFF; or int8), so each key element is the
+ * exact product rounded once to fp32: bit for bit kv_formats.decode_rows, whatever MXCSR's DAZ says (no
+ * intermediate here is subnormal). The products and every sum are fp32, as in the fp32 path, in another order; relu
+ * keeps NaN (max(0, x) returns x when x is NaN); heads past H contribute nothing (their dots are never added).
+ *
+ * Keys are decoded a chunk at a time into a per-thread fp32 workspace, and the next token reuses the decoded chunk
+ * where its block table names the same blocks (the tokens of one sequence at prefill), so a prefill decodes each
+ * key once per chunk of tokens, not once per token. The dot products run along D: a tile is 2 keys x 4 heads of
+ * 8-lane accumulators, the keys' lanes loaded once per 8 dims for the 4 heads, the queries streamed from L1. A
+ * layout with heads in the lanes (indexer_scores.c) pads 4 heads to 8 or 16 lanes; here the work per key is
+ * D x ceil(H / 4) x 4 multiply-adds, whatever H. Built with AVX2 + FMA (the AVX-512 and AMX builds compile the same
+ * 256-bit code: every such CPU has FMA) and portable (scalar loops with the same blocking and per-lane sums, each
+ * product rounded before it is added where the vector code fuses the two).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if !defined(GLM5_PORTABLE) && (defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__)))
+#if !defined(__FMA__)
+#pragma GCC target("avx2,fma") /* the AVX-512 builds: every CPU with AVX-512F has AVX2 and FMA3 */
+#endif
+#include <immintrin.h>
+#define VECTORS 1
+#endif
+
+#define CHUNK 256 /* key positions decoded at a time: 128 KiB of fp32 keys at D = 128, in L2 across tokens */
+#define HEADS 4   /* heads per tile (q is padded to a multiple of it with zero heads, never added) */
+#define LANES 8   /* dims per accumulator */
+
+enum { CODE_E4M3 = 0, CODE_INT8 = 1 };
+
+/* The exact value of an e4m3fn code: 2^(e - 7) (1 + m / 8), m 2^-9 for e = 0, NaN for the magnitude 0x7F. */
+static inline float e4m3_value(uint8_t code) {
+    int magnitude = code & 0x7F;
+    float value;
+    if (magnitude == 0x7F)
+        value = NAN;
+    else if (magnitude >= 8)
+        value = ldexpf((float)(8 + (magnitude & 7)), (magnitude >> 3) - 10);
+    else
+        value = ldexpf((float)magnitude, -9);
+    return code & 0x80 ? -value : value;
+}
+
+/* out[d] = value(row[d]) * scale for d < dims, the scale stored right after the dims codes. */
+static void decode_row(const uint8_t *row, long dims, int code, float *out) {
+    float scale;
+    memcpy(&scale, row + dims, sizeof scale);
+    long d = 0;
+#if defined(VECTORS)
+    const __m256 scales = _mm256_set1_ps(scale);
+    if (code == CODE_E4M3) {
+        const __m256i low7 = _mm256_set1_epi32(0x7F), eight = _mm256_set1_epi32(8);
+        const __m256i bias = _mm256_set1_epi32(120 << 23), sign = _mm256_set1_epi32((int)0x80000000u);
+        const __m256 step = _mm256_set1_ps(0x1p-9f), nan = _mm256_set1_ps(NAN);
+        for (; d + LANES <= dims; d += LANES) {
+            __m256i x = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(row + d)));
+            __m256i magnitude = _mm256_and_si256(x, low7);
+            /* e >= 1: the code's exponent and mantissa bits moved into an fp32, the exponent rebased by 127 - 7;
+               e = 0: m 2^-9 from the integer m (an exact normal fp32; no subnormal, so DAZ cannot change it). */
+            __m256 normal = _mm256_castsi256_ps(_mm256_add_epi32(_mm256_slli_epi32(magnitude, 20), bias));
+            __m256 small = _mm256_mul_ps(_mm256_cvtepi32_ps(magnitude), step);
+            __m256 value = _mm256_blendv_ps(normal, small, _mm256_castsi256_ps(_mm256_cmpgt_epi32(eight, magnitude)));
+            value = _mm256_blendv_ps(value, nan, _mm256_castsi256_ps(_mm256_cmpeq_epi32(magnitude, low7)));
+            value = _mm256_or_ps(value, _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(x, 24), sign)));
+            _mm256_storeu_ps(out + d, _mm256_mul_ps(value, scales));
+        }
+    } else {
+        for (; d + LANES <= dims; d += LANES) {
+            __m256i x = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(row + d)));
+            _mm256_storeu_ps(out + d, _mm256_mul_ps(_mm256_cvtepi32_ps(x), scales));
+        }
+    }
+#endif
+    for (; d < dims; d++) out[d] = (code == CODE_E4M3 ? e4m3_value(row[d]) : (float)(int8_t)row[d]) * scale;
+}
+
+/* partial[4 j + i] += w[i] relu(q_i . key_j) for the two keys j and the heads h0 + i < heads (i < HEADS; live =
+   heads - h0); q: [HEADS][dims] fp32 from head h0, w: HEADS weights from head h0. Per lane l of a dot, the dims
+   d = l mod 8 in order; the 8 lanes summed as ((0 + 1) + (2 + 3)) + ((4 + 5) + (6 + 7)); dims past the last multiple
+   of 8 added after, in order. relu keeps NaN; a padding head's lane adds nothing, whatever its dot (0 x inf is
+   NaN). No branch on a dot's sign: with random signs a branch per dot cost more than the products. */
+static void tile(const float *key0, const float *key1, const float *q, const float *w, long dims, long live,
+                 float partial[2 * HEADS]) {
+    long vector_dims = dims / LANES * LANES;
+    float dots[2 * HEADS];
+#if defined(VECTORS)
+    __m256 acc[2][HEADS];
+    for (int j = 0; j < 2; j++)
+        for (int h = 0; h < HEADS; h++) acc[j][h] = _mm256_setzero_ps();
+    for (long d = 0; d < vector_dims; d += LANES) {
+        __m256 k0 = _mm256_loadu_ps(key0 + d), k1 = _mm256_loadu_ps(key1 + d);
+        for (int h = 0; h < HEADS; h++) {
+            __m256 qh = _mm256_loadu_ps(q + h * dims + d);
+            acc[0][h] = _mm256_fmadd_ps(qh, k0, acc[0][h]);
+            acc[1][h] = _mm256_fmadd_ps(qh, k1, acc[1][h]);
+        }
+    }
+    /* the 8 dots' lane sums at once: lane 4 j + h of `both` is dot (j, h) */
+    __m256 pairs0 = _mm256_hadd_ps(_mm256_hadd_ps(acc[0][0], acc[0][1]), _mm256_hadd_ps(acc[0][2], acc[0][3]));
+    __m256 pairs1 = _mm256_hadd_ps(_mm256_hadd_ps(acc[1][0], acc[1][1]), _mm256_hadd_ps(acc[1][2], acc[1][3]));
+    __m256 both = _mm256_add_ps(_mm256_permute2f128_ps(pairs0, pairs1, 0x20), _mm256_permute2f128_ps(pairs0, pairs1, 0x31));
+    if (vector_dims < dims) { /* D not a multiple of 8 (never at D = 128) */
+        _mm256_storeu_ps(dots, both);
+        for (int i = 0; i < 2 * HEADS; i++)
+            for (long d = vector_dims; d < dims; d++) dots[i] += q[(i % HEADS) * dims + d] * (i < HEADS ? key0 : key1)[d];
+        both = _mm256_loadu_ps(dots);
+    }
+    const __m256 lane = _mm256_setr_ps(0, 1, 2, 3, 0, 1, 2, 3);
+    __m256 alive = _mm256_cmp_ps(lane, _mm256_set1_ps((float)(live < HEADS ? live : HEADS)), _CMP_LT_OQ);
+    __m128 w4 = _mm_loadu_ps(w);
+    __m256 weights = _mm256_insertf128_ps(_mm256_castps128_ps256(w4), w4, 1);
+    __m256 terms = _mm256_mul_ps(weights, _mm256_max_ps(_mm256_setzero_ps(), both)); /* max(0, NaN) is NaN */
+    _mm256_storeu_ps(partial, _mm256_add_ps(_mm256_loadu_ps(partial), _mm256_and_ps(alive, terms)));
+#else
+    for (int i = 0; i < 2 * HEADS; i++) {
+        const float *key = i < HEADS ? key0 : key1, *qh = q + (i % HEADS) * dims;
+        float lanes[LANES] = {0};
+        for (long d = 0; d < vector_dims; d++) lanes[d % LANES] += qh[d] * key[d];
+        dots[i] = ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
+        for (long d = vector_dims; d < dims; d++) dots[i] += qh[d] * key[d];
+        float dot = dots[i];
+        if (i % HEADS < live) partial[i] += w[i % HEADS] * (dot > 0.0f || dot != dot ? dot : 0.0f);
+    }
+#endif
+}
+
+/* Blocks of the table that key positions c0 .. c0 + n - 1 lie in. */
+static inline long blocks_spanned(long c0, long n, long block_size) {
+    return n > 0 ? (c0 + n - 1) / block_size - c0 / block_size + 1 : 0;
+}
+
+/* Scores of tokens [t_begin, t_end) at key positions [s_begin, s_end): one thread's share.
+ * q: [T][hp][dims] fp32 (hp: H rounded up to HEADS, zero heads past H); w: [T][hp] fp32; cache rows of row_stride
+ * bytes, blocks of block_stride bytes (dims codes then an fp32 scale); code: CODE_E4M3 or CODE_INT8; table:
+ * [T][table_width] int32 (each token's block table row, every entry a valid block); limit: [T] (positions >= limit
+ * get -inf); scores: [T][score_row] fp32. Returns 0, or -1 if the workspace could not be allocated. */
+int glm5_quantized_index_scores(long heads, long dims, int code, const float *q, const float *w, const uint8_t *cache,
+                                long block_stride, long row_stride, long block_size, const int32_t *table,
+                                long table_width, const int64_t *limit, float *scores, long score_row, long t_begin,
+                                long t_end, long s_begin, long s_end) {
+    long hp = (heads + HEADS - 1) / HEADS * HEADS;
+    float *keys = malloc(sizeof *keys * CHUNK * (dims > 0 ? dims : 1));
+    int32_t *decoded_blocks = malloc(sizeof *decoded_blocks * (CHUNK + 2)); /* a chunk spans <= CHUNK + 1 blocks */
+    if (!keys || !decoded_blocks) {
+        free(keys);
+        free(decoded_blocks);
+        return -1;
+    }
+    for (long c0 = s_begin; c0 < s_end; c0 += CHUNK) {
+        long c1 = c0 + CHUNK < s_end ? c0 + CHUNK : s_end, first_block = c0 / block_size;
+        long decoded = 0; /* keys c0 .. c0 + decoded - 1 are in `keys`, from the blocks in decoded_blocks */
+        for (long t = t_begin; t < t_end; t++) {
+            const int32_t *tt = table + t * table_width;
+            float *st = scores + t * score_row;
+            long visible_end = limit[t] < c1 ? (limit[t] > c0 ? limit[t] : c0) : c1;
+            for (long s = visible_end; s < c1; s++) st[s] = -INFINITY;
+            long needed = visible_end - c0;
+            if (needed <= 0) continue;
+            long shared = decoded < needed ? decoded : needed;
+            if (memcmp(tt + first_block, decoded_blocks, sizeof *tt * blocks_spanned(c0, shared, block_size)))
+                decoded = 0; /* another sequence's blocks: decode again */
+            if (decoded < needed) {
+                for (long s = c0 + decoded; s < visible_end; s++) {
+                    const uint8_t *row = cache + (long)tt[s / block_size] * block_stride + (s % block_size) * row_stride;
+                    decode_row(row, dims, code, keys + (s - c0) * dims);
+                }
+                memcpy(decoded_blocks, tt + first_block, sizeof *tt * blocks_spanned(c0, needed, block_size));
+                decoded = needed;
+            }
+            const float *qt = q + t * hp * dims, *wt = w + t * hp;
+            for (long k = 0; k < needed; k += 2) {
+                const float *key0 = keys + k * dims, *key1 = k + 1 < needed ? key0 + dims : key0;
+                float partial[2 * HEADS] = {0.0f};
+                for (long h0 = 0; h0 < heads; h0 += HEADS)
+                    tile(key0, key1, qt + h0 * dims, wt + h0, dims, heads - h0, partial);
+                for (int j = 0; j < 2 && k + j < needed; j++) {
+                    const float *p = partial + HEADS * j;
+                    st[c0 + k + j] = (p[0] + p[1]) + (p[2] + p[3]);
+                }
+            }
+        }
+    }
+    free(keys);
+    free(decoded_blocks);
+    return 0;
+}

@@ -1,0 +1,182 @@
+"""The lightning indexer's scores from a paged cache of quantized index rows in one pass, on CPUs
+(quantized_index_scores.c): each key row decoded once per chunk of tokens (its codes times its scale, exactly as
+glm5_hal.kv_formats.decode_rows gives them), the q . k products of every head in fp32, their relu and the weighted
+sum over heads, with the rows read in place from the cache (no gathered copy, no [T, HI, S] products).
+
+    s = scores(q, weights, cache, tables, limits, width, "fp8_index")
+    # q [T, H, D] bf16 / fp16 / fp32; weights [T, H] fp32;
+    # cache [num_blocks, block_size, row_bytes] uint8: rows of kv_cache_dtype ("fp8_index" or "int8_index": D codes
+    #   and one fp32 scale, D = 128);
+    # tables [T, >= width / block_size] int32: each token's block table row, every entry a valid block index;
+    # limits [T] int64: key positions >= limits[t] are not visible to token t (they get -inf)
+    # s [T, width] fp32: s[t, p] = sum_h weights[t, h] * relu(q[t, h] . key(t, p)) for p < limits[t], else -inf
+
+vLLM stores DeepSeek-V3.2 / GLM-5 index keys as fp8_index rows, so this is the scorer of every indexer step served
+through glm5-hal's vLLM plugin. On torch's intra-op thread count, split by tokens or by key ranges. The custom op
+torch.ops.glm5_hal.native_quantized_index_scores is what aten-level spies, FakeTensor and torch.compile see.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+from torch import Tensor
+
+from backends.torch_eager.native import build
+from backends.torch_eager.native import threads as threads_
+from glm5_hal.checks import check
+from glm5_hal.kv_formats import FORMATS
+
+AVX2 = "avx2"
+PORTABLE = "portable"
+# kv_cache_dtype -> the kernel's code (CODE_* in quantized_index_scores.c)
+CODES = {"fp8_index": 0, "int8_index": 1}
+HEADS = 4  # HEADS in quantized_index_scores.c: q is padded with zero heads to a multiple of it
+KEY_CHUNK = 256  # CHUNK in quantized_index_scores.c: a thread's share of key positions is a multiple of it
+
+_L, _P = ctypes.c_long, ctypes.c_void_p
+_ARGTYPES = [_L, _L, ctypes.c_int, _P, _P, _P, _L, _L, _L, _P, _L, _P, _P, _L, _L, _L, _L, _L]
+
+
+def _kernel(isa: str):
+    return build.function("quantized_index_scores", isa, "glm5_quantized_index_scores", _ARGTYPES, ctypes.c_int)
+
+
+def availability(isa: str = AVX2) -> tuple[bool, str]:
+    """(True, what runs) or (False, why not) for the kernel built for `isa` here (built on first use)."""
+    return build.availability("quantized_index_scores", isa)
+
+
+def _padded(t: Tensor, heads: int) -> Tensor:
+    """[T, H, ...] as fp32 [T, Hp, ...], zero past H (Hp: H rounded up to HEADS)."""
+    padded = t.new_zeros(t.shape[0], -(-heads // HEADS) * HEADS, *t.shape[2:], dtype=torch.float32)
+    padded[:, :heads] = t
+    return padded
+
+
+def _run(
+    q: Tensor,
+    weights: Tensor,
+    cache: Tensor,
+    tables: Tensor,
+    limits: Tensor,
+    out: Tensor,
+    kv_cache_dtype: str,
+    isa: str,
+    threads: int | None,
+) -> Tensor:
+    tokens, heads, dims = q.shape
+    width = out.shape[1]
+    if out.numel() == 0:
+        return out
+    q32, w = _padded(q, heads), _padded(weights, heads)
+    tables = tables.to(torch.int32).contiguous()
+    limits = limits.to(torch.int64).clamp(0, width).contiguous()
+    args = (heads, dims, CODES[kv_cache_dtype], q32.data_ptr(), w.data_ptr(), cache.data_ptr(), cache.stride(0))
+    args += (cache.stride(1), cache.shape[1], tables.data_ptr(), tables.stride(0), limits.data_ptr(), out.data_ptr())
+    args += (out.stride(0),)
+    parts = threads_.thread_count(2 * tokens * heads * dims * width, threads)
+    if tokens >= parts:  # whole tokens per thread, else ranges of key positions
+        shares = [(t0, t1, 0, width) for t0, t1 in threads_.split(tokens, parts)]
+    else:
+        shares = [(0, tokens, s0, s1) for s0, s1 in threads_.split(width, parts, KEY_CHUNK)]
+    failed = threads_.failed_shares(_kernel(isa), args, shares)
+    check(not failed, MemoryError, lambda: f"quantized index scores: no memory for a workspace of {dims}-wide keys")
+    return out
+
+
+def scores(
+    q: Tensor,
+    weights: Tensor,
+    cache: Tensor,
+    tables: Tensor,
+    limits: Tensor,
+    width: int,
+    kv_cache_dtype: str,
+    *,
+    out: Tensor | None = None,
+    isa: str = AVX2,
+    threads: int | None = None,
+) -> Tensor:
+    """The scores described in the module docstring, written into `out` ([T, width] fp32, rows contiguous) if
+    given. isa: the build (backends.torch_eager.native.build.ISAS). threads: default torch's."""
+    tokens = q.shape[0]
+    check(kv_cache_dtype in CODES, ValueError, lambda: f"kv_cache_dtype: expected one of {tuple(CODES)}")
+    fmt = FORMATS[kv_cache_dtype]
+    check(
+        q.dim() == 3 and q.is_floating_point() and q.dtype != torch.float64 and q.shape[2] == fmt.quantized_dims,
+        TypeError,
+        lambda: f"q: expected [T, H, {fmt.quantized_dims}] bf16, fp16 or fp32, got {tuple(q.shape)} {q.dtype}",
+    )
+    check(
+        cache.dim() == 3 and cache.dtype == torch.uint8 and cache.shape[2] == fmt.row_bytes and cache.stride(-1) == 1,
+        TypeError,
+        lambda: (
+            f"cache: expected [blocks, block_size, {fmt.row_bytes}] uint8 {kv_cache_dtype} rows, contiguous in a row, "
+            f"got {tuple(cache.shape)} {cache.dtype} with strides {cache.stride()}"
+        ),
+    )
+    check(
+        tuple(weights.shape) == tuple(q.shape[:2]),
+        ValueError,
+        lambda: f"weights: expected {tuple(q.shape[:2])}, got {tuple(weights.shape)}",
+    )
+    check(
+        tables.dim() == 2 and tables.shape[0] == tokens and tables.shape[1] * cache.shape[1] >= width,
+        ValueError,
+        lambda: f"tables: expected [{tokens}, >= {width} / {cache.shape[1]}], got {tuple(tables.shape)}",
+    )
+    check(
+        tuple(limits.shape) == (tokens,), ValueError, lambda: f"limits: expected [{tokens}], got {tuple(limits.shape)}"
+    )
+    for name, t in (("q", q), ("weights", weights), ("cache", cache), ("tables", tables), ("limits", limits)):
+        check(t.device.type == "cpu", ValueError, lambda t=t, n=name: f"{n}: expected a CPU tensor, got {t.device}")
+    if out is None:
+        out = torch.empty(tokens, width, dtype=torch.float32)
+    check(
+        tuple(out.shape) == (tokens, width) and out.dtype == torch.float32 and (out.stride(1) == 1 or width <= 1),
+        ValueError,
+        lambda: f"out: expected [{tokens}, {width}] fp32 with contiguous rows, got {tuple(out.shape)}",
+    )
+    if threads is None:  # the build is an argument of the op: torch.compile and FakeTensor see every build
+        torch.ops.glm5_hal.native_quantized_index_scores(q, weights, cache, tables, limits, out, kv_cache_dtype, isa)
+        return out
+    return _run(q, weights, cache, tables, limits, out, kv_cache_dtype, isa, threads)
+
+
+_LIBRARY = torch.library.Library("glm5_hal", "FRAGMENT")
+_LIBRARY.define(
+    "native_quantized_index_scores(Tensor q, Tensor weights, Tensor cache, Tensor tables, Tensor limits, "
+    f"Tensor(a!) out, str kv_cache_dtype, str isa='{AVX2}') -> ()"
+)
+
+
+def _cpu_op(
+    q: Tensor,
+    weights: Tensor,
+    cache: Tensor,
+    tables: Tensor,
+    limits: Tensor,
+    out: Tensor,
+    kv_cache_dtype: str,
+    isa: str = AVX2,
+) -> None:
+    _run(q, weights, cache, tables, limits, out, kv_cache_dtype, isa, None)
+
+
+_LIBRARY.impl("native_quantized_index_scores", _cpu_op, "CPU")
+
+
+@torch.library.register_fake("glm5_hal::native_quantized_index_scores")
+def _fake(
+    q: Tensor,
+    weights: Tensor,
+    cache: Tensor,
+    tables: Tensor,
+    limits: Tensor,
+    out: Tensor,
+    kv_cache_dtype: str,
+    isa: str = AVX2,
+) -> None:
+    return None
