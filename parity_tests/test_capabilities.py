@@ -20,6 +20,7 @@ import torch
 from backends.torch_eager import capabilities as caps
 from backends.torch_eager import int8_gemms
 from backends.torch_eager.capabilities import AUTO, FORCE, DeviceFacts, DeviceProbe, decide
+from backends.torch_eager.gemm import RoutedGemm, from_route
 from backends.torch_eager.native import build
 from glm5_hal.cli import main
 from glm5_hal.cli.info import report_data
@@ -60,7 +61,7 @@ class FakeProbe:
 
     def route_times(self, dtype: torch.dtype, family: str, routes: tuple, rows: int) -> dict[str, float]:
         self.asked.append(f"route_times {dtype} {family} {rows}")
-        key = (family, rows if family == caps.WEIGHTS else 0)
+        key = (family, rows) if (family, rows) in self.times else (family, 0)  # 0: the same at every count
         if key in self.times:
             return {r.label: self.times[key][r.name] for r in routes}
         return {r.label: 1.0 / self.speed.get(r.name, 1.0) if r.name != caps.FP32 else 1.0 for r in routes}
@@ -187,7 +188,7 @@ def test_each_family_takes_its_own_fastest_route():
     assert not attention.use and not attention.native and "fp32 fastest" in attention.reason
     assert indexer.small == indexer.large and indexer.native and "2.00x fp32" in indexer.reason
     assert weights.large.max_work == pytest.approx(20.0 / 9.0 / caps.ROUTE_MARGIN)
-    assert got.measured["bfloat16 attention native:avx512_bf16 (ms)"] == 22200.0
+    assert got.measured[f"bfloat16 attention native:avx512_bf16 {caps.FEW_HEADS} heads (ms)"] == 22200.0
     assert got.half_choice(torch.bfloat16, caps.ATTENTION).path == "fp32 operands"
     # fp32 activations have no choice to make: fp32 stays fp32.
     assert got.half_choice(torch.float32, caps.WEIGHTS) is None
@@ -214,8 +215,32 @@ def test_weight_routes_split_where_their_lines_cross():
     # native: 1 + (r - 4) * 16/252, fp32: 2 + (r - 4) * 8/252 -> equal at r = 4 + 252/8 = 35.5
     assert weights.split_rows == 36
     # a: 1 + 2x, b: 2 + 0.5x over the span 4..256: equal at x = 2/3, 4 + 168 rows.
-    assert caps._crossing({"a": 1.0, "b": 2.0}, {"a": 3.0, "b": 2.5}, "a", "b") == 172
-    assert caps._crossing({"a": 1.0, "b": 2.0}, {"a": 2.0, "b": 3.0}, "a", "b") == caps.PREFILL_ROWS  # parallel
+    assert caps._crossing({"a": 1.0, "b": 2.0}, {"a": 3.0, "b": 2.5}, "a", "b", (4, 256)) == 172
+    assert caps._crossing({"a": 1.0, "b": 2.0}, {"a": 2.0, "b": 3.0}, "a", "b", (4, 256)) == 256  # parallel
+
+
+def test_attention_routes_split_by_head_count():
+    """The AVX2 case: the native attention kernel wins at a tensor-parallel share of the heads and loses at all 64
+    (times as measured on a Zen 3); a call takes the route for its own head count, and the weight family's row
+    split is not involved."""
+    times = {
+        (caps.ATTENTION, caps.FEW_HEADS): {"fp32": 1.9, "native": 1.45},
+        (caps.ATTENTION, caps.ALL_HEADS): {"fp32": 4.8, "native": 7.4},
+    }
+
+    class Avx2Build(FakeProbe):
+        def native_gemm(self, dtype: torch.dtype, isa: str) -> tuple[bool, str]:
+            return (True, "bf16_gemm_avx2") if isa == "avx2" else (False, f"no {isa} here")
+
+    got = decide(_cpu(AVX2_ZEN3), Avx2Build(times=times), AUTO)
+    attention = got.half_choice(torch.bfloat16, caps.ATTENTION)
+    assert (attention.small.label, attention.large.name) == ("native:avx2", "fp32")
+    # native: 1.45 + (h - 8) 5.95 / 56, fp32: 1.9 + (h - 8) 2.9 / 56 -> equal at h = 8 + 0.45 * 56 / 3.05 = 16.3
+    assert attention.split_rows == 17 and "cross at 17 heads" in attention.reason
+    assert "below 17 heads" in attention.path
+    assert got.measured[f"bfloat16 attention fp32 {caps.ALL_HEADS} heads (ms)"] == 4800.0
+    routed = RoutedGemm(*(from_route(torch.bfloat16, r) for r in (attention.small, attention.large)), 17)
+    assert routed.at(16).native_isa == "avx2" and not routed.at(17).half
 
 
 def test_a_native_kernel_that_is_slow_or_missing_is_not_used():

@@ -31,10 +31,11 @@ from backends.torch_eager.capabilities import (
     QUANTIZED_INDEXER,
     WEIGHTS,
     DeviceProbe,
+    Route,
     capabilities,
     fast_paths,
 )
-from backends.torch_eager.gemm import FP32, Gemm, RoutedGemm, gemm_for
+from backends.torch_eager.gemm import FP32, Gemm, RoutedGemm, forced_route, from_route, gemm_for
 from backends.torch_eager.native import bf16_gemm, indexer_scores, int8_gemm, quantized_index_scores
 from backends.torch_eager.native import sparse_attention as native_attention
 from conftest import parity_backends
@@ -283,6 +284,22 @@ def test_a_routed_gemm_takes_each_products_route_by_its_rows() -> None:
             with _GemmSpy() as spy:
                 routed.bmm(torch.randn(2, rows, 32).bfloat16(), w.T.expand(2, 32, 16))
             assert _operand_dtypes(spy) == {want}, rows
+
+
+def test_sparse_attention_takes_the_route_for_its_head_count() -> None:
+    """Sparse attention split by heads (capabilities.MEASURED_COUNTS): a call of fewer heads than the split runs the
+    native kernel (its portable build, which runs anywhere), a call of more runs torch's fp32 GEMMs."""
+    _runs_native = native_attention.availability("portable")
+    if not _runs_native[0]:
+        pytest.skip(f"no native build here: {_runs_native[1]}")
+    native = from_route(torch.bfloat16, Route("native", fp32_output=True, isa="portable", torch_half=False))
+    q, cache, *rest = _sparse_attention_inputs(torch.bfloat16)  # 4 heads
+    with forced_route(ATTENTION, RoutedGemm(native, FP32, 5)):
+        for heads, want in ((4, torch.ops.glm5_hal.native_sparse_attention.default), (5, torch.ops.aten.bmm.default)):
+            q_h = q[:, :1].expand(-1, heads, -1).contiguous()
+            with _GemmSpy() as spy:
+                OPS["sparse_flash_attention"](q_h, cache, *rest)
+            assert set(spy.functions) == {want}, heads
 
 
 def test_products_past_max_work_take_the_fp32_gemm() -> None:

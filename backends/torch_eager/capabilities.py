@@ -75,6 +75,15 @@ FAMILY_OPS = {
     QUANTIZED_INDEXER: "indexer_logits, lightning_indexer over fp8_index / int8_index keys",
 }
 DECODE_ROWS, PREFILL_ROWS = 4, 256  # the weight family's two measured row counts
+# Sparse attention's two measured head counts: an 8-way tensor-parallel share of GLM-5's 64 heads, and all 64. A
+# kernel that reads each selected row once for every head wins at few heads, torch's GEMM over gathered rows at many
+# (measured on an AVX2 Zen 3: native 1.3x faster at 4 heads, 1.5x slower at 64).
+FEW_HEADS, ALL_HEADS = 8, 64
+# The two counts a family is measured at (a line through its times at both gives the count where two routes cross;
+# each product, or each call, then takes the route for its own count), and what the count counts. The other families
+# are measured at one decode-sized call.
+MEASURED_COUNTS: dict[str, tuple[int, int]] = {WEIGHTS: (DECODE_ROWS, PREFILL_ROWS), ATTENTION: (FEW_HEADS, ALL_HEADS)}
+COUNT_UNITS: dict[str, str] = {WEIGHTS: "rows", ATTENTION: "heads"}
 # The routes: fp32 operands; torch's GEMM with half-precision operands (fp32 result by out_dtype, else rounded plus
 # the residual GEMM: backends/torch_eager/gemm.py); the native kernel's fp32 result (CPU bf16).
 FP32, HALF, NATIVE = "fp32", "half", "native"
@@ -447,7 +456,8 @@ FP32_ROUTE = Route(FP32)
 @dataclass(frozen=True)
 class HalfChoice:
     """The route of one op family's products for `dtype` activations: `small` for products of fewer than
-    `split_rows` rows, `large` from there on (the same route for families measured at one shape), and why."""
+    `split_rows` rows (the weight family) or calls of fewer heads (sparse attention), `large` from there on (the same
+    route for families measured at one shape), and why."""
 
     dtype: torch.dtype
     family: str
@@ -473,7 +483,7 @@ class HalfChoice:
         if self.small == self.large:
             return self.large.describe(self.dtype)
         return (
-            f"{self.small.describe(self.dtype)} below {self.split_rows} rows, "
+            f"{self.small.describe(self.dtype)} below {self.split_rows} {COUNT_UNITS.get(self.family, 'rows')}, "
             f"{self.large.describe(self.dtype)} from {self.split_rows}"
         )
 
@@ -678,32 +688,34 @@ def _fastest(times: dict[str, float], routes: list[Route]) -> tuple[Route, float
     return replace(best, max_work=ratio / ROUTE_MARGIN), ratio
 
 
-def _crossing(small: dict[str, float], large: dict[str, float], first: str, second: str) -> int:
-    """The row count from which route `second` is faster than `first`, on lines through their times at DECODE_ROWS
-    (`small`) and PREFILL_ROWS (`large`): the cost model the weight family's split comes from."""
-    span = PREFILL_ROWS - DECODE_ROWS
-    slope = {name: (large[name] - small[name]) / span for name in (first, second)}
-    gap = small[second] - small[first]  # > 0: second is slower at DECODE_ROWS
+def _crossing(
+    small: dict[str, float], large: dict[str, float], first: str, second: str, counts: tuple[int, int]
+) -> int:
+    """The count (rows, heads) from which route `second` is faster than `first`, on lines through their times at
+    counts[0] (`small`) and counts[1] (`large`): the cost model a two-count family's split comes from."""
+    low, high = counts
+    slope = {name: (large[name] - small[name]) / (high - low) for name in (first, second)}
+    gap = small[second] - small[first]  # > 0: second is slower at `low`
     closing = slope[first] - slope[second]
     if closing <= 0:
-        return PREFILL_ROWS
-    return max(DECODE_ROWS + 1, min(PREFILL_ROWS, DECODE_ROWS + math.ceil(gap / closing)))
+        return high
+    return max(low + 1, min(high, low + math.ceil(gap / closing)))
 
 
 def _measured_choice(
     dtype: torch.dtype, family: str, routes: list[Route], probe: Probe, measured: dict[str, float], why: str
 ) -> HalfChoice:
     unit = _unit(dtype)
-    rows = (DECODE_ROWS, PREFILL_ROWS) if family == WEIGHTS else (DECODE_ROWS,)
+    counts = MEASURED_COUNTS.get(family, (DECODE_ROWS,))
+    what = COUNT_UNITS.get(family, "")
     times = {}
-    for count in rows:
+    for count in counts:
         times[count] = probe.route_times(dtype, family, tuple(routes), count)
         for name, seconds in times[count].items():
-            measured[f"{unit} {family} {name}" + (f" {count} rows" if family == WEIGHTS else "") + " (ms)"] = round(
-                seconds * 1e3, 4
-            )
-    small, small_ratio = _fastest(times[rows[0]], routes)
-    large, large_ratio = _fastest(times[rows[-1]], routes)
+            at = f" {count} {what}" if len(counts) > 1 else ""
+            measured[f"{unit} {family} {name}{at} (ms)"] = round(seconds * 1e3, 4)
+    small, small_ratio = _fastest(times[counts[0]], routes)
+    large, large_ratio = _fastest(times[counts[-1]], routes)
     if family == WEIGHTS:
         # An fp32 activation doubles a product's rows on a half route (two stacked parts), and the weight family's
         # products pick their route by those rows (gemm.RoutedGemm), so no work bound on top: on the native kernel
@@ -716,14 +728,15 @@ def _measured_choice(
             return f"fp32 fastest {where} (others within {ROUTE_MARGIN}x or slower)"
         return f"{route.label} measured {ratio:.2f}x fp32 {where}"
 
-    if family != WEIGHTS or small.label == large.label:
+    if len(counts) == 1 or small.label == large.label:
         route = large if small.label == large.label else small
-        reason = verdict(route, large_ratio if family == WEIGHTS else small_ratio, "at the measured shapes")
+        reason = verdict(route, large_ratio if len(counts) > 1 else small_ratio, "at the measured shapes")
         return HalfChoice(dtype, family, route, route, f"{why}{reason}")
-    split = _crossing(times[DECODE_ROWS], times[PREFILL_ROWS], small.label, large.label)
+    low, high = counts
+    split = _crossing(times[low], times[high], small.label, large.label, counts)
     reason = (
-        f"{verdict(small, small_ratio, f'at {DECODE_ROWS} rows')}, {verdict(large, large_ratio, f'at {PREFILL_ROWS}')}"
-        f"; lines through both cross at {split} rows"
+        f"{verdict(small, small_ratio, f'at {low} {what}')}, {verdict(large, large_ratio, f'at {high}')}"
+        f"; lines through both cross at {split} {what}"
     )
     return HalfChoice(dtype, family, small, large, f"{why}{reason}", split)
 

@@ -108,6 +108,10 @@ class Gemm:
         """The path for products that feed a softmax: this one (its results are fp32-accurate either way)."""
         return self
 
+    def at(self, count: int) -> Gemm:
+        """The route for a call of `count` heads (RoutedGemm.at): this one, whatever the count."""
+        return self
+
     @property
     def fused(self) -> bool:
         """Whether the ops' fused native kernels (sparse attention, indexer scores) run on this path: they are built
@@ -200,9 +204,10 @@ FP32 = Gemm(COMPUTE_DTYPE)
 
 @dataclass(frozen=True)
 class RoutedGemm:
-    """Two routes of the weight family split by row count: `small` for products of fewer than `split_rows` rows
-    (decode: the weight's bytes set the time), `large` from there on (prefill: the arithmetic does). Products of
-    one op call may differ in rows (a prolog's projections do not), so each product picks its own."""
+    """Two routes of a family split by a count (capabilities.MEASURED_COUNTS): for the weight family, `small` for
+    products of fewer than `split_rows` rows (decode: the weight's bytes set the time), `large` from there on
+    (prefill: the arithmetic does); products of one op call may differ in rows (a prolog's projections do not), so
+    each product picks its own. For sparse attention the count is the call's heads (`at`)."""
 
     small: Gemm
     large: Gemm
@@ -222,6 +227,10 @@ class RoutedGemm:
         half = self.small.operand if self.small.half else self.large.operand  # the routes' half-precision dtype
         parts = 1 if a.dtype == half else 2
         return self.small if rows * parts < self.split_rows else self.large
+
+    def at(self, count: int) -> Gemm:
+        """The route for a call whose count (sparse attention's heads) is `count`."""
+        return self.small if count < self.split_rows else self.large
 
     def bmm(self, a: Tensor, b: Tensor, *, output: bool = False) -> Tensor:
         """As Gemm.bmm, on the route for a's rows."""

@@ -3,12 +3,15 @@ GLM-5 widths, run by this backend's ops on each candidate route (gemm.forced_rou
 
     weights    a projection [rows, 2048] @ [2048, 2048]^T (8 MiB of bf16: past the caches, as a real weight),
                at capabilities.DECODE_ROWS and PREFILL_ROWS rows
-    attention  sparse_flash_attention: 4 tokens x 64 heads over 2048 selected keys of 576 (d_v 512), bf16 cache
+    attention  sparse_flash_attention: 4 tokens over 2048 selected keys of 576 (d_v 512), bf16 cache, at
+               capabilities.FEW_HEADS and ALL_HEADS heads
     indexer    indexer_logits: 4 tokens x 32 heads of 128 over 4096 keys, bf16 cache
     quantized_indexer  the same over the keys as fp8_index rows (as vLLM stores them)
 
 GLM-5's own head counts: a kernel's speed depends on them (a native attention kernel that won at 16 heads lost 2.4x
-at 64 on an AVX2 Zen 3, where torch's GEMM makes better use of 64 rows); four tokens are a batched decode step.
+at 64 on an AVX2 Zen 3, where torch's GEMM makes better use of 64 rows), so attention is timed at a tensor-parallel
+share of them and at all of them, and a call takes the route for its own head count; four tokens are a batched decode
+step.
 Attention's and the indexer's per-token work is the same at prefill, so one shape decides for both. Each call takes
 milliseconds to tens of them: the whole probe stays within its budget (docs/perf.md). The routes are timed
 alternately, best of `reps` each (other processes only ever add time).
@@ -29,7 +32,7 @@ from glm5_hal.kv_formats import AUTO, FORMATS, encode_rows
 from glm5_hal.parity.inputs import SeqSpec, paged_batch, randn, random_topk_indices
 
 WIDTH = 2048  # the weight family's K and N
-ATTENTION_SHAPE = {"tokens": 4, "heads": 64, "keys": 4096, "topk": 2048, "width": 576, "d_v": 512}
+ATTENTION_SHAPE = {"tokens": 4, "keys": 4096, "topk": 2048, "width": 576, "d_v": 512}
 INDEXER_SHAPE = {"tokens": 4, "heads": 32, "keys": 4096, "head_dim": 128}
 BLOCK_SIZE = 64
 
@@ -40,10 +43,10 @@ def _weights(device: torch.device, dtype: torch.dtype, rows: int, gen: torch.Gen
     return lambda: gemm_for(dtype, device).linear(x, w)
 
 
-def _attention(device: torch.device, dtype: torch.dtype, gen: torch.Generator) -> Callable[[], object]:
+def _attention(device: torch.device, dtype: torch.dtype, gen: torch.Generator, heads: int) -> Callable[[], object]:
     shape = ATTENTION_SHAPE
     batch = paged_batch([SeqSpec(shape["tokens"], shape["keys"])], BLOCK_SIZE, gen, shuffle_blocks=True)
-    q = randn((shape["tokens"], shape["heads"], shape["width"]), gen, dtype=dtype)
+    q = randn((shape["tokens"], heads, shape["width"]), gen, dtype=dtype)
     cache = randn((batch.num_blocks, BLOCK_SIZE, shape["width"]), gen, dtype=dtype)
     indices = random_topk_indices(batch, shape["topk"], gen)
     args = [t.to(device) for t in (q, cache, indices, batch.block_table, batch.seq_lens_k, batch.cu_seqlens_q)]
@@ -64,13 +67,14 @@ def _indexer(
     return lambda: indexer_logits(*args, kv_cache_dtype=kv_cache_dtype)
 
 
-def workload(family: str, device: torch.device, dtype: torch.dtype, rows: int) -> Callable[[], object]:
-    """One call of `family`'s products on whatever route gemm_for gives (forced_route picks it)."""
+def workload(family: str, device: torch.device, dtype: torch.dtype, count: int) -> Callable[[], object]:
+    """One call of `family`'s products on whatever route gemm_for gives (forced_route picks it); count: the weight
+    products' rows, or sparse attention's heads (capabilities.MEASURED_COUNTS); the other families ignore it."""
     gen = torch.Generator().manual_seed(0)
     if family == caps.WEIGHTS:
-        return _weights(device, dtype, rows, gen)
+        return _weights(device, dtype, count, gen)
     if family == caps.ATTENTION:
-        return _attention(device, dtype, gen)
+        return _attention(device, dtype, gen, count)
     if family == caps.INDEXER:
         return _indexer(device, dtype, gen, AUTO)
     if family == caps.QUANTIZED_INDEXER:

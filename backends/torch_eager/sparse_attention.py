@@ -2,8 +2,8 @@
 attends over them: [gather -> scores [tile, H, topk] -> masked softmax -> @ V].
 
 Tokens are processed in tiles sized to bound the working set; no tensor ever spans the whole context, only the
-topk selected rows of each token. Where the GEMM path is backends.torch_eager.native's (bf16 on a CPU with AVX-512 BF16)
-and the cache holds bf16 rows, one native kernel per token does the scores, the fp32 softmax and the value product,
+topk selected rows of each token. Where the probe chose the native route for this call's head count and the cache
+holds bf16 rows, one native kernel per token does the scores, the fp32 softmax and the value product,
 reading the selected rows in place (no gather, no copy of V, no [T, topk, H] scores in memory) with the same fp32
 arithmetic (backends/torch_eager/native/sparse_attention.py).
 """
@@ -52,7 +52,9 @@ def sparse_flash_attention(
     rows = view.rows
     seqs = token_sequences(cu_seqlens_q, num_tokens)  # [T]
     key_limit = seq_lens_k.to(torch.int64)[seqs]  # [T]
-    gemm = gemm_for(q.dtype, q.device, ATTENTION)  # logits on gemm.logits; the softmax statistics stay fp32
+    # The route for this call's head count (the probe measured the family at two); logits on gemm.logits, the softmax
+    # statistics stay fp32.
+    gemm = gemm_for(q.dtype, q.device, ATTENTION).at(num_heads)
     read_rows = row_reader(kv_cache_dtype, gemm.operand)  # float rows in the operand dtype, decoded ones fp32
 
     out = torch.empty(num_tokens, num_heads, d_v, dtype=q.dtype, device=q.device)
