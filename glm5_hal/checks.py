@@ -265,36 +265,41 @@ def check_ragged_layout(
     """
     if not value_checks_enabled(cu_seqlens_q, seq_lens_k, block_table):
         return
-    cu = cu_seqlens_q.to("cpu", torch.int64)
-    lens_k = seq_lens_k.to("cpu", torch.int64)
-    check(int(cu[0]) == 0, ValueError, lambda: f"cu_seqlens_q: expected cu_seqlens_q[0] == 0, got {int(cu[0])}")
-    q_lens = cu[1:] - cu[:-1]
+    # Python ints for the [B + 1] / [B] values: a decode step's batch is a few requests, and each small torch op
+    # here cost more than the check itself (these checks ran on every op of every step).
+    cu = cu_seqlens_q.to("cpu", torch.int64).tolist()
+    lens_k = seq_lens_k.to("cpu", torch.int64).tolist()
+    check(cu[0] == 0, ValueError, lambda: f"cu_seqlens_q: expected cu_seqlens_q[0] == 0, got {cu[0]}")
+    q_lens = [end - start for start, end in zip(cu, cu[1:])]
     check(
-        bool((q_lens >= 0).all()),
+        all(q >= 0 for q in q_lens),
         ValueError,
-        lambda: f"cu_seqlens_q: expected a non-decreasing prefix sum, got {cu.tolist()}",
+        lambda: f"cu_seqlens_q: expected a non-decreasing prefix sum, got {cu}",
     )
     check(
-        int(cu[-1]) == num_tokens,
+        cu[-1] == num_tokens,
         ValueError,
-        lambda: f"cu_seqlens_q: expected cu_seqlens_q[-1] == T = {num_tokens}, got {int(cu[-1])}",
+        lambda: f"cu_seqlens_q: expected cu_seqlens_q[-1] == T = {num_tokens}, got {cu[-1]}",
     )
     capacity = block_table.shape[1] * block_size
     check(
-        bool((lens_k >= q_lens).all()) and bool((lens_k <= capacity).all()),
+        all(q <= k <= capacity for q, k in zip(q_lens, lens_k)),
         ValueError,
         lambda: (
             f"seq_lens_k: expected q_len[b] <= seq_lens_k[b] <= max_blocks * block_size = {capacity}, "
-            f"got seq_lens_k = {lens_k.tolist()} with q_len = {q_lens.tolist()}"
+            f"got seq_lens_k = {lens_k} with q_len = {q_lens}"
         ),
     )
     # Only the blocks a sequence actually uses must be valid; the rest of its row is padding.
-    blocks_used = (lens_k + block_size - 1) // block_size  # [B]
-    columns = torch.arange(block_table.shape[1])
-    used = columns[None, :] < blocks_used[:, None]  # [B, max_blocks]
-    used_ids = block_table.to("cpu", torch.int64)[used]
+    blocks_used = [(k + block_size - 1) // block_size for k in lens_k]
+    table = block_table.to("cpu", torch.int64)
+    if len(blocks_used) == 1:  # one sequence (a decode step of one request): its row's first blocks, no mask
+        used_ids = table[0, : blocks_used[0]]
+    else:
+        used = torch.arange(table.shape[1])[None, :] < torch.tensor(blocks_used, dtype=torch.int64)[:, None]
+        used_ids = table[used]
     if used_ids.numel():
-        lo, hi = int(used_ids.min()), int(used_ids.max())
+        lo, hi = (int(v) for v in torch.aminmax(used_ids))
         check(
             lo >= 0 and hi < num_blocks,
             ValueError,
