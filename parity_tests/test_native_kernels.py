@@ -283,6 +283,9 @@ def test_quantized_index_scores_reject_bad_arguments():
         scores(q, w, cache, tables, limits, 9, "int8_index")
     with pytest.raises(ValueError, match=r"weights: expected \(2, 4\), got \(2, 3\)"):
         scores(q, w[:, :3], cache, tables, limits, 8, "fp8_index")
+    strided = torch.zeros(3, 4, 264, dtype=torch.uint8)[..., ::2]
+    with pytest.raises(ValueError, match=r"cache: expected rows contiguous in D, got strides \(1056, 264, 2\)"):
+        scores(q, w, strided, tables, limits, 8, "fp8_index")
 
 
 # ------------------------------------------------------------------------------------------------ sparse attention

@@ -83,40 +83,27 @@ def _run(
         out.data_ptr(),
         out.stride(0),
     )
-    parts = threads_.thread_count(2 * tokens * heads * dims * width, threads)
-    if tokens >= parts:  # whole tokens per thread, else ranges of key positions
-        shares = [(t0, t1, 0, width) for t0, t1 in threads_.split(tokens, parts)]
-    else:
-        shares = [(0, tokens, s0, s1) for s0, s1 in threads_.split(width, parts, KEY_CHUNK)]
-    threads_.run_shares(_kernel(isa), args, shares)
+    threads_.run_shares(_kernel(isa), args, score_shares(tokens, heads, dims, width, KEY_CHUNK, threads))
     return out
 
 
-def scores(
-    q: Tensor,
-    weights: Tensor,
-    cache: Tensor,
-    tables: Tensor,
-    limits: Tensor,
-    width: int,
-    *,
-    out: Tensor | None = None,
-    isa: str = FAST,
-    threads: int | None = None,
+def score_shares(
+    tokens: int, heads: int, dims: int, width: int, key_chunk: int, threads: int | None
+) -> list[tuple[int, int, int, int]]:
+    """The (t_begin, t_end, s_begin, s_end) share of each thread of a scoring call: whole tokens per thread, or, with
+    fewer tokens than threads (decode), ranges of key positions that are multiples of the kernel's `key_chunk`."""
+    parts = threads_.thread_count(2 * tokens * heads * dims * width, threads)
+    if tokens >= parts:
+        return [(t0, t1, 0, width) for t0, t1 in threads_.split(tokens, parts)]
+    return [(0, tokens, s0, s1) for s0, s1 in threads_.split(width, parts, key_chunk)]
+
+
+def check_score_arguments(
+    q: Tensor, weights: Tensor, cache: Tensor, tables: Tensor, limits: Tensor, width: int, out: Tensor | None
 ) -> Tensor:
-    """The scores described in the module docstring, written into `out` ([T, width] fp32, rows contiguous) if
-    given. isa: the build (backends.torch_eager.native.build.ISAS). threads: default torch's."""
+    """The checks every scoring kernel's wrapper makes beyond its q and cache formats (cache rows contiguous, the
+    shapes of weights, tables, limits and out, CPU tensors); returns `out`, made if None."""
     tokens = q.shape[0]
-    check(
-        q.dim() == 3 and q.dtype == torch.bfloat16,
-        TypeError,
-        lambda: f"q: expected [T, H, D] bf16, got {tuple(q.shape)} {q.dtype}",
-    )
-    check(
-        cache.dim() == 3 and cache.dtype == torch.bfloat16 and cache.shape[2] == q.shape[2],
-        TypeError,
-        lambda: f"cache: expected [blocks, block_size, {q.shape[2]}] bf16, got {tuple(cache.shape)} {cache.dtype}",
-    )
     check(
         cache.stride(-1) == 1, ValueError, lambda: f"cache: expected rows contiguous in D, got strides {cache.stride()}"
     )
@@ -142,6 +129,34 @@ def scores(
         ValueError,
         lambda: f"out: expected [{tokens}, {width}] fp32 with contiguous rows, got {tuple(out.shape)}",
     )
+    return out
+
+
+def scores(
+    q: Tensor,
+    weights: Tensor,
+    cache: Tensor,
+    tables: Tensor,
+    limits: Tensor,
+    width: int,
+    *,
+    out: Tensor | None = None,
+    isa: str = FAST,
+    threads: int | None = None,
+) -> Tensor:
+    """The scores described in the module docstring, written into `out` ([T, width] fp32, rows contiguous) if
+    given. isa: the build (backends.torch_eager.native.build.ISAS). threads: default torch's."""
+    check(
+        q.dim() == 3 and q.dtype == torch.bfloat16,
+        TypeError,
+        lambda: f"q: expected [T, H, D] bf16, got {tuple(q.shape)} {q.dtype}",
+    )
+    check(
+        cache.dim() == 3 and cache.dtype == torch.bfloat16 and cache.shape[2] == q.shape[2],
+        TypeError,
+        lambda: f"cache: expected [blocks, block_size, {q.shape[2]}] bf16, got {tuple(cache.shape)} {cache.dtype}",
+    )
+    out = check_score_arguments(q, weights, cache, tables, limits, width, out)
     if threads is None:  # the build is an argument of the op: torch.compile and FakeTensor see every build
         torch.ops.glm5_hal.native_indexer_scores(q, weights, cache, tables, limits, out, isa)
         return out

@@ -25,6 +25,7 @@ from torch import Tensor
 
 from backends.torch_eager.native import build
 from backends.torch_eager.native import threads as threads_
+from backends.torch_eager.native.indexer_scores import check_score_arguments, score_shares
 from glm5_hal.checks import check
 from glm5_hal.kv_formats import FORMATS
 
@@ -76,11 +77,7 @@ def _run(
     args = (heads, dims, CODES[kv_cache_dtype], q32.data_ptr(), w.data_ptr(), cache.data_ptr(), cache.stride(0))
     args += (cache.stride(1), cache.shape[1], tables.data_ptr(), tables.stride(0), limits.data_ptr(), out.data_ptr())
     args += (out.stride(0),)
-    parts = threads_.thread_count(2 * tokens * heads * dims * width, threads)
-    if tokens >= parts:  # whole tokens per thread, else ranges of key positions
-        shares = [(t0, t1, 0, width) for t0, t1 in threads_.split(tokens, parts)]
-    else:
-        shares = [(0, tokens, s0, s1) for s0, s1 in threads_.split(width, parts, KEY_CHUNK)]
+    shares = score_shares(tokens, heads, dims, width, KEY_CHUNK, threads)
     failed = threads_.failed_shares(_kernel(isa), args, shares)
     check(not failed, MemoryError, lambda: f"quantized index scores: no memory for a workspace of {dims}-wide keys")
     return out
@@ -101,7 +98,6 @@ def scores(
 ) -> Tensor:
     """The scores described in the module docstring, written into `out` ([T, width] fp32, rows contiguous) if
     given. isa: the build (backends.torch_eager.native.build.ISAS). threads: default torch's."""
-    tokens = q.shape[0]
     check(kv_cache_dtype in CODES, ValueError, lambda: f"kv_cache_dtype: expected one of {tuple(CODES)}")
     fmt = FORMATS[kv_cache_dtype]
     check(
@@ -110,35 +106,14 @@ def scores(
         lambda: f"q: expected [T, H, {fmt.quantized_dims}] bf16, fp16 or fp32, got {tuple(q.shape)} {q.dtype}",
     )
     check(
-        cache.dim() == 3 and cache.dtype == torch.uint8 and cache.shape[2] == fmt.row_bytes and cache.stride(-1) == 1,
+        cache.dim() == 3 and cache.dtype == torch.uint8 and cache.shape[2] == fmt.row_bytes,
         TypeError,
         lambda: (
-            f"cache: expected [blocks, block_size, {fmt.row_bytes}] uint8 {kv_cache_dtype} rows, contiguous in a row, "
-            f"got {tuple(cache.shape)} {cache.dtype} with strides {cache.stride()}"
+            f"cache: expected [blocks, block_size, {fmt.row_bytes}] uint8 {kv_cache_dtype} rows, "
+            f"got {tuple(cache.shape)} {cache.dtype}"
         ),
     )
-    check(
-        tuple(weights.shape) == tuple(q.shape[:2]),
-        ValueError,
-        lambda: f"weights: expected {tuple(q.shape[:2])}, got {tuple(weights.shape)}",
-    )
-    check(
-        tables.dim() == 2 and tables.shape[0] == tokens and tables.shape[1] * cache.shape[1] >= width,
-        ValueError,
-        lambda: f"tables: expected [{tokens}, >= {width} / {cache.shape[1]}], got {tuple(tables.shape)}",
-    )
-    check(
-        tuple(limits.shape) == (tokens,), ValueError, lambda: f"limits: expected [{tokens}], got {tuple(limits.shape)}"
-    )
-    for name, t in (("q", q), ("weights", weights), ("cache", cache), ("tables", tables), ("limits", limits)):
-        check(t.device.type == "cpu", ValueError, lambda t=t, n=name: f"{n}: expected a CPU tensor, got {t.device}")
-    if out is None:
-        out = torch.empty(tokens, width, dtype=torch.float32)
-    check(
-        tuple(out.shape) == (tokens, width) and out.dtype == torch.float32 and (out.stride(1) == 1 or width <= 1),
-        ValueError,
-        lambda: f"out: expected [{tokens}, {width}] fp32 with contiguous rows, got {tuple(out.shape)}",
-    )
+    out = check_score_arguments(q, weights, cache, tables, limits, width, out)
     if threads is None:  # the build is an argument of the op: torch.compile and FakeTensor see every build
         torch.ops.glm5_hal.native_quantized_index_scores(q, weights, cache, tables, limits, out, kv_cache_dtype, isa)
         return out
