@@ -144,8 +144,11 @@ def markdown(results: dict) -> str:
     ]
     for row in results["rows"]:
         plugin, dense, own = (row[w] for w in WAYS)
-        ratios = f"{plugin / dense:.2f}x | {plugin / own:.2f}x"
-        lines.append(f"| {row['context']} | {plugin:.2f} | {dense:.2f} | {own:.2f} | {ratios} |")
+        cells = [
+            f"{v:.2f}" if v is not None else f"failed ({row[f'{w} error']})" for w, v in zip(WAYS, (plugin, dense, own))
+        ]
+        ratios = [f"{plugin / v:.2f}x" if plugin is not None and v is not None else "-" for v in (dense, own)]
+        lines.append(f"| {row['context']} | {' | '.join(cells)} | {' | '.join(ratios)} |")
     return "\n".join(lines) + "\n"
 
 
@@ -185,7 +188,12 @@ def main(argv: list[str] | None = None) -> None:
         for context in (int(c) for c in args.contexts.split(",")):
             row: dict = {"context": context}
             for way in ways:
-                rates = run_way(way, paths, context, args.repeats, args.timeout)
+                try:
+                    rates = run_way(way, paths, context, args.repeats, args.timeout)
+                except (RuntimeError, subprocess.TimeoutExpired) as exc:  # one way failing keeps the others' rows
+                    row[way], row[f"{way} error"] = None, str(exc).splitlines()[0]
+                    print(f"{context:>6} {way:<18} failed: {row[f'{way} error']}", flush=True)
+                    continue
                 row[way] = statistics.median(rates)
                 row[f"{way} all"] = rates
                 print(f"{context:>6} {way:<18} {row[way]:8.2f} tok/s  {rates}", flush=True)
