@@ -4,13 +4,15 @@ Per device and mode, answered from known device facts and, where facts are not e
 (once per machine: the answer is kept on disk by probe_store.py, and in memory per process):
 
 - half-precision products (bf16, fp16): per op family (FAMILIES: the weight products of the prologs and experts,
-  sparse attention, the indexer), the fastest route that is correct here, timed on the family's own workload
+  sparse attention, the indexer over bf16 keys, the indexer over quantized index rows), the fastest route that is
+  correct here, timed on the family's own workload
   (route_workloads.py). The routes: fp32 operands; torch's GEMM with half-precision operands and fp32 accumulation
   (its fp32 result by out_dtype, else its rounded result plus a residual GEMM that recovers the rounding, where the
   probe finds that the GEMM adds in fp32 before it rounds: backends/torch_eager/gemm.py); and the native kernels'
   fp32 result, one route per build that runs here and is exact (NATIVE_ISAS: AMX, AVX-512 BF16, AVX2). fp16 needs
   an fp32 result (an fp16 one could overflow where fp32 does not). The weight family is timed at a decode and a
-  prefill row count, and its products switch route where the lines through the two cross.
+  prefill row count, sparse attention at two head counts (MEASURED_COUNTS), and their products or calls switch route
+  where the lines through the two cross.
 - an exact int8 GEMM (int8 x int8 -> int32, backends.torch_eager.int8_gemms): which route runs here, is it bit-exact at
   large K with extreme codes, and is it faster than the fp32 GEMM? Otherwise the quantized ops keep their exact
   chunked-fp32 path.
@@ -77,7 +79,7 @@ FAMILY_OPS = {
 DECODE_ROWS, PREFILL_ROWS = 4, 256  # the weight family's two measured row counts
 # Sparse attention's two measured head counts: an 8-way tensor-parallel share of GLM-5's 64 heads, and all 64. A
 # kernel that reads each selected row once for every head wins at few heads, torch's GEMM over gathered rows at many
-# (measured on an AVX2 Zen 3: native 1.3x faster at 4 heads, 1.5x slower at 64).
+# (this probe on an AVX2 Zen 3, docs/perf.md: native:avx2 2.5x faster than fp32 at 8 heads, 1.4x slower at 64).
 FEW_HEADS, ALL_HEADS = 8, 64
 # The two counts a family is measured at (a line through its times at both gives the count where two routes cross;
 # each product, or each call, then takes the route for its own count), and what the count counts. The other families
