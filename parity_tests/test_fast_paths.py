@@ -58,6 +58,7 @@ GEMM_OPS = {
     torch.ops.glm5_hal.native_bf16_bmm_nt.default,  # backends.torch_eager.native's bf16 GEMM with fp32 results (CPU)
     torch.ops.glm5_hal.native_indexer_scores.default,  # its fused indexer scores (products, ReLU, head sum)
     torch.ops.glm5_hal.native_sparse_attention.default,  # its sparse attention (both products), rows read in place
+    torch.ops.glm5_hal.native_paged_sparse_attention.default,  # the same over the op's paged batch (the op's route)
     torch.ops.glm5_hal.native_quantized_index_scores.default,  # its indexer scores over quantized rows (decoded in it)
 }
 
@@ -144,8 +145,9 @@ def test_sparse_attention_gemm_operands(mode: str) -> None:
     with fast_paths(mode), _GemmSpy() as spy:
         OPS["sparse_flash_attention"](*_sparse_attention_inputs(torch.bfloat16))
     if fast.fused and native_attention.availability(fast.native_isa)[0]:
-        # The native kernel: bf16 q and rows, int64 slots (the probabilities are split into bf16 parts inside).
-        assert spy.operands == [(torch.bfloat16, torch.bfloat16, torch.int64)]
+        # The native kernel over the paged batch: bf16 q and cache, then the int32 indices, block table, seq_lens_k
+        # and cu_seqlens_q (the probabilities are split into bf16 parts inside).
+        assert spy.operands == [(torch.bfloat16, torch.bfloat16, *[torch.int32] * 4)]
     else:
         assert _operand_dtypes(spy) == {fast.operand}
     with fast_paths(mode), _GemmSpy() as fp32_spy:
@@ -295,7 +297,10 @@ def test_sparse_attention_takes_the_route_for_its_head_count() -> None:
     native = from_route(torch.bfloat16, Route("native", fp32_output=True, isa="portable", torch_half=False))
     q, cache, *rest = _sparse_attention_inputs(torch.bfloat16)  # 4 heads
     with forced_route(ATTENTION, RoutedGemm(native, FP32, 5)):
-        for heads, want in ((4, torch.ops.glm5_hal.native_sparse_attention.default), (5, torch.ops.aten.bmm.default)):
+        for heads, want in (
+            (4, torch.ops.glm5_hal.native_paged_sparse_attention.default),
+            (5, torch.ops.aten.bmm.default),
+        ):
             q_h = q[:, :1].expand(-1, heads, -1).contiguous()
             with _GemmSpy() as spy:
                 OPS["sparse_flash_attention"](q_h, cache, *rest)

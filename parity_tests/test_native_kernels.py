@@ -372,6 +372,90 @@ def test_sparse_attention_keeps_torch_softmax_semantics_for_nan_and_inf(isa):
     assert torch.allclose(lse[0, 2], torch.tensor(2.0).log() - 1.0)
 
 
+@pytest.mark.parametrize("isa", ISAS)
+@SETTINGS
+@given(
+    q_lens=st.lists(st.integers(0, 3), min_size=1, max_size=4),
+    extra_keys=st.lists(st.integers(0, 40), min_size=4, max_size=4),
+    block_size=st.sampled_from([1, 3, 16]),
+    spare_slots=st.sampled_from([0, 2]),
+    heads=st.sampled_from([1, 4, 9]),
+    topk=st.integers(0, 40),
+    hostile=st.floats(0.0, 0.5),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_paged_sparse_attention_reads_the_keys_the_slots_would(
+    isa, q_lens, extra_keys, block_size, spare_slots, heads, topk, hostile, seed
+):
+    """The paged entry (the op's route) finds each token's sequence and each key's row itself: bit for bit the slot
+    entry's results over the slots glm5_hal.paged.key_slots computes, on ragged batches (sequences without new
+    tokens included) whose tables hold padding and ids outside the cache, whose indices hold -1 and positions past
+    seq_lens_k or the table, over a cache whose blocks have spare slots, with non-contiguous indices; NaN in every
+    row that is no key's. The split over threads changes no bit."""
+    from glm5_hal.paged import key_slots, slot_rows, token_sequences
+
+    _runs(native_attention, isa)
+    gen = torch.Generator().manual_seed(seed)
+    batch = len(q_lens)
+    seq_lens = [q + e for q, e in zip(q_lens, extra_keys)]
+    max_blocks = max(1, -(-max(seq_lens) // block_size))
+    num_blocks = batch * max_blocks + 1
+    # Blocks with `spare_slots` unused slots after their rows: the cache is a view, read in place.
+    storage = torch.full((num_blocks, block_size + spare_slots, 40), float("nan"), dtype=torch.bfloat16)
+    cache = storage[:, :block_size]
+    table = torch.randperm(num_blocks, generator=gen)[: batch * max_blocks].view(batch, max_blocks).int()
+    table[torch.rand(batch, max_blocks, generator=gen) < hostile] = -7  # padding / an id outside the cache
+    table[torch.rand(batch, max_blocks, generator=gen) < hostile] = num_blocks + 5
+    cu = torch.tensor([0, *q_lens]).cumsum(0).int()
+    lens = torch.tensor(seq_lens).int()
+    tokens = int(cu[-1])
+    wide = torch.randint(-2, max_blocks * block_size + 3, (tokens, 2 * topk), generator=gen).int()
+    indices = wide[:, ::2]  # non-contiguous rows
+    seqs = token_sequences(cu, tokens)
+    view = slot_rows(cache)
+    slots, addressable = key_slots(
+        table, seqs, indices, block_size, num_blocks, block_step=view.block_step, row_step=view.row_step
+    )
+    valid = (indices >= 0) & (indices < lens.long()[seqs][:, None]) & addressable
+    slots = torch.where(valid, slots, -1)
+    keyed = slots[slots >= 0]
+    view.rows[keyed] = _bf16(gen, keyed.shape[0], 40)  # every other row stays NaN: it must reach no result
+    q = _bf16(gen, tokens, heads, 40)
+
+    want, want_lse = native_attention.attention(
+        q, view.rows, slots, 0.1, 32, out_dtype=torch.float32, isa=isa, threads=1
+    )
+    for threads in (1, 3):
+        got, lse = native_attention.paged_attention(
+            q, cache, indices, table, lens, cu, 0.1, 32, out_dtype=torch.float32, isa=isa, threads=threads
+        )
+        assert _same_bits(got, want) and _same_bits(lse, want_lse), threads
+    rounded, _ = native_attention.paged_attention(q, cache, indices, table, lens, cu, 0.1, 32, isa=isa)
+    assert torch.equal(rounded.view(torch.int16), want.bfloat16().view(torch.int16))
+
+
+def test_paged_sparse_attention_kernel_rejects_bad_arguments():
+    q, cache = torch.zeros(2, 4, 8, dtype=torch.bfloat16), torch.zeros(3, 2, 8, dtype=torch.bfloat16)
+    indices, table = torch.zeros(2, 3, dtype=torch.int32), torch.zeros(1, 3, dtype=torch.int32)
+    lens, cu = torch.tensor([2], dtype=torch.int32), torch.tensor([0, 2], dtype=torch.int32)
+    good = (q, cache, indices, table, lens, cu, 1.0, 8)
+    native_attention.paged_attention(*good, isa="portable")
+    with pytest.raises(TypeError, match=r"indices: expected \[2, topk\] int32, got \(2, 3\) torch.int64"):
+        native_attention.paged_attention(q, cache, indices.long(), *good[3:])
+    with pytest.raises(TypeError, match=r"cache: expected \[num_blocks, block_size, D\] bf16 with contiguous rows"):
+        native_attention.paged_attention(q, cache.transpose(1, 2).contiguous().transpose(1, 2), *good[2:])
+    with pytest.raises(ValueError, match=r"cache: expected 8 wide \(q's D\), got 4"):
+        native_attention.paged_attention(q, cache[..., :4], *good[2:7], 4)
+    with pytest.raises(TypeError, match=r"block_table: expected \[B, max_blocks\] int32"):
+        native_attention.paged_attention(q, cache, indices, table.long(), *good[4:])
+    with pytest.raises(TypeError, match=r"cu_seqlens_q: expected \[2\] int32, got \(3,\) torch.int32"):
+        native_attention.paged_attention(*good[:5], torch.tensor([0, 1, 2], dtype=torch.int32), *good[6:])
+    with pytest.raises(TypeError, match=r"seq_lens_k: expected \[1\] int32, got \(1,\) torch.int64"):
+        native_attention.paged_attention(*good[:4], lens.long(), *good[5:])
+    with pytest.raises(ValueError, match=r"d_v: expected 0 .. 8, got 9"):
+        native_attention.paged_attention(*good[:7], 9)
+
+
 def test_sparse_attention_kernel_rejects_bad_arguments():
     q, rows = torch.zeros(2, 4, 8, dtype=torch.bfloat16), torch.zeros(5, 8, dtype=torch.bfloat16)
     slots = torch.zeros(2, 3, dtype=torch.int64)

@@ -48,24 +48,29 @@ def sparse_flash_attention(
     num_tokens, num_heads, width = q.shape
     topk = indices.shape[1]
     block_size = kv_cache.shape[1]
+    # The route for this call's head count (the probe measured the family at two); logits on gemm.logits, the softmax
+    # statistics stay fp32.
+    gemm = gemm_for(q.dtype, q.device, ATTENTION).at(num_heads)
+    if (
+        gemm.fused
+        and kv_cache_dtype == AUTO
+        and kv_cache.dtype == q.dtype == torch.bfloat16
+        and kv_cache.stride(2) == 1  # the kernels read rows contiguous in D (any other layout gathers, as before)
+        and native_attention.availability(gemm.native_isa)[0]
+    ):
+        # One kernel over the batch as the op takes it: it finds each key's row and drops the keys that are none
+        # (the tests of key_slots below), so no slot tensor and no mask is made in torch.
+        return native_attention.paged_attention(
+            q, kv_cache, indices, block_table, seq_lens_k, cu_seqlens_q, sm_scale, d_v, isa=gemm.native_isa
+        )
     view = slot_rows(kv_cache)  # the cache read in place as rows [R, D] (or [R, row_bytes] uint8)
     rows = view.rows
     seqs = token_sequences(cu_seqlens_q, num_tokens)  # [T]
     key_limit = seq_lens_k.to(torch.int64)[seqs]  # [T]
-    # The route for this call's head count (the probe measured the family at two); logits on gemm.logits, the softmax
-    # statistics stay fp32.
-    gemm = gemm_for(q.dtype, q.device, ATTENTION).at(num_heads)
     read_rows = row_reader(kv_cache_dtype, gemm.operand)  # float rows in the operand dtype, decoded ones fp32
 
     out = torch.empty(num_tokens, num_heads, d_v, dtype=q.dtype, device=q.device)
     lse = torch.empty(num_tokens, num_heads, dtype=COMPUTE_DTYPE, device=q.device)
-    native = (
-        gemm.fused
-        and kv_cache_dtype == AUTO
-        and kv_cache.dtype == q.dtype == torch.bfloat16
-        and rows.stride(1) == 1  # the kernels read rows contiguous in D (any other layout gathers, as before)
-        and native_attention.availability(gemm.native_isa)[0]
-    )
     # Per token of a tile: its gathered rows (topk x D) and its scores (H x topk), in fp32.
     token_tile = rows_per_tile(topk * (width + num_heads))
     for start in range(0, num_tokens, token_tile):  # tiles of tokens bound memory; tokens are not looped
@@ -82,14 +87,6 @@ def sparse_flash_attention(
             row_step=view.row_step,
         )  # [t, topk] rows of the view
         valid = (idx >= 0) & (idx < key_limit[tokens, None]) & addressable  # [t, topk]
-        if native:
-            # Invalid keys get slot -1: the kernel never reads their rows (padding in the table, NaN in the slot).
-            slots = torch.where(valid, slots, -1)
-            tile_out, tile_lse = native_attention.attention(q[tokens], rows, slots, sm_scale, d_v, isa=gemm.native_isa)
-            if token_tile >= num_tokens:  # one tile (decode): its results are the op's, no copy
-                return tile_out, tile_lse
-            out[tokens], lse[tokens] = tile_out, tile_lse
-            continue
         # An invalid key's table entry may be padding (any value): read slot 0 for it instead, and zero its row
         # after decoding, so that neither its address nor its contents (NaN in an unused slot, any bytes of a
         # quantized row) can reach the output.

@@ -438,13 +438,71 @@ static void store_output(const float *o, long heads, long dv, void *out, int out
 #endif
 
 
-/* q: [T][pairs + odd][hp][2] bf16 (hp = H rounded up to 16); rows: [num_slots] rows of row_stride elements;
-   slots: [T][topk] int64, a slot outside 0 .. num_slots - 1 is not a key (never read, whoever computed it); out: [T][H][dv] (element
-   strides out_token, out_head), fp32 if out_fp32 else bf16; lse: [T][H] fp32 (stride lse_token). Returns 0, or -1
-   if the per-thread workspace could not be allocated. */
-int glm5_sparse_attention(long heads, long dims, long dv, long topk, const uint16_t *q, const uint16_t *rows,
-                          long num_slots, long row_stride, const int64_t *slots, float scale, void *out, int out_fp32, long out_token,
-                          long out_head, float *lse, long lse_token, long t_begin, long t_end) {
+/* Where a token's selected rows are: flat slots of the rows, or the paged batch the op takes. */
+struct key_source {
+    const int64_t *slots; /* [T][topk]: a row of `rows` per key; a slot outside 0 .. num_slots - 1 is not a key.
+                             NULL: the paged batch below */
+    const int32_t *indices;      /* [T][topk] request-local key positions (index_stride apart) */
+    long index_stride;
+    const int32_t *block_table;  /* [B][max_blocks] (table_stride apart) */
+    long table_stride, max_blocks;
+    const int32_t *seq_lens_k;   /* [B] */
+    const int32_t *cu_seqlens_q; /* [B + 1] */
+    long batch, block_size, num_blocks;
+    long block_step, row_step;   /* slot (block b, offset o) is row b * block_step + o * row_step */
+};
+
+/* The sequence of query token t: how many of cu_seqlens_q[1 ..] are <= t (torch.searchsorted(..., right=True), so a
+   sequence without new tokens is skipped), kept inside 0 .. batch - 1 whatever the prefix sums hold. */
+static long token_sequence(const int32_t *cu_seqlens_q, long batch, long t) {
+    long low = 0, high = batch; /* the answer is in low .. high */
+    while (low < high) {
+        long mid = (low + high) / 2;
+        if (cu_seqlens_q[mid + 1] <= t)
+            low = mid + 1;
+        else
+            high = mid;
+    }
+    return low < batch ? low : batch - 1;
+}
+
+/* valid_rows[0 .. n) = the rows of token t's keys, in the order of its selection; returns n. A paged key is a key
+   when 0 <= position < seq_lens_k[b], its block lies in the table and the table names a block of the cache
+   (docs/ops.md "Paged caches"): the test glm5_hal.paged.key_slots makes, on each value as it is read, so no table
+   entry or position can send a read outside the rows. */
+static long select_rows(const struct key_source *keys, long t, long topk, const uint16_t *rows, long num_slots,
+                        long row_stride, const uint16_t **valid_rows) {
+    long n = 0;
+    if (keys->slots) {
+        const int64_t *st = keys->slots + t * topk;
+        for (long k = 0; k < topk; k++)
+            if (st[k] >= 0 && st[k] < num_slots) valid_rows[n++] = rows + st[k] * row_stride; /* else: not a key */
+        return n;
+    }
+    if (keys->batch <= 0 || keys->block_size <= 0) return 0;
+    long b = token_sequence(keys->cu_seqlens_q, keys->batch, t);
+    long limit = keys->seq_lens_k[b], capacity = keys->max_blocks * keys->block_size;
+    if (limit > capacity) limit = capacity;
+    const int32_t *table = keys->block_table + b * keys->table_stride;
+    const int32_t *positions = keys->indices + t * keys->index_stride;
+    for (long k = 0; k < topk; k++) {
+        long p = positions[k];
+        if (p < 0 || p >= limit) continue;
+        long block = table[p / keys->block_size];
+        if (block < 0 || block >= keys->num_blocks) continue;
+        long row = block * keys->block_step + (p % keys->block_size) * keys->row_step;
+        if (row < num_slots) valid_rows[n++] = rows + row * row_stride;
+    }
+    return n;
+}
+
+/* The scores, softmax and values of tokens t_begin .. t_end - 1 over the rows `keys` selects (the file's top).
+   q: [T][pairs + odd][hp][2] bf16 (hp = H rounded up to 16); rows: [num_slots] rows of row_stride elements; out:
+   [T][H][dv] (element strides out_token, out_head), fp32 if out_fp32 else bf16; lse: [T][H] fp32 (stride
+   lse_token). Returns 0, or -1 if the per-thread workspace could not be allocated. */
+static int attend(long heads, long dims, long dv, long topk, const uint16_t *q, const uint16_t *rows, long num_slots,
+                  long row_stride, const struct key_source *keys, float scale, void *out, int out_fp32,
+                  long out_token, long out_head, float *lse, long lse_token, long t_begin, long t_end) {
     long pairs = dims / 2, odd = dims % 2, hp = (heads + 15) / 16 * 16;
     long value_heads = (heads + VALUE_HEADS - 1) / VALUE_HEADS * VALUE_HEADS, key_pairs = (topk + 1) / 2 + 1;
     size_t out_size = out_fp32 ? sizeof(float) : sizeof(uint16_t);
@@ -462,11 +520,8 @@ int glm5_sparse_attention(long heads, long dims, long dv, long topk, const uint1
         t_end = t_begin;
     }
     for (long t = t_begin; t < t_end; t++) {
-        const int64_t *st = slots + t * topk;
         char *out_t = (char *)out + t * out_token * out_size;
-        long n = 0;
-        for (long k = 0; k < topk; k++)
-            if (st[k] >= 0 && st[k] < num_slots) valid_rows[n++] = rows + st[k] * row_stride; /* else: not a key */
+        long n = select_rows(keys, t, topk, rows, num_slots, row_stride, valid_rows);
         if (n == 0) { /* no key: out 0, lse -inf */
             for (long h = 0; h < heads; h++) {
                 memset(out_t + h * out_head * out_size, 0, dv * out_size);
@@ -524,4 +579,31 @@ int glm5_sparse_attention(long heads, long dims, long dv, long topk, const uint1
     free(o);
     free(per_head);
     return status;
+}
+
+/* Tokens t_begin .. t_end - 1 over flat slots [T][topk] int64 of the rows (see attend). */
+int glm5_sparse_attention(long heads, long dims, long dv, long topk, const uint16_t *q, const uint16_t *rows,
+                          long num_slots, long row_stride, const int64_t *slots, float scale, void *out, int out_fp32,
+                          long out_token, long out_head, float *lse, long lse_token, long t_begin, long t_end) {
+    struct key_source keys = {.slots = slots};
+    return attend(heads, dims, dv, topk, q, rows, num_slots, row_stride, &keys, scale, out, out_fp32, out_token,
+                  out_head, lse, lse_token, t_begin, t_end);
+}
+
+/* Tokens t_begin .. t_end - 1 of the paged batch: indices [T][topk] int32 request-local positions, block_table
+   [B][max_blocks], seq_lens_k [B] and cu_seqlens_q [B + 1] int32, the cache's rows as `rows` (slot (block b, offset
+   o) = row b * block_step + o * row_step). The op's own arguments: no slot tensor is made. */
+int glm5_sparse_attention_paged(long heads, long dims, long dv, long topk, const uint16_t *q, const uint16_t *rows,
+                                long num_slots, long row_stride, const int32_t *indices, long index_stride,
+                                const int32_t *block_table, long table_stride, long max_blocks,
+                                const int32_t *seq_lens_k, const int32_t *cu_seqlens_q, long batch, long block_size,
+                                long num_blocks, long block_step, long row_step, float scale, void *out,
+                                int out_fp32, long out_token, long out_head, float *lse, long lse_token,
+                                long t_begin, long t_end) {
+    struct key_source keys = {.indices = indices, .index_stride = index_stride, .block_table = block_table,
+                              .table_stride = table_stride, .max_blocks = max_blocks, .seq_lens_k = seq_lens_k,
+                              .cu_seqlens_q = cu_seqlens_q, .batch = batch, .block_size = block_size,
+                              .num_blocks = num_blocks, .block_step = block_step, .row_step = row_step};
+    return attend(heads, dims, dv, topk, q, rows, num_slots, row_stride, &keys, scale, out, out_fp32, out_token,
+                  out_head, lse, lse_token, t_begin, t_end);
 }

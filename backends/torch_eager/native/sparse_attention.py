@@ -13,6 +13,14 @@ the torch softmax's passes between two separate products cost a tenth of the op.
                                          once (fp32 with out_dtype=torch.float32); 0 for a token without keys
         lse   [T, H] fp32                log of the softmax's sum of exp(scale * q . row) (natural); -inf without keys
 
+    out, lse = paged_attention(q, cache, indices, block_table, seq_lens_k, cu_seqlens_q, scale, d_v)
+        the same over the op's own paged batch: cache [num_blocks, block_size, D] bf16 (rows contiguous in D, any
+        block / slot strides), indices [T, topk] int32 request-local positions, block_table [B, max_blocks],
+        seq_lens_k [B] and cu_seqlens_q [B + 1] int32. The kernel finds each token's sequence and each key's row
+        itself, with the tests of glm5_hal.paged.key_slots (a position outside 0 .. seq_lens_k[b] - 1 or the table,
+        or a table entry outside the cache, is no key): no slot tensor is made, which at one decode token cost as
+        much time in small torch ops as the kernel's own scores.
+
 The arithmetic is the fp32 path's up to the order of the sums: exact bf16 products with fp32 sums for the scores,
 an fp32 softmax (shifted by the row maximum, exp to ~1 ulp), and the normalised probabilities as hi + lo bf16 parts
 (~2^-16 of each) for the value product. A row whose slot is -1 is never read, so whatever an unused cache slot holds
@@ -31,17 +39,25 @@ from backends.torch_eager.native import build
 from backends.torch_eager.native import threads as threads_
 from backends.torch_eager.native.packing import head_pairs
 from glm5_hal.checks import check
+from glm5_hal.paged import slot_rows
 
 FAST = "avx512_bf16"
 AVX2 = "avx2"  # 256-bit FMA on exactly widened bf16, P in fp32 for the values: CPUs without AVX-512
 PORTABLE = "portable"
 
 _L, _P, _F, _I = ctypes.c_long, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
-_ARGTYPES = [_L, _L, _L, _L, _P, _P, _L, _L, _P, _F, _P, _I, _L, _L, _P, _L, _L, _L]
+_HEAD = [_L, _L, _L, _L, _P, _P, _L, _L]  # heads, dims, dv, topk, q, rows, num_slots, row_stride
+_TAIL = [_F, _P, _I, _L, _L, _P, _L, _L, _L]  # scale, out, out_fp32, out strides, lse, lse stride, token range
+_ARGTYPES = [*_HEAD, _P, *_TAIL]  # slots
+# indices, index stride, block table, its stride, max_blocks, seq_lens_k, cu_seqlens_q, B, block_size, num_blocks,
+# block_step, row_step
+_PAGED_ARGTYPES = [*_HEAD, _P, _L, _P, _L, _L, _P, _P, _L, _L, _L, _L, _L, *_TAIL]
 _OUT_DTYPES = (torch.bfloat16, torch.float32)
 
 
-def _kernel(isa: str):
+def _kernel(isa: str, paged: bool = False):
+    if paged:
+        return build.function("sparse_attention", isa, "glm5_sparse_attention_paged", _PAGED_ARGTYPES, ctypes.c_int)
     return build.function("sparse_attention", isa, "glm5_sparse_attention", _ARGTYPES, ctypes.c_int)
 
 
@@ -68,10 +84,69 @@ def _check_arguments(q: Tensor, rows: Tensor, slots: Tensor, d_v: int, out_dtype
         TypeError,
         lambda: f"slots: expected [{tokens}, topk] int64, got {tuple(slots.shape)} {slots.dtype}",
     )
+    _check_common(dims, d_v, out_dtype, q=q, rows=rows, slots=slots)
+
+
+def _check_common(dims: int, d_v: int, out_dtype: torch.dtype, **tensors: Tensor) -> None:
     check(0 <= d_v <= dims, ValueError, lambda: f"d_v: expected 0 .. {dims}, got {d_v}")
     check(out_dtype in _OUT_DTYPES, TypeError, lambda: f"out_dtype: expected one of {_OUT_DTYPES}, got {out_dtype}")
-    for name, t in (("q", q), ("rows", rows), ("slots", slots)):
+    for name, t in tensors.items():
         check(t.device.type == "cpu", ValueError, lambda t=t, n=name: f"{n}: expected a CPU tensor, got {t.device}")
+
+
+def _check_paged_arguments(
+    q: Tensor,
+    cache: Tensor,
+    indices: Tensor,
+    block_table: Tensor,
+    seq_lens_k: Tensor,
+    cu_seqlens_q: Tensor,
+    d_v: int,
+    out_dtype: torch.dtype,
+) -> None:
+    check(
+        q.dim() == 3 and q.dtype == torch.bfloat16,
+        TypeError,
+        lambda: f"q: expected [T, H, D] bf16, got {tuple(q.shape)} {q.dtype}",
+    )
+    tokens, _, dims = q.shape
+    check(
+        cache.dim() == 3 and cache.dtype == torch.bfloat16 and cache.stride(2) == 1,
+        TypeError,
+        lambda: (
+            f"cache: expected [num_blocks, block_size, D] bf16 with contiguous rows, got {tuple(cache.shape)} "
+            f"{cache.dtype} strides {cache.stride()}"
+        ),
+    )
+    check(cache.shape[2] == dims, ValueError, lambda: f"cache: expected {dims} wide (q's D), got {cache.shape[2]}")
+    check(
+        indices.dim() == 2 and indices.shape[0] == tokens and indices.dtype == torch.int32,
+        TypeError,
+        lambda: f"indices: expected [{tokens}, topk] int32, got {tuple(indices.shape)} {indices.dtype}",
+    )
+    check(
+        block_table.dim() == 2 and block_table.dtype == torch.int32,
+        TypeError,
+        lambda: f"block_table: expected [B, max_blocks] int32, got {tuple(block_table.shape)} {block_table.dtype}",
+    )
+    batch = block_table.shape[0]
+    for name, t, size in (("seq_lens_k", seq_lens_k, batch), ("cu_seqlens_q", cu_seqlens_q, batch + 1)):
+        check(
+            t.shape == (size,) and t.dtype == torch.int32,
+            TypeError,
+            lambda t=t, n=name, s=size: f"{n}: expected [{s}] int32, got {tuple(t.shape)} {t.dtype}",
+        )
+    _check_common(
+        dims,
+        d_v,
+        out_dtype,
+        q=q,
+        cache=cache,
+        indices=indices,
+        block_table=block_table,
+        seq_lens_k=seq_lens_k,
+        cu_seqlens_q=cu_seqlens_q,
+    )
 
 
 def _attention(
@@ -91,14 +166,63 @@ def _attention(
     if lse.numel() == 0:
         return out, lse
     packed, slots = head_pairs(q), slots.contiguous()
-    args = (heads, dims, d_v, topk, packed.data_ptr(), rows.data_ptr(), rows.shape[0], rows.stride(0))
-    args += (slots.data_ptr(), scale)
-    args += (out.data_ptr(), int(out_dtype == torch.float32), out.stride(0), out.stride(1), lse.data_ptr(), heads)
+    keys = (slots.data_ptr(),)
+    return _run(_kernel(isa), packed, rows, keys, (tokens, heads, dims, topk), scale, d_v, out, lse, threads)
+
+
+def _run(
+    kernel,
+    packed: Tensor,
+    rows: Tensor,
+    keys: tuple[int, ...],
+    shape: tuple[int, int, int, int],
+    scale: float,
+    d_v: int,
+    out: Tensor,
+    lse: Tensor,
+    threads: int | None,
+) -> tuple[Tensor, Tensor]:
+    """The kernel over every token, split by tokens across threads; `keys`: the arguments that say where each
+    token's rows are (the slots, or the paged batch)."""
+    tokens, heads, dims, topk = shape
+    args = (heads, dims, d_v, topk, packed.data_ptr(), rows.data_ptr(), rows.shape[0], rows.stride(0), *keys, scale)
+    args += (out.data_ptr(), int(out.dtype == torch.float32), out.stride(0), out.stride(1), lse.data_ptr(), heads)
     flops = 2 * tokens * topk * heads * (dims + d_v)
     shares = threads_.split(tokens, threads_.thread_count(flops, threads))
-    failed = threads_.failed_shares(_kernel(isa), args, shares)
+    failed = threads_.failed_shares(kernel, args, shares)
     check(not failed, MemoryError, lambda: f"sparse attention: no memory for the workspace of {topk} keys")
     return out, lse
+
+
+def _paged_attention(
+    q: Tensor,
+    cache: Tensor,
+    indices: Tensor,
+    block_table: Tensor,
+    seq_lens_k: Tensor,
+    cu_seqlens_q: Tensor,
+    scale: float,
+    d_v: int,
+    out_dtype: torch.dtype,
+    isa: str,
+    threads: int | None,
+) -> tuple[Tensor, Tensor]:
+    tokens, heads, dims = q.shape
+    topk = indices.shape[1]
+    out = torch.empty(tokens, heads, d_v, dtype=out_dtype)
+    lse = torch.empty(tokens, heads, dtype=torch.float32)
+    if lse.numel() == 0:
+        return out, lse
+    view = slot_rows(cache)  # the cache's rows in place, whatever its block and slot strides
+    # Rows of the index tensors are read at their stride; each row itself must be contiguous.
+    indices = indices if indices.stride(1) == 1 else indices.contiguous()
+    table = block_table if block_table.stride(1) == 1 or block_table.shape[1] <= 1 else block_table.contiguous()
+    seq_lens_k, cu_seqlens_q = seq_lens_k.contiguous(), cu_seqlens_q.contiguous()
+    keys = (indices.data_ptr(), indices.stride(0), table.data_ptr(), table.stride(0), table.shape[1])
+    keys += (seq_lens_k.data_ptr(), cu_seqlens_q.data_ptr(), table.shape[0], cache.shape[1], cache.shape[0])
+    keys += (view.block_step, view.row_step)
+    kernel = _kernel(isa, paged=True)
+    return _run(kernel, head_pairs(q), view.rows, keys, (tokens, heads, dims, topk), scale, d_v, out, lse, threads)
 
 
 def attention(
@@ -120,6 +244,32 @@ def attention(
     return _attention(q, rows, slots, scale, d_v, out_dtype, isa, threads)
 
 
+def paged_attention(
+    q: Tensor,
+    cache: Tensor,
+    indices: Tensor,
+    block_table: Tensor,
+    seq_lens_k: Tensor,
+    cu_seqlens_q: Tensor,
+    scale: float,
+    d_v: int,
+    *,
+    out_dtype: torch.dtype = torch.bfloat16,
+    isa: str = FAST,
+    threads: int | None = None,
+) -> tuple[Tensor, Tensor]:
+    """(out, lse) as `attention`, over the op's paged batch (module docstring). isa, threads, out_dtype: as
+    `attention`."""
+    _check_paged_arguments(q, cache, indices, block_table, seq_lens_k, cu_seqlens_q, d_v, out_dtype)
+    if threads is None and out_dtype == torch.bfloat16:
+        return torch.ops.glm5_hal.native_paged_sparse_attention(
+            q, cache, indices, block_table, seq_lens_k, cu_seqlens_q, scale, d_v, isa
+        )
+    return _paged_attention(
+        q, cache, indices, block_table, seq_lens_k, cu_seqlens_q, scale, d_v, out_dtype, isa, threads
+    )
+
+
 _LIBRARY = torch.library.Library("glm5_hal", "FRAGMENT")
 _LIBRARY.define(
     f"native_sparse_attention(Tensor q, Tensor rows, Tensor slots, float scale, int d_v, str isa='{FAST}') "
@@ -135,6 +285,35 @@ _LIBRARY.impl(
 @torch.library.register_fake("glm5_hal::native_sparse_attention")
 def _fake_attention(
     q: Tensor, rows: Tensor, slots: Tensor, scale: float, d_v: int, isa: str = FAST
+) -> tuple[Tensor, Tensor]:
+    tokens, heads, _ = q.shape
+    return q.new_empty(tokens, heads, d_v), q.new_empty(tokens, heads, dtype=torch.float32)
+
+
+_LIBRARY.define(
+    "native_paged_sparse_attention(Tensor q, Tensor cache, Tensor indices, Tensor block_table, Tensor seq_lens_k, "
+    f"Tensor cu_seqlens_q, float scale, int d_v, str isa='{FAST}') -> (Tensor, Tensor)"
+)
+_LIBRARY.impl(
+    "native_paged_sparse_attention",
+    lambda q, cache, indices, table, lens, cu, scale, d_v, isa=FAST: _paged_attention(
+        q, cache, indices, table, lens, cu, scale, d_v, torch.bfloat16, isa, None
+    ),
+    "CPU",
+)
+
+
+@torch.library.register_fake("glm5_hal::native_paged_sparse_attention")
+def _fake_paged_attention(
+    q: Tensor,
+    cache: Tensor,
+    indices: Tensor,
+    block_table: Tensor,
+    seq_lens_k: Tensor,
+    cu_seqlens_q: Tensor,
+    scale: float,
+    d_v: int,
+    isa: str = FAST,
 ) -> tuple[Tensor, Tensor]:
     tokens, heads, _ = q.shape
     return q.new_empty(tokens, heads, d_v), q.new_empty(tokens, heads, dtype=torch.float32)
