@@ -33,14 +33,16 @@ _BODIES: dict[CustomOpDef, Callable[..., object]] = {}
 _PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 
-def custom_op(name: str, mutates_args: tuple[str, ...] = ()) -> Callable[[Body], CustomOpDef]:
-    """Register `body` as the custom op torch.ops.glm5_hal.<name> (torch.library.custom_op), remembering the body so
-    that call_op can run it without the op's dispatch in plain eager mode."""
+def custom_op(
+    name: str, mutates_args: tuple[str, ...] = (), namespace: str = NAMESPACE
+) -> Callable[[Body], CustomOpDef]:
+    """Register `body` as the custom op torch.ops.<namespace>.<name> (torch.library.custom_op), remembering the body
+    so that call_op can run it without the op's dispatch in plain eager mode."""
 
     def register(body: Body) -> CustomOpDef:
         # The schema from the body itself: its annotations resolve in its own module.
         schema = torch.library.infer_schema(body, mutates_args=mutates_args)
-        op = torch.library.custom_op(f"{NAMESPACE}::{name}", mutates_args=mutates_args, schema=schema)(
+        op = torch.library.custom_op(f"{namespace}::{name}", mutates_args=mutates_args, schema=schema)(
             _without_autocast(body)
         )
         _BODIES[op] = body
