@@ -19,10 +19,11 @@
  *
  * The AVX2 build (GLM5_AVX2, CPUs without AVX-512): 8 heads per 256-bit vector, q and the rows widened exactly in
  * registers (bf16.h) and each exact product added by an FMA; scores in tiles of 6 keys x 16 heads or 3 x 32
- * (head_pairs.h); the same softmax (exp8 is exp16's arithmetic on 8 lanes); the values take the normalised
- * probabilities in fp32, not as hi + lo parts: with the rows widened to fp32 there is no bf16-only multiplier to
- * feed, and an FMA of the fp32 P rounds once per term as the fp32 path's GEMM does (so P is not cut to ~2^-16).
- * A value tile is 4 heads x 16 dims. Subnormals are kept (no DAZ / FTZ in this build or the portable one).
+ * (head_pairs.h), or, for at most 4 heads, dots along D in tiles of 3 keys x 4 heads (row_dot_tile); the same
+ * softmax (exp8 is exp16's arithmetic on 8 lanes); the values take the normalised probabilities in fp32, not as
+ * hi + lo parts: with the rows widened to fp32 there is no bf16-only multiplier to feed, and an FMA of the fp32 P
+ * rounds once per term as the fp32 path's GEMM does (so P is not cut to ~2^-16). A value tile is 4 heads x 16
+ * dims. Subnormals are kept (no DAZ / FTZ in this build or the portable one).
  */
 #include <float.h>
 #include <math.h>
@@ -58,6 +59,71 @@ static void score_tile(const uint16_t *keys[KEYS], int n_keys, const uint16_t *q
         for (int v = 0; v < 2 * nv; v++)
             _mm256_storeu_ps(s + j * s_key + h0 + 8 * v,
                              v < vectors ? _mm256_mul_ps(_mm256_loadu_ps(dots[j] + 8 * v), scaled) : _mm256_setzero_ps());
+}
+
+/* At most ROW_HEADS real heads (glm5-mini's 4, a model split into shares of 4 or fewer heads): dots along D
+   instead, in tiles of ROW_KEYS keys x ROW_HEADS heads of 8-lane accumulators, with q widened to fp32 once per
+   token (qf [ROW_HEADS][dims], zero past the real heads). With heads in the lanes each key's every dim pair fed a
+   whole 8-head vector, half of it padding at 4 heads: the score pass cost the same at 4 heads as at 8. Per lane l
+   of a dot, the dims d = l mod 8 in order; the lanes summed pairwise (hadd); dims past the last multiple of 8 added
+   after, in order. s[k][h] = scale x dot for h < ROW_HEADS, lanes ROW_HEADS .. 7 stored as 0 (exponentiate masks
+   every lane past the real heads). */
+#define ROW_HEADS 4
+#define ROW_KEYS 3 /* 3 keys x 4 heads = 12 accumulators, the keys' 3 widened slices and one q slice: 16 ymm */
+
+static void widen_heads(const uint16_t *q, long pairs, long odd, long hp, long heads, long dims, float *qf) {
+    for (long h = 0; h < ROW_HEADS; h++)
+        for (long d = 0; d < dims; d++)
+            qf[h * dims + d] = h < heads ? bf16_to_float(q[((d / 2) * hp + h) * 2 + d % 2]) : 0.0f;
+    (void)pairs, (void)odd;
+}
+
+static inline __m256 widen8(const uint16_t *row) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)row)), 16));
+}
+
+static void row_dot_tile(const uint16_t *const *rows, int n_keys, const float *qf, long dims, float scale, float *s,
+                         long s_key) {
+    long vector_dims = dims / 8 * 8;
+    __m256 acc[ROW_KEYS][ROW_HEADS];
+    for (int j = 0; j < ROW_KEYS; j++)
+        for (int h = 0; h < ROW_HEADS; h++) acc[j][h] = _mm256_setzero_ps();
+    for (long d = 0; d < vector_dims; d += 8) {
+        __m256 key[ROW_KEYS];
+        for (int j = 0; j < ROW_KEYS; j++) key[j] = widen8(rows[j] + d);
+        for (int h = 0; h < ROW_HEADS; h++) {
+            __m256 qv = _mm256_loadu_ps(qf + h * dims + d);
+            for (int j = 0; j < ROW_KEYS; j++) acc[j][h] = _mm256_fmadd_ps(qv, key[j], acc[j][h]);
+        }
+    }
+    const __m256 scaled = _mm256_set1_ps(scale);
+    for (int j = 0; j < n_keys; j++) {
+        /* lanes 0-3 of (low half + high half) are the 4 heads' lane sums */
+        __m256 pairs01 = _mm256_hadd_ps(acc[j][0], acc[j][1]), pairs23 = _mm256_hadd_ps(acc[j][2], acc[j][3]);
+        __m256 quads = _mm256_hadd_ps(pairs01, pairs23);
+        __m128 sums = _mm_add_ps(_mm256_castps256_ps128(quads), _mm256_extractf128_ps(quads, 1));
+        float dots[ROW_HEADS];
+        _mm_storeu_ps(dots, sums);
+        for (long d = vector_dims; d < dims; d++) {
+            float k = bf16_to_float(rows[j][d]);
+            for (int h = 0; h < ROW_HEADS; h++) dots[h] += qf[h * dims + d] * k;
+        }
+        __m128 scores = _mm_mul_ps(_mm_loadu_ps(dots), _mm256_castps256_ps128(scaled));
+        _mm256_storeu_ps(s + j * s_key, _mm256_insertf128_ps(_mm256_castps128_ps256(scores), _mm_setzero_ps(), 1));
+    }
+}
+
+/* s [n][hp] for the n valid rows, at most ROW_HEADS real heads (row_dot_tile). Not inlined into the token loop: there
+   it changed how gcc compiled the heads-in-lanes tiles, which then ran ~12% slower at 5 to 8 heads. */
+static __attribute__((noinline)) void score_few_heads(const uint16_t *const *valid_rows, long n, const float *qf,
+                                                      long dims, float scale, float *s, long hp) {
+    for (long n0 = 0; n0 < n; n0 += ROW_KEYS) {
+        const uint16_t *keys[ROW_KEYS];
+        for (int j = 0; j < ROW_KEYS; j++) keys[j] = valid_rows[n0 + j < n ? n0 + j : n0]; /* spare lanes: a real row */
+        for (long ahead = n0 + 4 * ROW_KEYS; ahead < n0 + 5 * ROW_KEYS && ahead < n; ahead++)
+            prefetch(valid_rows[ahead], dims);
+        row_dot_tile(keys, n - n0 < ROW_KEYS ? (int)(n - n0) : ROW_KEYS, qf, dims, scale, s + n0 * hp, hp);
+    }
 }
 
 /* All-ones in the lanes i < live (of 8). */
@@ -514,8 +580,13 @@ static int attend(long heads, long dims, long dv, long topk, const uint16_t *q, 
     uint16_t *vp = malloc(sizeof *vp * key_pairs * 2 * VALUE_DIMS);
     float *o = malloc(sizeof *o * (value_heads * dv > 0 ? value_heads * dv : 1));
     float *per_head = malloc(sizeof *per_head * 3 * (hp > 0 ? hp : 1)); /* denominators, then a pair's copy */
+#if defined(GLM5_AVX2)
+    float *qf = malloc(sizeof *qf * ROW_HEADS * (dims > 0 ? dims : 1)); /* q widened, where heads <= ROW_HEADS */
+#else
+    float *qf = malloc(sizeof *qf);
+#endif
     int status = 0;
-    if (!valid_rows || !s || !vp || !o || !per_head) {
+    if (!valid_rows || !s || !vp || !o || !per_head || !qf) {
         status = -1;
         t_end = t_begin;
     }
@@ -530,6 +601,12 @@ static int attend(long heads, long dims, long dv, long topk, const uint16_t *q, 
             continue;
         }
         const uint16_t *qt = q + t * (pairs + odd) * hp * 2;
+#if defined(GLM5_AVX2)
+        if (heads <= ROW_HEADS) {
+            widen_heads(qt, pairs, odd, hp, heads, dims, qf);
+            score_few_heads(valid_rows, n, qf, dims, scale, s, hp);
+        } else
+#endif
         for (long n0 = 0; n0 < n; n0 += KEYS) {
             int n_keys = n - n0 < KEYS ? (int)(n - n0) : KEYS;
             const uint16_t *keys[KEYS];
@@ -578,6 +655,7 @@ static int attend(long heads, long dims, long dv, long topk, const uint16_t *q, 
     free(vp);
     free(o);
     free(per_head);
+    free(qf);
     return status;
 }
 
