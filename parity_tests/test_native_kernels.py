@@ -268,6 +268,29 @@ def test_every_code_decodes_to_kv_formats_value_bit_for_bit(isa, kv_cache_dtype)
         assert torch.equal(got[:, ~nan_rows], expected[:, ~nan_rows])  # equal values (a zero's sign aside)
 
 
+@pytest.mark.parametrize("isa", ISAS)
+def test_every_e4m3_code_decodes_the_same_with_subnormals_flushed(isa):
+    """The decode never holds a subnormal fp32 (the e4m3 subnormal codes go through integer operations or through
+    fp16, whose widening MXCSR's DAZ does not touch), so a process that flushes subnormals (FTZ / DAZ, as oneDNN and
+    many inference stacks set) decodes every code to the same value. Scale 1: no result is subnormal either."""
+    _runs(quantized_index_scores, isa)
+    finite = [c for c in range(256) if c & 0x7F != 0x7F]
+    codes = torch.tensor(finite + [0] * (-len(finite) % 128), dtype=torch.uint8).view(-1, 128)
+    cache = torch.cat([codes, torch.ones(codes.shape[0], 1).view(torch.uint8)], dim=1)[:, None, :]
+    width = cache.shape[0]
+    want = decode_rows(cache, FORMATS["fp8_index"])[:, 0]
+    table = torch.arange(width, dtype=torch.int32).expand(128, width)
+    q, ones, limits = torch.eye(128)[:, None, :], torch.ones(128, 1), torch.full((128,), width)
+    if not torch.set_flush_denormal(True):
+        pytest.skip("this CPU cannot flush subnormals (no FTZ / DAZ)")
+    try:
+        assert (torch.tensor(1e-30) * 1e-10).item() == 0.0  # subnormals are flushed now
+        got = quantized_index_scores.scores(q, ones, cache, table, limits, width, "fp8_index", isa=isa, threads=1)
+    finally:
+        torch.set_flush_denormal(False)
+    assert torch.equal(got, want.T.clamp_min(0.0))
+
+
 def test_quantized_index_scores_reject_bad_arguments():
     q, w = torch.zeros(2, 4, 128, dtype=torch.bfloat16), torch.zeros(2, 4)
     cache = torch.zeros(3, 4, 132, dtype=torch.uint8)

@@ -88,7 +88,8 @@ ISAS: dict[str, Isa] = {
         ),
         # 256-bit FMA on fp32 lanes, bf16 widened exactly (the 16 bits moved to the top of an fp32): the float kernels
         # for CPUs without AVX-512 (AVX2 EPYCs). No masked 16-bit loads: edges are copied or handled in scalar code.
-        Isa("avx2", ("-mavx2", "-mfma", "-DGLM5_AVX2"), ("avx2", "fma")),
+        # F16C (every AVX2 CPU has it) widens e4m3 codes through fp16 in quantized_index_scores.c.
+        Isa("avx2", ("-mavx2", "-mfma", "-mf16c", "-DGLM5_AVX2"), ("avx2", "fma", "f16c")),
         # The same loops around scalar arithmetic: runs on any CPU (the tests check the blocking with it everywhere).
         Isa("portable", ("-DGLM5_PORTABLE",), ()),
     )

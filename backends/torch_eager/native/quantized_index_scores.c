@@ -25,8 +25,8 @@
 #include <string.h>
 
 #if !defined(GLM5_PORTABLE) && (defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__)))
-#if !defined(__FMA__)
-#pragma GCC target("avx2,fma") /* the AVX-512 builds: every CPU with AVX-512F has AVX2 and FMA3 */
+#if !defined(__FMA__) || !defined(__F16C__)
+#pragma GCC target("avx2,fma,f16c") /* the AVX-512 builds: every CPU with AVX-512F has AVX2, FMA3 and F16C */
 #endif
 #include <immintrin.h>
 #define VECTORS 1
@@ -62,6 +62,27 @@ static void decode_row(const uint8_t *row, long dims, int code, float *out) {
         const __m256i low7 = _mm256_set1_epi32(0x7F), eight = _mm256_set1_epi32(8);
         const __m256i bias = _mm256_set1_epi32(120 << 23), sign = _mm256_set1_epi32((int)0x80000000u);
         const __m256 step = _mm256_set1_ps(0x1p-9f), nan = _mm256_set1_ps(NAN);
+        /* 16 codes at a time through fp16: a code's magnitude bits shifted left by 7 are an fp16 of the same
+           exponent and mantissa bits, whose value is the code's / 256 for normal (e >= 1) and subnormal (e = 0)
+           codes alike (fp16's exponent bias is 8 more, its subnormals 2^-24 a step against e4m3's 2^-9 for 7 more
+           mantissa bits); magnitude 0x7F gets fp16's all-ones exponent (NaN). F16C widens fp16 exactly, subnormals
+           included (its input is not an fp32 operand, so DAZ does not apply), and x 256 is exact: the fp32 value
+           of the code, then one rounding by the scale as before. ~40% fewer operations per code than the fp32
+           bit assembly below, which the last 8 codes of a row of 8 mod 16 still take. */
+        const __m256i low7_16 = _mm256_set1_epi16(0x7F), sign16 = _mm256_set1_epi16((short)0x8000);
+        const __m256i nan16 = _mm256_set1_epi16(0x7C00);
+        const __m256 unscale = _mm256_set1_ps(256.0f);
+        for (; d + 2 * LANES <= dims; d += 2 * LANES) {
+            __m256i x = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(row + d)));
+            __m256i magnitude = _mm256_and_si256(x, low7_16);
+            __m256i half = _mm256_or_si256(_mm256_slli_epi16(magnitude, 7),
+                                           _mm256_and_si256(_mm256_slli_epi16(x, 8), sign16));
+            half = _mm256_or_si256(half, _mm256_and_si256(_mm256_cmpeq_epi16(magnitude, low7_16), nan16));
+            __m256 low = _mm256_cvtph_ps(_mm256_castsi256_si128(half));
+            __m256 high = _mm256_cvtph_ps(_mm256_extracti128_si256(half, 1));
+            _mm256_storeu_ps(out + d, _mm256_mul_ps(_mm256_mul_ps(low, unscale), scales));
+            _mm256_storeu_ps(out + d + LANES, _mm256_mul_ps(_mm256_mul_ps(high, unscale), scales));
+        }
         for (; d + LANES <= dims; d += LANES) {
             __m256i x = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(row + d)));
             __m256i magnitude = _mm256_and_si256(x, low7);
