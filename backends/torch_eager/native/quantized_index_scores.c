@@ -15,8 +15,8 @@
  * key once per chunk of tokens, not once per token. The dot products run along D: a tile is 2 keys x 4 heads of
  * 8-lane accumulators, the keys' lanes loaded once per 8 dims for the 4 heads, the queries streamed from L1. A
  * layout with heads in the lanes (indexer_scores.c) pads 4 heads to 8 or 16 lanes; here the work per key is
- * D x ceil(H / 4) x 4 multiply-adds, whatever H. Built with AVX2 + FMA (the AVX-512 and AMX builds compile the same
- * 256-bit code: every such CPU has FMA) and portable (scalar loops with the same blocking and per-lane sums, each
+ * D x ceil(H / 4) x 4 multiply-adds, whatever H. Built with AVX2 + FMA + F16C (the AVX-512 and AMX builds compile the
+ * same 256-bit code: every such CPU has FMA and F16C) and portable (scalar loops with the same blocking and per-lane sums, each
  * product rounded before it is added where the vector code fuses the two).
  */
 #include <math.h>
