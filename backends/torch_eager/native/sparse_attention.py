@@ -66,13 +66,18 @@ def availability(isa: str = FAST) -> tuple[bool, str]:
     return build.availability("sparse_attention", isa)
 
 
-def _check_arguments(q: Tensor, rows: Tensor, slots: Tensor, d_v: int, out_dtype: torch.dtype) -> None:
+def _check_query(q: Tensor) -> tuple[int, int]:
+    """q [T, H, D] bf16; returns (T, D)."""
     check(
         q.dim() == 3 and q.dtype == torch.bfloat16,
         TypeError,
         lambda: f"q: expected [T, H, D] bf16, got {tuple(q.shape)} {q.dtype}",
     )
-    tokens, _, dims = q.shape
+    return q.shape[0], q.shape[2]
+
+
+def _check_arguments(q: Tensor, rows: Tensor, slots: Tensor, d_v: int, out_dtype: torch.dtype) -> None:
+    tokens, dims = _check_query(q)
     check(
         rows.dim() == 2 and rows.dtype == torch.bfloat16 and rows.stride(1) == 1,
         TypeError,
@@ -104,12 +109,7 @@ def _check_paged_arguments(
     d_v: int,
     out_dtype: torch.dtype,
 ) -> None:
-    check(
-        q.dim() == 3 and q.dtype == torch.bfloat16,
-        TypeError,
-        lambda: f"q: expected [T, H, D] bf16, got {tuple(q.shape)} {q.dtype}",
-    )
-    tokens, _, dims = q.shape
+    tokens, dims = _check_query(q)
     check(
         cache.dim() == 3 and cache.dtype == torch.bfloat16 and cache.stride(2) == 1,
         TypeError,
@@ -159,34 +159,31 @@ def _attention(
     isa: str,
     threads: int | None,
 ) -> tuple[Tensor, Tensor]:
-    tokens, heads, dims = q.shape
-    topk = slots.shape[1]
-    out = torch.empty(tokens, heads, d_v, dtype=out_dtype)
-    lse = torch.empty(tokens, heads, dtype=torch.float32)
-    if lse.numel() == 0:
-        return out, lse
-    packed, slots = head_pairs(q), slots.contiguous()
-    keys = (slots.data_ptr(),)
-    return _run(_kernel(isa), packed, rows, keys, (tokens, heads, dims, topk), scale, d_v, out, lse, threads)
+    slots = slots.contiguous()
+    return _run(_kernel(isa), q, rows, (slots.data_ptr(),), slots.shape[1], scale, d_v, out_dtype, threads)
 
 
 def _run(
     kernel,
-    packed: Tensor,
+    q: Tensor,
     rows: Tensor,
     keys: tuple[int, ...],
-    shape: tuple[int, int, int, int],
+    topk: int,
     scale: float,
     d_v: int,
-    out: Tensor,
-    lse: Tensor,
+    out_dtype: torch.dtype,
     threads: int | None,
 ) -> tuple[Tensor, Tensor]:
     """The kernel over every token, split by tokens across threads; `keys`: the arguments that say where each
-    token's rows are (the slots, or the paged batch)."""
-    tokens, heads, dims, topk = shape
+    token's rows are (the slots, or the paged batch; the caller keeps their tensors alive)."""
+    tokens, heads, dims = q.shape
+    out = torch.empty(tokens, heads, d_v, dtype=out_dtype)
+    lse = torch.empty(tokens, heads, dtype=torch.float32)
+    if lse.numel() == 0:
+        return out, lse
+    packed = head_pairs(q)
     args = (heads, dims, d_v, topk, packed.data_ptr(), rows.data_ptr(), rows.shape[0], rows.stride(0), *keys, scale)
-    args += (out.data_ptr(), int(out.dtype == torch.float32), out.stride(0), out.stride(1), lse.data_ptr(), heads)
+    args += (out.data_ptr(), int(out_dtype == torch.float32), out.stride(0), out.stride(1), lse.data_ptr(), heads)
     flops = 2 * tokens * topk * heads * (dims + d_v)
     shares = threads_.split(tokens, threads_.thread_count(flops, threads))
     failed = threads_.failed_shares(kernel, args, shares)
@@ -207,12 +204,6 @@ def _paged_attention(
     isa: str,
     threads: int | None,
 ) -> tuple[Tensor, Tensor]:
-    tokens, heads, dims = q.shape
-    topk = indices.shape[1]
-    out = torch.empty(tokens, heads, d_v, dtype=out_dtype)
-    lse = torch.empty(tokens, heads, dtype=torch.float32)
-    if lse.numel() == 0:
-        return out, lse
     view = slot_rows(cache)  # the cache's rows in place, whatever its block and slot strides
     # Rows of the index tensors are read at their stride; each row itself must be contiguous.
     indices = indices if indices.stride(1) == 1 else indices.contiguous()
@@ -222,7 +213,7 @@ def _paged_attention(
     keys += (seq_lens_k.data_ptr(), cu_seqlens_q.data_ptr(), table.shape[0], cache.shape[1], cache.shape[0])
     keys += (view.block_step, view.row_step)
     kernel = _kernel(isa, paged=True)
-    return _run(kernel, head_pairs(q), view.rows, keys, (tokens, heads, dims, topk), scale, d_v, out, lse, threads)
+    return _run(kernel, q, view.rows, keys, indices.shape[1], scale, d_v, out_dtype, threads)
 
 
 def attention(
