@@ -57,8 +57,7 @@ GEMM_OPS = {
     torch.ops.aten.baddbmm.default,
     torch.ops.glm5_hal.native_bf16_bmm_nt.default,  # backends.torch_eager.native's bf16 GEMM with fp32 results (CPU)
     torch.ops.glm5_hal.native_indexer_scores.default,  # its fused indexer scores (products, ReLU, head sum)
-    torch.ops.glm5_hal.native_sparse_attention.default,  # its sparse attention (both products), rows read in place
-    torch.ops.glm5_hal.native_paged_sparse_attention.default,  # the same over the op's paged batch (the op's route)
+    torch.ops.glm5_hal.native_paged_sparse_attention.default,  # its sparse attention (both products), rows in place
     torch.ops.glm5_hal.native_quantized_index_scores.default,  # its indexer scores over quantized rows (decoded in it)
 }
 

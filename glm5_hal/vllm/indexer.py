@@ -168,7 +168,7 @@ def _select_keys(
 
 
 # Registered as glm5-hal's ops are, so that call_op runs the body directly in plain eager mode (a decode step calls
-# it once per layer; the custom op's dispatch layers cost ~0.1 ms per call on a CPU).
+# it once per layer, and the custom op's dispatch adds seven Python layers to each call: ~0.2 ms under cProfile).
 select_keys = custom_op("select_keys", mutates_args=("topk_indices_buffer",), namespace="glm5_hal_vllm")(_select_keys)
 
 

@@ -71,11 +71,11 @@ static void score_tile(const uint16_t *keys[KEYS], int n_keys, const uint16_t *q
 #define ROW_HEADS 4
 #define ROW_KEYS 3 /* 3 keys x 4 heads = 12 accumulators, the keys' 3 widened slices and one q slice: 16 ymm */
 
-static void widen_heads(const uint16_t *q, long pairs, long odd, long hp, long heads, long dims, float *qf) {
+/* qf [ROW_HEADS][dims] fp32 from the packed q [pairs + odd][hp][2] of one token (dim d is pair d / 2, part d % 2). */
+static void widen_heads(const uint16_t *q, long hp, long heads, long dims, float *qf) {
     for (long h = 0; h < ROW_HEADS; h++)
         for (long d = 0; d < dims; d++)
             qf[h * dims + d] = h < heads ? bf16_to_float(q[((d / 2) * hp + h) * 2 + d % 2]) : 0.0f;
-    (void)pairs, (void)odd;
 }
 
 static inline __m256 widen8(const uint16_t *row) {
@@ -603,7 +603,7 @@ static int attend(long heads, long dims, long dv, long topk, const uint16_t *q, 
         const uint16_t *qt = q + t * (pairs + odd) * hp * 2;
 #if defined(GLM5_AVX2)
         if (heads <= ROW_HEADS) {
-            widen_heads(qt, pairs, odd, hp, heads, dims, qf);
+            widen_heads(qt, hp, heads, dims, qf);
             score_few_heads(valid_rows, n, qf, dims, scale, s, hp);
         } else
 #endif

@@ -25,7 +25,9 @@ The arithmetic is the fp32 path's up to the order of the sums: exact bf16 produc
 an fp32 softmax (shifted by the row maximum, exp to ~1 ulp), and the normalised probabilities as hi + lo bf16 parts
 (~2^-16 of each) for the value product. A row whose slot is -1 is never read, so whatever an unused cache slot holds
 (NaN) cannot reach a result. The kernel runs on torch's intra-op thread count, split by tokens; the custom op
-torch.ops.glm5_hal.native_sparse_attention is what aten-level spies, FakeTensor and torch.compile see.
+torch.ops.glm5_hal.native_paged_sparse_attention (the torch backend's route) is what aten-level spies, FakeTensor and
+torch.compile see. `attention` is the kernel's flat form over slots: no route calls it, the tests check the kernel's
+arithmetic through it against float64 and the paged entry's key lookup against it.
 """
 
 from __future__ import annotations
@@ -230,8 +232,6 @@ def attention(
     """(out, lse) as described in the module docstring. out_dtype: bf16 (the op's) or fp32 (the unrounded result,
     for tests). isa: the build (backends.torch_eager.native.build.ISAS). threads: default torch's."""
     _check_arguments(q, rows, slots, d_v, out_dtype)
-    if threads is None and out_dtype == torch.bfloat16:  # the build is an argument of the op: compile sees each
-        return torch.ops.glm5_hal.native_sparse_attention(q, rows, slots, scale, d_v, isa)
     return _attention(q, rows, slots, scale, d_v, out_dtype, isa, threads)
 
 
@@ -252,7 +252,7 @@ def paged_attention(
     """(out, lse) as `attention`, over the op's paged batch (module docstring). isa, threads, out_dtype: as
     `attention`."""
     _check_paged_arguments(q, cache, indices, block_table, seq_lens_k, cu_seqlens_q, d_v, out_dtype)
-    if threads is None and out_dtype == torch.bfloat16:
+    if threads is None and out_dtype == torch.bfloat16:  # the build is an argument of the op: compile sees each
         return torch.ops.glm5_hal.native_paged_sparse_attention(
             q, cache, indices, block_table, seq_lens_k, cu_seqlens_q, scale, d_v, isa
         )
@@ -262,25 +262,6 @@ def paged_attention(
 
 
 _LIBRARY = torch.library.Library("glm5_hal", "FRAGMENT")
-_LIBRARY.define(
-    f"native_sparse_attention(Tensor q, Tensor rows, Tensor slots, float scale, int d_v, str isa='{FAST}') "
-    "-> (Tensor, Tensor)"
-)
-_LIBRARY.impl(
-    "native_sparse_attention",
-    lambda q, rows, slots, scale, d_v, isa=FAST: _attention(q, rows, slots, scale, d_v, torch.bfloat16, isa, None),
-    "CPU",
-)
-
-
-@torch.library.register_fake("glm5_hal::native_sparse_attention")
-def _fake_attention(
-    q: Tensor, rows: Tensor, slots: Tensor, scale: float, d_v: int, isa: str = FAST
-) -> tuple[Tensor, Tensor]:
-    tokens, heads, _ = q.shape
-    return q.new_empty(tokens, heads, d_v), q.new_empty(tokens, heads, dtype=torch.float32)
-
-
 _LIBRARY.define(
     "native_paged_sparse_attention(Tensor q, Tensor cache, Tensor indices, Tensor block_table, Tensor seq_lens_k, "
     f"Tensor cu_seqlens_q, float scale, int d_v, str isa='{FAST}') -> (Tensor, Tensor)"
