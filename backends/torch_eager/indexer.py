@@ -61,8 +61,10 @@ def indexer_prolog(
     gemm = gemm_for(x.dtype, x.device)
     q = gemm.linear(q_norm, w_iq).view(x.shape[0], num_heads, head_dim)  # [T, HI, DI]
     k = layer_norm(gemm.linear(x, w_ik), k_norm_weight, k_norm_bias, eps)  # [T, DI]
-    q = rope_leading(q, cos, sin, interleaved=rope_interleaved)
-    k = rope_leading(k, cos, sin, interleaved=rope_interleaved)
+    # q's heads and k rotated as one [T, HI + 1, DI] tensor: the same elementwise arithmetic in half the ops (a
+    # decode step's prolog is a few dozen small ops, each costing more than its arithmetic).
+    rotated = rope_leading(torch.cat((q, k[:, None]), dim=1), cos, sin, interleaved=rope_interleaved)
+    q, k = rotated[:, :num_heads], rotated[:, num_heads]
     # The head weights are an fp32 output: always fp32 products (HI rows of weight, a negligible GEMM).
     weights = linear(x.to(COMPUTE_DTYPE), w_iw) * (num_heads**-0.5 * head_dim**-0.5)  # [T, HI]
     write_rows(index_k_cache, slot_mapping, k, kv_cache_dtype)
@@ -156,8 +158,13 @@ class _ScoringBatch:
 
     def _mask_blocks_outside_the_cache(self, tables: Tensor, positions: Tensor, out: Tensor) -> None:
         """Set to -inf the visible keys of out [t, width] whose block id in tables [t, max_blocks] is not a block of
-        the cache. Validation refuses such ids where value checks run, so this costs one small [t, max_blocks] test;
-        the [t, width] mask is built only where one is found (or a host read is not allowed)."""
+        the cache. Validation refuses such ids where value checks run, so this usually costs one reduction of tables;
+        the [t, width] mask is built only where a visible key has one (or a host read is not allowed)."""
+        if host_reads_allowed(tables) and tables.numel():
+            # Usually every entry is a block of the cache (vLLM pads its tables with block 0): one reduction says so.
+            lowest, highest = tables.aminmax()
+            if int(lowest) >= 0 and int(highest) < self.cache.shape[0]:
+                return
         first_key = torch.arange(tables.shape[1], device=tables.device) * self.block_size  # [max_blocks]
         outside = ((tables < 0) | (tables >= self.cache.shape[0])) & (first_key[None, :] <= positions[:, None])
         if host_reads_allowed(outside) and not bool(outside.any()):

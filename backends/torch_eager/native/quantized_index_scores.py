@@ -50,7 +50,9 @@ def availability(isa: str = AVX2) -> tuple[bool, str]:
 
 
 def _padded(t: Tensor, heads: int) -> Tensor:
-    """[T, H, ...] as fp32 [T, Hp, ...], zero past H (Hp: H rounded up to HEADS)."""
+    """[T, H, ...] as fp32 [T, Hp, ...], contiguous, zero past H (Hp: H rounded up to HEADS)."""
+    if heads % HEADS == 0:  # no padding heads: one conversion (none for contiguous fp32), not a zero fill and a copy
+        return t.to(torch.float32).contiguous()
     padded = t.new_zeros(t.shape[0], -(-heads // HEADS) * HEADS, *t.shape[2:], dtype=torch.float32)
     padded[:, :heads] = t
     return padded
