@@ -37,6 +37,9 @@ ENGINE = {
     "max_model_len": 1024,
     "max_num_batched_tokens": 256,  # below the longest prompt: its prefill is chunked
     "enable_prefix_caching": True,
+    # Eager unless a test says otherwise: the plugin's default on a CPU is vLLM's compiled mode, whose compile costs
+    # ~30 s per engine start on a 2-core machine; test_vllm_tokens runs both modes.
+    "enforce_eager": True,
 }
 # Engine subprocess limit: a cold start, weights, the native kernels' first build and (compiled mode) Inductor on a
 # busy 2-core machine.
@@ -130,7 +133,7 @@ def run_vllm(
     if done.returncode != 0:
         raise RuntimeError(f"vLLM failed (exit {done.returncode}):\n{done.stderr[-6000:]}")
     result = json.loads(out_path.read_text())
-    result["log"] = done.stderr
+    result["log"] = done.stdout + done.stderr  # vLLM logs to stdout
     return result
 
 

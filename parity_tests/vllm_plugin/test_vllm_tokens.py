@@ -18,15 +18,21 @@ from plugin_fixtures import NEW_TOKENS, prompts
 
 SHARED_PREFIX = 400
 CASES = {
-    # name: (model_type, engine settings, environment)
-    "glm_moe_dsa-eager": ("glm_moe_dsa", {"enforce_eager": True}, {}),
-    # vLLM's compiled CPU mode (Dynamo traced once, Inductor): what other architectures get by default
-    "glm_moe_dsa-compiled": ("glm_moe_dsa", {}, {"VLLM_USE_BREAKABLE_CUDAGRAPH": "0"}),
-    # vLLM's default for GlmMoeDsaForCausalLM / DeepseekV32ForCausalLM (breakable CUDA graphs: no torch.compile on
-    # a CPU), with the engine core in its own process as `vllm serve` runs it
-    "glm_moe_dsa-default-multiprocess": ("glm_moe_dsa", {}, {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}),
+    # name: (model_type, engine settings, environment, vLLM's compile mode)
+    "glm_moe_dsa-eager": ("glm_moe_dsa", {"enforce_eager": True}, {}, "NONE"),
+    # the plugin's default for the DSA models it serves on a CPU: vLLM's compiled CPU mode (Dynamo traced once,
+    # Inductor), what vLLM gives other architectures there
+    "glm_moe_dsa-default": ("glm_moe_dsa", {"enforce_eager": False}, {}, "DYNAMO_TRACE_ONCE"),
+    # vLLM's own default for GlmMoeDsaForCausalLM / DeepseekV32ForCausalLM, asked for (breakable CUDA graphs: no
+    # torch.compile on a CPU), with the engine core in its own process as `vllm serve` runs it
+    "glm_moe_dsa-breakable-multiprocess": (
+        "glm_moe_dsa",
+        {"enforce_eager": False},
+        {"VLLM_USE_BREAKABLE_CUDAGRAPH": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "1"},
+        "NONE",
+    ),
     # YaRN RoPE, the half-split indexer RoPE, grouped routing; the routed experts through glm5_hal.fused_moe
-    "deepseek_v32-eager-fused_moe": ("deepseek_v32", {"enforce_eager": True}, {"GLM5_HAL_VLLM_MOE": "1"}),
+    "deepseek_v32-eager-fused_moe": ("deepseek_v32", {"enforce_eager": True}, {"GLM5_HAL_VLLM_MOE": "1"}, "NONE"),
 }
 
 
@@ -50,7 +56,7 @@ def reference(model: Path) -> list[list[int]]:
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_fp32_tokens_equal_glm5_hal(case: str, checkpoints: dict[str, Path], vllm) -> None:
-    model_type, engine, env = CASES[case]
+    model_type, engine, env, compile_mode = CASES[case]
     first, second = requests()
     batches = [{"prompts": first, "max_tokens": NEW_TOKENS}, {"prompts": second, "max_tokens": NEW_TOKENS}]
     served = vllm(checkpoints[model_type], batches, engine=engine, env=env)
@@ -62,6 +68,9 @@ def test_fp32_tokens_equal_glm5_hal(case: str, checkpoints: dict[str, Path], vll
     ]
     assert tokens == expected, f"{case}: tokens agree for {agree} of {NEW_TOKENS} per request"
 
+    assert served["compile_mode"] == compile_mode, (case, served["compile_mode"])
+    compiled_default = "so it runs vLLM's compiled CPU mode" in served["log"]
+    assert compiled_default == (case == "glm_moe_dsa-default"), f"{case}: the plugin's compiled-mode line"
     layers = served["layers"]  # the plugin really served the model
     assert layers["attention"] == ["GLM5_HAL_SPARSE_MLA"], layers
     assert layers["indexer_cache"] == ["GLM5_HAL_INDEXER"], layers

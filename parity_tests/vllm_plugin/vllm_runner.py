@@ -68,7 +68,11 @@ def main(spec_path: str, out_path: str) -> None:
                 for o in outputs
             ]
         results.append({"tokens": [list(o.outputs[0].token_ids) for o in outputs], "prompt_logprobs": prompt_logprobs})
-    out = {"batches": results, "prefix_cache_hits": _prefix_cache_hits(llm)}
+    out = {
+        "batches": results,
+        "prefix_cache_hits": _prefix_cache_hits(llm),
+        "compile_mode": llm.llm_engine.vllm_config.compilation_config.mode.name,
+    }
     if spec.get("inspect"):
         # by module name, not __main__'s: in multiprocess mode the function travels to the worker by pickle, and the
         # worker imports this module (plugin_fixtures puts its folder on PYTHONPATH)
