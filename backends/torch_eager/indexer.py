@@ -68,7 +68,7 @@ def indexer_prolog(
     # The head weights are an fp32 output: always fp32 products (HI rows of weight, a negligible GEMM).
     weights = linear(x.to(COMPUTE_DTYPE), w_iw) * (num_heads**-0.5 * head_dim**-0.5)  # [T, HI]
     write_rows(index_k_cache, slot_mapping, k, kv_cache_dtype)
-    return q.to(x.dtype), weights
+    return q.to(x.dtype).contiguous(), weights  # q is a view of the rotated [T, HI + 1, DI]: contiguous, as promised
 
 
 class _ScoringBatch:

@@ -1,0 +1,130 @@
+"""Decode speed of vLLM + the glm5-hal plugin in two vLLM modes, timed at the same time.
+
+    .venv-vllm/bin/python -m perf.vllm_modes --context 4096 --windows 10 --rounds 2
+
+Why at the same time: on a shared machine the same engine's decode speed moves by a third between minutes, so two
+modes timed one after the other cannot be told apart at a 20% difference. Here two engines (one per mode, each in its
+own process, one torch thread, pinned to its own core) prefill the same prompt, wait for each other, then each
+decodes --windows requests of NEW_TOKENS tokens (prefix caching on: a window is the decode, not the prefill). Both
+see the same machine at the same time; each round swaps the cores. Needs at least two CPUs.
+
+Modes (`MODES`): `compiled` is the plugin's default for the DSA models it serves on a CPU (vLLM's compiled CPU mode,
+Dynamo traced once, Inductor); `breakable` is vLLM's own default for these architectures
+(VLLM_USE_BREAKABLE_CUDAGRAPH=1: breakable CUDA graphs, no torch.compile on a CPU); `eager` is --enforce-eager.
+Checkpoint and dims as perf/vllm_bench.py (glm5-mini dims, index_topk 2048, bf16).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from perf.vllm_bench import NEW_TOKENS, cpu_name, prompt, write_checkpoints
+
+MODES: dict[str, tuple[dict[str, str], dict[str, object]]] = {
+    # name: (environment, LLM settings)
+    "compiled": ({}, {}),
+    "breakable": ({"VLLM_USE_BREAKABLE_CUDAGRAPH": "1"}, {}),
+    "eager": ({}, {"enforce_eager": True}),
+}
+BARRIER_TIMEOUT_S = 1800  # the other engine's start and prefill
+
+
+def _worker(mode: str, model: str, context: int, windows: int, barrier: Path) -> list[float]:
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm = LLM(
+        model=model,
+        dtype="bfloat16",
+        skip_tokenizer_init=True,
+        max_model_len=context + NEW_TOKENS + 16,
+        enable_prefix_caching=True,  # every window after the first request decodes over the cached prompt
+        disable_log_stats=False,  # the per-request token timestamps
+        **MODES[mode][1],
+    )
+    request = [TokensPrompt(prompt_token_ids=prompt(context, seed=1))]
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, detokenize=False)
+    llm.generate(request, params)  # prefill, and every first-call cost
+    (barrier / mode).touch()
+    deadline = time.monotonic() + BARRIER_TIMEOUT_S
+    while len(list(barrier.iterdir())) < 2:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{mode}: the other engine was not ready within {BARRIER_TIMEOUT_S} s")
+        time.sleep(0.2)
+    rates = []
+    for _ in range(windows):
+        out = llm.generate(request, params)[0]
+        stats = out.metrics
+        rates.append((len(out.outputs[0].token_ids) - 1) / (stats.last_token_ts - stats.first_token_ts))
+    return rates
+
+
+def _round(modes: list[str], cores: list[int], model: Path, context: int, windows: int) -> dict[str, list[float]]:
+    """One round: the two modes' engines at once, mode i on core cores[i]."""
+    with tempfile.TemporaryDirectory() as barrier:
+        workers = {}
+        for mode, core in zip(modes, cores, strict=True):
+            env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "4"}
+            env.update({"OMP_NUM_THREADS": "1", **MODES[mode][0]})
+            command = [sys.executable, "-m", "perf.vllm_modes", "--worker", mode, str(model), str(context)]
+            command += [str(windows), barrier, str(core)]
+            workers[mode] = subprocess.Popen(
+                command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            )
+        rates = {}
+        for mode, worker in workers.items():
+            out, err = worker.communicate(timeout=2 * BARRIER_TIMEOUT_S)
+            if worker.returncode != 0:
+                for other in workers.values():
+                    other.kill()
+                raise RuntimeError(f"{mode}: exit {worker.returncode}\n{err[-3000:]}")
+            rates[mode] = json.loads(out.strip().splitlines()[-1])
+        return rates
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--context", type=int, default=4096, help="prompt length")
+    parser.add_argument("--modes", default="compiled,breakable", help=f"two of {tuple(MODES)}, comma-separated")
+    parser.add_argument("--windows", type=int, default=10, help="timed requests per engine and round")
+    parser.add_argument("--rounds", type=int, default=2, help="rounds, the cores swapped each time")
+    parser.add_argument("--worker", nargs=6, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        mode, model, context, windows, barrier, core = args.worker
+        os.sched_setaffinity(0, {int(core)})
+        print(json.dumps(_worker(mode, model, int(context), int(windows), Path(barrier))))
+        return
+    modes = [m.strip() for m in args.modes.split(",")]
+    if len(modes) != 2 or not set(modes) <= set(MODES) or modes[0] == modes[1]:
+        parser.error(f"--modes: expected two different names from {tuple(MODES)}, got {args.modes!r}")
+    cores = sorted(os.sched_getaffinity(0))[:2]
+    if len(cores) < 2:
+        parser.error("needs two CPUs: the engines run at the same time, one core each")
+    print(f"{cpu_name()}; context {args.context}, {args.windows} windows of {NEW_TOKENS - 1} decode steps", flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        model = write_checkpoints(Path(tmp))["dsa"]
+        for r in range(args.rounds):
+            placed = cores if r % 2 == 0 else cores[::-1]
+            rates = _round(modes, placed, model, args.context, args.windows)
+            medians = {m: statistics.median(rates[m]) for m in modes}
+            where = ", ".join(f"{m} on CPU {c}" for m, c in zip(modes, placed, strict=True))
+            print(
+                f"round {r + 1} ({where}): "
+                + ", ".join(f"{m} median {medians[m]:.1f} tok/s" for m in modes)
+                + f"; {modes[0]} / {modes[1]} = {medians[modes[0]] / medians[modes[1]]:.2f}x",
+                flush=True,
+            )
+            print("  " + json.dumps({m: [round(x, 1) for x in rates[m]] for m in modes}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
