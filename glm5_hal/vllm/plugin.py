@@ -157,9 +157,9 @@ def _install_compiled_default(config_cls: type, mode: str) -> None:
 
     Why: vLLM's default for GlmMoeDsaForCausalLM / DeepseekV32ForCausalLM is breakable CUDA graphs, which on a CPU
     means no torch.compile at all, so every small op around attention runs eagerly. Measured on a 2-core AMD EPYC
-    (Zen 3, AVX2), glm5-mini dims, bf16, 4K context, the two engines decoding at the same time, one core each, in
-    three runs (cores swapped): compiled 1.20-1.26x the eager decode tokens/s. The cost is the compile at engine
-    start (~30 s there, cached by vLLM). The wrapper is installed once per class."""
+    (Zen 3, AVX2), glm5-mini dims, bf16, 4K context, the two engines decoding at the same time on one core each
+    (perf/vllm_modes.py): compiled 1.14-1.26x the eager decode tokens/s over five rounds. The cost is the compile at
+    engine start (~30 s there, cached by vLLM). The wrapper is installed once per class."""
     default = getattr(config_cls, "_uses_breakable_cudagraph_by_default", None)
     if default is None or getattr(config_cls, "_glm5_hal_compiled_default", False):
         return  # a vLLM without the rule (the version window keeps this to 0.32) or already wrapped
