@@ -20,6 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from backends.torch_eager.native import bf16_gemm, build, indexer_scores, quantized_index_scores
+from backends.torch_eager.native import indexer_prolog as native_prolog
 from backends.torch_eager.native import sparse_attention as native_attention
 from glm5_hal.kv_formats import FORMATS, decode_rows, encode_rows
 
@@ -309,6 +310,200 @@ def test_quantized_index_scores_reject_bad_arguments():
     strided = torch.zeros(3, 4, 264, dtype=torch.uint8)[..., ::2]
     with pytest.raises(ValueError, match=r"cache: expected rows contiguous in D, got strides \(1056, 264, 2\)"):
         scores(q, w, strided, tables, limits, 8, "fp8_index")
+
+
+# ------------------------------------------------------------------------------------------------ indexer prolog
+
+
+def _prolog_want(x, q_norm, w_iq, w_ik, norm_w, norm_b, w_iw, cos, sin, interleaved, eps):
+    """float64 q [T, H, D], k [T, D], weights [T, H] of the contract, and the magnitudes their fp32 sums run over."""
+    heads, dims = w_iw.shape[0], w_ik.shape[0]
+    x64, qn64 = x.double(), q_norm.double()
+    q = (qn64 @ w_iq.double().T).view(-1, heads, dims)
+    q_mag = (qn64.abs() @ w_iq.double().abs().T).view(-1, heads, dims)
+    k_pre = x64 @ w_ik.double().T
+    k_mag = x64.abs() @ w_ik.double().abs().T
+    mean = k_pre.mean(-1, keepdim=True)
+    rstd = 1.0 / torch.sqrt(((k_pre - mean) ** 2).mean(-1, keepdim=True) + eps)
+    k = (k_pre - mean) * rstd * norm_w.double() + norm_b.double()
+    half = cos.shape[1]
+
+    def rope(v):
+        v = v.clone()
+        c, s = cos.double(), sin.double()
+        if v.dim() == 3:
+            c, s = c[:, None], s[:, None]
+        idx_a = torch.arange(half) * 2 if interleaved else torch.arange(half)
+        idx_b = idx_a + 1 if interleaved else idx_a + half
+        a, b = v[..., idx_a].clone(), v[..., idx_b].clone()
+        v[..., idx_a], v[..., idx_b] = a * c - b * s, a * s + b * c
+        return v
+
+    weights = (x64 @ w_iw.double().T) * heads**-0.5 * dims**-0.5
+    w_mag = (x64.abs() @ w_iw.double().abs().T) * heads**-0.5 * dims**-0.5
+    return rope(q), q_mag, rope(k), rstd * k_mag * norm_w.double().abs(), weights, w_mag
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@SETTINGS
+@given(
+    kv_cache_dtype=st.sampled_from(sorted(native_prolog.CODES)),
+    tokens=st.integers(0, native_prolog.MAX_TOKENS),
+    heads=st.integers(1, 6),
+    dims=st.sampled_from([8, 20, 64, 128]),
+    hidden=st.integers(1, 300),
+    q_lora=st.integers(1, 200),
+    interleaved=st.booleans(),
+    special=st.booleans(),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_indexer_prolog_is_the_fp32_prolog_of_the_bf16_inputs(
+    isa, kv_cache_dtype, tokens, heads, dims, hidden, q_lora, interleaved, special, seed
+):
+    """Widths that cross the 16-input steps and the 4-token passes, every cache the kernel writes, unused (-1) slots
+    and rows it must leave alone, NaN / inf in a token's x (that token's key row and weights, not the others'), against
+    float64: q and weights within fp32 sums (q then rounded to bf16), the key within its LayerNorm-scaled fp32 sums and
+    its cache's rounding; splitting the projections over threads changes no bit."""
+    _runs(native_prolog, isa)
+    if kv_cache_dtype != "auto":
+        dims = 128  # the index formats' rows hold 128 codes
+    gen = torch.Generator().manual_seed(seed)
+    x, q_norm = _bf16(gen, tokens, hidden), _bf16(gen, tokens, q_lora)
+    w_iq, w_ik, w_iw = _bf16(gen, heads * dims, q_lora), _bf16(gen, dims, hidden), _bf16(gen, heads, hidden)
+    norm_w, norm_b = _bf16(gen, dims), _bf16(gen, dims)
+    half = int(torch.randint(0, dims // 2 + 1, (1,), generator=gen))
+    angles = torch.rand(tokens, half, generator=gen) * 6.3
+    cos, sin = angles.cos(), angles.sin()
+    if special and tokens:
+        x[0, 0] = float("nan") if tokens % 2 else float("inf")
+    fmt = None if kv_cache_dtype == "auto" else FORMATS[kv_cache_dtype]
+    block_size, blocks = 4, tokens // 2 + 2
+    if fmt is None:
+        cache = _bf16(gen, blocks, block_size, dims)
+    else:
+        cache = torch.randint(0, 256, (blocks, block_size, fmt.row_bytes), generator=gen, dtype=torch.uint8)
+    slots = torch.randperm(blocks * block_size, generator=gen)[:tokens]
+    slots[::3] = -1
+    before = cache.clone()
+    q_idx, weights = native_prolog.prolog(
+        x, q_norm, w_iq, w_ik, norm_w, norm_b, w_iw, cos, sin, cache, slots,
+        interleaved=interleaved, eps=1e-6, kv_cache_dtype=kv_cache_dtype, isa=isa, threads=1,
+    )  # fmt: skip
+    q, q_mag, k, k_mag, w, w_mag = _prolog_want(
+        x, q_norm, w_iq, w_ik, norm_w, norm_b, w_iw, cos, sin, interleaved, 1e-6
+    )
+    rope_mag = 2.0 if half else 1.0  # a rotated value sums two rounded products of its pair
+    bf16_half_ulp = 2.0**-8
+    bound = bf16_half_ulp * q.abs() + 2 * (q_lora + 4) * FP32_SUM * rope_mag * q_mag.amax(-1, keepdim=True) + 1e-30
+    assert ((q_idx.double() - q).abs() <= bound).all()
+    _assert_within_fp32_sums(weights, w, w_mag, hidden + 1)
+    flat = cache.flatten(0, 1)
+    written = slots >= 0
+    rows = flat[slots[written]]
+    untouched = torch.ones(flat.shape[0], dtype=torch.bool)
+    untouched[slots[written]] = False
+    assert torch.equal(flat[untouched], before.flatten(0, 1)[untouched])
+    stored = rows.double() if fmt is None else decode_rows(rows, fmt).double()
+    k, k_mag = k[written], k_mag[written]
+    finite_rows = k.isfinite().all(-1)
+    assert stored[~finite_rows].isnan().any(-1).all()  # NaN / inf in x: the row is NaN (read back through its scale)
+    k, k_mag, stored = k[finite_rows], k_mag[finite_rows], stored[finite_rows]
+    fp32_error = 4 * (hidden + dims + 4) * FP32_SUM * rope_mag * k_mag.amax(-1, keepdim=True) + 2.0**-20 * k.abs()
+    if fmt is None:
+        rounding = bf16_half_ulp * k.abs()
+    else:  # half a code step at the row's scale: 2^-4 of a normal e4m3 value, 2^-10 x scale below them; int8 half
+        scale = rows[finite_rows, fmt.scales_offset :].contiguous().view(torch.float32).double()
+        rounding = (2.0**-4 * k.abs() + 2.0**-10 * scale) if fmt.code == "e4m3" else 0.5 * scale
+    assert ((stored - k).abs() <= rounding + fp32_error * (1 + 1 / 127)).all()
+    again = before.clone()
+    three = native_prolog.prolog(
+        x, q_norm, w_iq, w_ik, norm_w, norm_b, w_iw, cos, sin, again, slots,
+        interleaved=interleaved, eps=1e-6, kv_cache_dtype=kv_cache_dtype, isa=isa, threads=3,
+    )  # fmt: skip
+    assert torch.equal(three[0].view(torch.int16), q_idx.view(torch.int16)) and _same_bits(three[1], weights)
+    assert torch.equal(again.view(torch.uint8), cache.view(torch.uint8))
+
+
+def _encoder_rows(gen: torch.Generator) -> torch.Tensor:
+    """Rows that cross every rounding edge of both index formats: random rows over 80 binades; rows of scale 1 (max
+    448 or 127) holding e4m3 midpoints, normal and subnormal, and int8 halves; zero and -0.0 rows; NaN and inf rows;
+    rows whose largest value is a subnormal, so that max / qmax underflows to 0 and every ratio is 0 / 0 or x / 0."""
+    rows = torch.randn(400, 128, generator=gen) * torch.logspace(-40, 38, 400)[:, None].float()
+    codes = torch.arange(1, 127, dtype=torch.uint8).view(torch.float8_e4m3fn).float()  # positive e4m3 values
+    midpoints = (codes[:-1] + codes[1:]) / 2
+    e4m3 = torch.cat([midpoints, -midpoints, codes[:6]])[:128].clone()
+    e4m3[0] = 448.0  # scale exactly 1
+    int8 = torch.arange(-63.5, 64.5, 1.0)[:128].clone()
+    int8[0] = 127.0
+    tiny = torch.tensor(1e-45) * torch.randint(-3, 4, (128,), generator=gen)
+    tiny[0] = 1e-45
+    special = torch.zeros(5, 128)
+    special[1] = -0.0
+    special[2, 7], special[3, 9], special[4, 0] = float("nan"), float("inf"), -float("inf")
+    return torch.cat([rows, e4m3[None], int8[None], tiny[None], special])
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8_index", "int8_index"])
+def test_indexer_prolog_encodes_rows_as_kv_formats_bit_for_bit(isa, kv_cache_dtype):
+    """The prolog's encoder against kv_formats.encode_rows on every rounding edge (_encoder_rows), NaN bits included."""
+    _runs(native_prolog, isa)
+    rows = _encoder_rows(torch.Generator().manual_seed(3))
+    got = native_prolog.encode(rows, kv_cache_dtype, isa=isa)
+    assert torch.equal(got, encode_rows(rows, FORMATS[kv_cache_dtype]))
+
+
+def test_the_torch_backend_runs_decode_prologs_on_the_fused_kernel(monkeypatch: pytest.MonkeyPatch):
+    """With the native route forced, the torch backend's indexer_prolog of every parity case (both RoPE layouts,
+    padding slots, every cache format, a written zero tile) of at most MAX_TOKENS tokens runs native/indexer_prolog.c,
+    and the parity judge passes its outputs and written cache against the reference; larger calls keep the GEMM path."""
+    from glm5_hal.parity.cases import cases_for
+    from glm5_hal.parity.runner import case_generator, run_inputs
+
+    native = "1" if native_prolog.availability()[0] else build.PORTABLE_ONLY
+    monkeypatch.setenv("GLM5_HAL_FAST_PATHS", "1")
+    monkeypatch.setenv(build.ENV_NATIVE, native)
+    calls = []
+    real = native_prolog.prolog
+    monkeypatch.setattr(native_prolog, "prolog", lambda x, *a, **kw: calls.append(x.shape[0]) or real(x, *a, **kw))
+    fused = set()
+    for case in cases_for("indexer_prolog", quick=True):
+        inputs = case.build(case_generator(case, torch.bfloat16, seed=7), torch.bfloat16)
+        calls.clear()
+        result = run_inputs("indexer_prolog", inputs, "torch", torch.bfloat16, name=case.name)
+        assert result.passed, result.detail
+        tokens = inputs["x"].shape[0]
+        assert calls == ([tokens] if tokens <= native_prolog.MAX_TOKENS else []), (case.name, calls)
+        if calls:
+            fused.add(inputs.get("kv_cache_dtype", "auto"))
+    assert fused == set(native_prolog.CODES), f"decode-sized cases only for {fused}: the test checks too little"
+
+
+def test_indexer_prolog_rejects_what_it_does_not_take():
+    bf = torch.bfloat16
+    x, q_norm = torch.zeros(2, 16, dtype=bf), torch.zeros(2, 8, dtype=bf)
+    w_iq, w_ik, w_iw = torch.zeros(2 * 128, 8, dtype=bf), torch.zeros(128, 16, dtype=bf), torch.zeros(2, 16, dtype=bf)
+    norm, cos = torch.zeros(128), torch.zeros(2, 32)
+    cache, slots = torch.zeros(3, 4, 132, dtype=torch.uint8), torch.zeros(2, dtype=torch.int64)
+
+    def prolog(**changed):
+        args = dict(x=x, q_norm=q_norm, w_iq=w_iq, w_ik=w_ik, norm_weight=norm, norm_bias=norm, w_iw=w_iw, cos=cos)
+        args |= dict(sin=cos, cache=cache, slot_mapping=slots) | changed
+        kv = args.pop("kv_cache_dtype", "fp8_index")
+        return native_prolog.prolog(**args, interleaved=True, eps=1e-6, kv_cache_dtype=kv, isa="portable")
+
+    with pytest.raises(TypeError, match=r"expected at most 16 tokens, bf16 .* got 2 tokens, x torch.float32"):
+        prolog(x=x.float())
+    with pytest.raises(TypeError, match=r"got 17 tokens"):
+        prolog(x=torch.zeros(17, 16, dtype=bf))
+    with pytest.raises(TypeError, match=r"cache torch.float32 \(auto\)"):
+        prolog(cache=torch.zeros(3, 4, 128), kv_cache_dtype="auto")
+    with pytest.raises(ValueError, match=r"w_iq: expected \(256, 8\), got \(128, 8\)"):
+        prolog(w_iq=w_iq[:128])
+    with pytest.raises(ValueError, match=r"cos, sin: expected \[2, at most 64\], got \(2, 65\)"):
+        prolog(cos=torch.zeros(2, 65), sin=torch.zeros(2, 65))
+    with pytest.raises(ValueError, match=r"kv_cache_dtype: expected one of \('fp8_index', 'int8_index'\)"):
+        native_prolog.encode(torch.zeros(1, 128), "auto")
 
 
 # ------------------------------------------------------------------------------------------------ sparse attention

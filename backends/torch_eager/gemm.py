@@ -112,6 +112,10 @@ class Gemm:
         """The route for a call of `count` heads (RoutedGemm.at): this one, whatever the count."""
         return self
 
+    def for_rows(self, a: Tensor, rows: int) -> Gemm:
+        """The route for a product of `rows` rows of `a` (RoutedGemm.for_rows): this one, whatever the rows."""
+        return self
+
     @property
     def fused(self) -> bool:
         """Whether the ops' fused native kernels (sparse attention, indexer scores) run on this path: they are built
@@ -221,7 +225,7 @@ class RoutedGemm:
     def logits(self) -> RoutedGemm:
         return self
 
-    def _for(self, a: Tensor, rows: int) -> Gemm:
+    def for_rows(self, a: Tensor, rows: int) -> Gemm:
         """The route for a product of `rows` rows of `a`: by the rows its GEMM really runs, which an fp32 `a`
         doubles (it enters as two stacked parts on a half-precision route: the split measured in those rows)."""
         half = self.small.operand if self.small.half else self.large.operand  # the routes' half-precision dtype
@@ -234,11 +238,11 @@ class RoutedGemm:
 
     def bmm(self, a: Tensor, b: Tensor, *, output: bool = False) -> Tensor:
         """As Gemm.bmm, on the route for a's rows."""
-        return self._for(a, a.shape[1]).bmm(a, b, output=output)
+        return self.for_rows(a, a.shape[1]).bmm(a, b, output=output)
 
     def linear(self, x: Tensor, weight: Tensor, *, output: bool = False) -> Tensor:
         """As Gemm.linear, on the route for x's rows (all leading dims)."""
-        return self._for(x, x.numel() // max(x.shape[-1], 1)).linear(x, weight, output=output)
+        return self.for_rows(x, x.numel() // max(x.shape[-1], 1)).linear(x, weight, output=output)
 
 
 def from_route(activation: torch.dtype, route: Route) -> Gemm:

@@ -16,6 +16,7 @@ from torch import Tensor
 
 from backends.torch_eager.capabilities import INDEXER, QUANTIZED_INDEXER
 from backends.torch_eager.gemm import gemm_for
+from backends.torch_eager.native import indexer_prolog as native_prolog
 from backends.torch_eager.native import indexer_scores as native_scores
 from backends.torch_eager.native import quantized_index_scores as native_quantized_scores
 from backends.torch_eager.paged import gather_rows
@@ -59,6 +60,15 @@ def indexer_prolog(
     """
     num_heads, head_dim = w_iw.shape[0], w_ik.shape[0]  # not the cache's width: a quantized row is row_bytes wide
     gemm = gemm_for(x.dtype, x.device)
+    route = gemm.for_rows(x, x.shape[0])
+    # A decode step on the native route: the whole prolog in two native calls (the same fp32 arithmetic), where
+    # the ops below would cost a few dozen dispatches for a few microseconds of arithmetic.
+    if route.fused and native_prolog.takes(x, q_norm, (w_iq, w_ik, w_iw), index_k_cache, kv_cache_dtype):
+        if native_prolog.availability(route.native_isa)[0]:
+            return native_prolog.prolog(
+                x, q_norm, w_iq, w_ik, k_norm_weight, k_norm_bias, w_iw, cos, sin, index_k_cache, slot_mapping,
+                interleaved=rope_interleaved, eps=eps, kv_cache_dtype=kv_cache_dtype, isa=route.native_isa,
+            )  # fmt: skip
     q = gemm.linear(q_norm, w_iq).view(x.shape[0], num_heads, head_dim)  # [T, HI, DI]
     k = layer_norm(gemm.linear(x, w_ik), k_norm_weight, k_norm_bias, eps)  # [T, DI]
     # q's heads and k rotated as one [T, HI + 1, DI] tensor: the same elementwise arithmetic in half the ops (a

@@ -29,7 +29,8 @@ QUANTIZED_CONFIGS_PER_ROUTE = 80  # per indexer op: the quantized rows' products
 # on the native route too (gemm.Gemm.takes_native).
 NATIVE_KERNELS = {
     "mla_prolog": "bf16_gemm",
-    "indexer_prolog": "bf16_gemm",
+    # indexer_prolog: its decode-sized calls with contiguous weights take the fused prolog (native/indexer_prolog.c)
+    "indexer_prolog": ("indexer_prolog", "bf16_gemm"),
     "fused_moe": "bf16_gemm",
     "indexer_logits": "indexer_scores",
     "lightning_indexer": "indexer_scores",
