@@ -1,6 +1,7 @@
-"""Decode speed of vLLM + the glm5-hal plugin in two vLLM modes, timed at the same time.
+"""Decode speed of vLLM + the glm5-hal plugin in two vLLM modes, or against vLLM's dense MLA, timed at the same time.
 
     .venv-vllm/bin/python -m perf.vllm_modes --context 4096 --windows 10 --rounds 2
+    .venv-vllm/bin/python -m perf.vllm_modes --context 16384 --modes compiled,dense --windows 8 --rounds 2
 
 Why at the same time: on a shared machine the same engine's decode speed moves by a third between minutes, so two
 modes timed one after the other cannot be told apart at a 20% difference. Here two engines (one per mode, each in its
@@ -10,8 +11,10 @@ see the same machine at the same time; each round swaps the cores. Needs at leas
 
 Modes (`MODES`): `compiled` is the plugin's default for the DSA models it serves on a CPU (vLLM's compiled CPU mode,
 Dynamo traced once, Inductor); `breakable` is vLLM's own default for these architectures
-(VLLM_USE_BREAKABLE_CUDAGRAPH=1: breakable CUDA graphs, no torch.compile on a CPU); `eager` is --enforce-eager.
-Checkpoint and dims as perf/vllm_bench.py (glm5-mini dims, index_topk 2048, bf16).
+(VLLM_USE_BREAKABLE_CUDAGRAPH=1: breakable CUDA graphs, no torch.compile on a CPU); `eager` is --enforce-eager;
+`dense` is perf/vllm_bench.py's `vllm dense` way (the same weights relabelled deepseek_v3, vLLM's own MLA over every
+key, its default mode), so `compiled,dense` is that bench's plugin / dense ratio with both sides on the machine at
+once. Checkpoints and dims as perf/vllm_bench.py (glm5-mini dims, index_topk 2048, bf16).
 """
 
 from __future__ import annotations
@@ -28,11 +31,12 @@ from pathlib import Path
 
 from perf.vllm_bench import NEW_TOKENS, cpu_name, prompt, write_checkpoints
 
-MODES: dict[str, tuple[dict[str, str], dict[str, object]]] = {
-    # name: (environment, LLM settings)
-    "compiled": ({}, {}),
-    "breakable": ({"VLLM_USE_BREAKABLE_CUDAGRAPH": "1"}, {}),
-    "eager": ({}, {"enforce_eager": True}),
+MODES: dict[str, tuple[dict[str, str], dict[str, object], str]] = {
+    # name: (environment, LLM settings, checkpoint: vllm_bench.write_checkpoints' key)
+    "compiled": ({}, {}, "dsa"),
+    "breakable": ({"VLLM_USE_BREAKABLE_CUDAGRAPH": "1"}, {}, "dsa"),
+    "eager": ({}, {"enforce_eager": True}, "dsa"),
+    "dense": ({}, {}, "dense"),
 }
 BARRIER_TIMEOUT_S = 1800  # the other engine's start and prefill
 
@@ -67,13 +71,16 @@ def _worker(mode: str, model: str, context: int, windows: int, barrier: Path) ->
     return rates
 
 
-def _round(modes: list[str], cores: list[int], model: Path, context: int, windows: int) -> dict[str, list[float]]:
+def _round(
+    modes: list[str], cores: list[int], models: dict[str, Path], context: int, windows: int
+) -> dict[str, list[float]]:
     """One round: the two modes' engines at once, mode i on core cores[i]."""
     with tempfile.TemporaryDirectory() as barrier:
         workers = {}
         for mode, core in zip(modes, cores, strict=True):
             env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "4"}
             env.update({"OMP_NUM_THREADS": "1", **MODES[mode][0]})
+            model = models[MODES[mode][2]]
             command = [sys.executable, "-m", "perf.vllm_modes", "--worker", mode, str(model), str(context)]
             command += [str(windows), barrier, str(core)]
             workers[mode] = subprocess.Popen(
@@ -111,10 +118,10 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("needs two CPUs: the engines run at the same time, one core each")
     print(f"{cpu_name()}; context {args.context}, {args.windows} windows of {NEW_TOKENS - 1} decode steps", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
-        model = write_checkpoints(Path(tmp))["dsa"]
+        models = write_checkpoints(Path(tmp))
         for r in range(args.rounds):
             placed = cores if r % 2 == 0 else cores[::-1]
-            rates = _round(modes, placed, model, args.context, args.windows)
+            rates = _round(modes, placed, models, args.context, args.windows)
             medians = {m: statistics.median(rates[m]) for m in modes}
             where = ", ".join(f"{m} on CPU {c}" for m, c in zip(modes, placed, strict=True))
             print(

@@ -5,6 +5,8 @@ instructions, the GEMM is exact and faster there; GLM5_HAL_NATIVE=0 turns them o
 One module per kernel, each a C source beside it and a Python wrapper that checks its arguments:
 - bf16_gemm: bf16 x bf16 -> fp32 GEMM (what backends/torch_eager/gemm.py takes for products that must stay fp32);
 - indexer_scores: the lightning indexer's scores from the paged key cache, keys read in place;
+- indexer_prolog: the indexer prolog of a decode step (projections, LayerNorm, RoPE, head weights, the key row
+  written bf16 or encoded) in two calls;
 - sparse_attention: sparse attention's scores and value product, the selected rows read in place;
 - topk: glm5_hal.topk's deterministic top-k of fp32 score rows (plain C, any CPU), in place of torch's select, sort
   and composite keys.
