@@ -244,7 +244,7 @@ def _cpu_op(
     weight_scale: float,
     interleaved: bool,
     kv_cache_dtype: str,
-    isa: str = AVX2,
+    isa: str = AVX2,  # the dispatcher passes only the arguments the caller gave
 ) -> None:
     _run(
         x, q_norm, w_iq, w_ik, norm_weight, norm_bias, w_iw, cos, sin, cache, slot_mapping, q_out, weights_out,
@@ -256,24 +256,5 @@ _LIBRARY.impl("native_indexer_prolog", _cpu_op, "CPU")
 
 
 @torch.library.register_fake("glm5_hal::native_indexer_prolog")
-def _fake(
-    x: Tensor,
-    q_norm: Tensor,
-    w_iq: Tensor,
-    w_ik: Tensor,
-    norm_weight: Tensor,
-    norm_bias: Tensor,
-    w_iw: Tensor,
-    cos: Tensor,
-    sin: Tensor,
-    cache: Tensor,
-    slot_mapping: Tensor,
-    q_out: Tensor,
-    weights_out: Tensor,
-    eps: float,
-    weight_scale: float,
-    interleaved: bool,
-    kv_cache_dtype: str,
-    isa: str = AVX2,
-) -> None:
-    return None
+def _fake(*args: object) -> None:
+    return None  # the op only writes its mutable arguments (cache, q_out, weights_out)
