@@ -502,6 +502,10 @@ def test_indexer_prolog_rejects_what_it_does_not_take():
         prolog(w_iq=w_iq[:128])
     with pytest.raises(ValueError, match=r"cos, sin: expected \[2, at most 64\], got \(2, 65\)"):
         prolog(cos=torch.zeros(2, 65), sin=torch.zeros(2, 65))
+    with pytest.raises(ValueError, match=r"slot_mapping: expected -1 or a slot of the 12-slot cache, got \[3, 12\]"):
+        prolog(slot_mapping=torch.tensor([3, 12]))
+    with pytest.raises(ValueError, match=r"slot_mapping: expected -1 or a slot .* got \[-2, 0\]"):
+        prolog(slot_mapping=torch.tensor([-2, 0]))
     with pytest.raises(ValueError, match=r"kv_cache_dtype: expected one of \('fp8_index', 'int8_index'\)"):
         native_prolog.encode(torch.zeros(1, 128), "auto")
 

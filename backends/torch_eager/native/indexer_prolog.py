@@ -201,6 +201,14 @@ def prolog(
         ValueError,
         lambda: f"cache: expected [num_blocks, block_size, {row_width}], got {tuple(cache.shape)}",
     )
+    if tokens:  # the kernel writes at these slots: one out of the cache would write past it
+        lowest, highest = slot_mapping.aminmax()
+        slots = cache.shape[0] * cache.shape[1]
+        check(
+            int(lowest) >= -1 and int(highest) < slots,
+            ValueError,
+            lambda: f"slot_mapping: expected -1 or a slot of the {slots}-slot cache, got {slot_mapping.tolist()}",
+        )
     q_out = torch.empty(tokens, heads, dims, dtype=torch.bfloat16)
     weights_out = torch.empty(tokens, heads, dtype=torch.float32)
     weight_scale = heads**-0.5 * dims**-0.5
