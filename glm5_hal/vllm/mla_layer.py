@@ -49,10 +49,11 @@ HALF_DTYPES = (torch.bfloat16, torch.float16)
 
 def contract_along_contiguous_dims(attn: Any) -> None:
     """Store attn's half-precision up-projections on the CPU with the dim torch.bmm contracts (-2) contiguous: the same
-    values in another layout. vLLM keeps W_UV as a transposed view whose contracted dim is strided, and torch's CPU
-    bf16 bmm takes 7.5x longer over that layout at one decode token (0.88 against 0.12 ms for 4 heads x 512 x 256 on
-    an AVX2 Zen 3, docs/vllm.md#speed); W_UK_T is already laid out so. fp32 weights keep vLLM's layout (fp32 tokens
-    are compared bit for bit with glm5-hal's, and a new layout may change the order of a GEMM's sums)."""
+    values in another layout. vLLM copies W_UK_T into a contiguous [heads, qk_nope, kv_lora] parameter, whose
+    contracted dim is strided, and torch's CPU bf16 bmm takes ~5x longer over that layout at one decode token (0.59
+    against 0.11 ms for 4 heads x 192 x 512 on an AVX2 Zen 3, docs/vllm.md#speed); W_UV is already laid out so.
+    fp32 weights keep vLLM's layout (fp32 tokens are compared bit for bit with glm5-hal's, and a new layout may change
+    the order of a GEMM's sums)."""
     for name in UP_PROJECTIONS:
         weight = getattr(attn, name, None)
         if not isinstance(weight, torch.Tensor) or weight.dim() != 3 or weight.dtype not in HALF_DTYPES:
