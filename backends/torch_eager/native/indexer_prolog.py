@@ -42,6 +42,7 @@ _L, _P = ctypes.c_long, ctypes.c_void_p
 _PROJECT_ARGTYPES = [_L] * 5 + [_P, _L, _P, _L, _P, _L, _P, _L, _P, _L, _P, _L, _L, _L]
 _FINISH_ARGTYPES = [_L, _L, _L, _L, ctypes.c_int, _P, _L, _P, _P, ctypes.c_float, _P, _L, _P, _L, ctypes.c_float]
 _FINISH_ARGTYPES += [_P, _P, _P, _L, _L, _L, _P, ctypes.c_int]
+_ENCODE_ARGTYPES = [_P, _L, _L, _L, ctypes.c_int, _P, _L]
 
 
 def _kernels(isa: str) -> tuple:
@@ -74,8 +75,11 @@ def takes(x: Tensor, q_norm: Tensor, weights: tuple[Tensor, ...], cache: Tensor,
 def encode(rows: Tensor, kv_cache_dtype: str, *, isa: str = AVX2) -> Tensor:
     """rows [N, 128] fp32 -> uint8 [N, 132] as the prolog's kernel encodes a key row (the same C function), for
     comparing with glm5_hal.kv_formats.encode_rows, whose bytes it must be."""
-    check(kv_cache_dtype in CODES and kv_cache_dtype != AUTO, ValueError, lambda: f"kv_cache_dtype: expected one of "
-          f"{tuple(CODES)[1:]}, got {kv_cache_dtype!r}")  # fmt: skip
+    check(
+        kv_cache_dtype in CODES and kv_cache_dtype != AUTO,
+        ValueError,
+        lambda: f"kv_cache_dtype: expected one of {tuple(CODES)[1:]}, got {kv_cache_dtype!r}",
+    )
     fmt = FORMATS[kv_cache_dtype]
     check(
         rows.dim() == 2 and rows.dtype == torch.float32 and rows.shape[1] == fmt.quantized_dims,
@@ -84,16 +88,9 @@ def encode(rows: Tensor, kv_cache_dtype: str, *, isa: str = AVX2) -> Tensor:
     )
     rows = rows.contiguous()
     out = torch.empty(rows.shape[0], fmt.row_bytes, dtype=torch.uint8)
-    encoder = build.function("indexer_prolog", isa, "glm5_encode_index_rows", [_P, _L, _L, _L, ctypes.c_int, _P, _L])
-    encoder(
-        rows.data_ptr(),
-        rows.shape[0],
-        rows.stride(0),
-        rows.shape[1],
-        CODES[kv_cache_dtype],
-        out.data_ptr(),
-        out.stride(0),
-    )
+    encoder = build.function("indexer_prolog", isa, "glm5_encode_index_rows", _ENCODE_ARGTYPES)
+    code = CODES[kv_cache_dtype]
+    encoder(rows.data_ptr(), rows.shape[0], rows.stride(0), rows.shape[1], code, out.data_ptr(), out.stride(0))
     return out
 
 
