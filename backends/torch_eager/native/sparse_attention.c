@@ -196,29 +196,53 @@ static void pack_probabilities(float *s, long n, long hp, long heads, const floa
 /* O[h0 + i][d0 .. d0 + 15] = sum over the valid keys of P[k][h0 + i] * row_k[d0 ..], P fp32 [n][hp] (pp, as
    pack_probabilities left it). Lane l of acc[i][0] sums dim d0 + 2l, of acc[i][1] dim d0 + 2l + 1; a slice past dv
    is copied into zeros first (a row may end at dv). */
-static void value_tile(const uint16_t *const *rows, const uint16_t *vp, long n_valid, const uint16_t *pp, long hp,
-                       long h0, long d0, long dv, float *o, long o_head) {
-    (void)vp;
-    const float *p = (const float *)pp + h0;
-    long left = dv - d0 < VALUE_DIMS ? dv - d0 : VALUE_DIMS;
-    uint16_t edge[VALUE_DIMS] = {0};
-    __m256 acc[VALUE_HEADS][2];
-    for (int i = 0; i < VALUE_HEADS; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+/* acc[i][0] lane l += P[k][i] row_k[2l], acc[i][1] lane l += P[k][i] row_k[2l + 1] over the keys k < n_valid, for
+   16-bf16 slices read from rows[k] + d0 (p: P of head h0, hp apart per key). Inlined with the accumulators in
+   registers: with the edge copy inside the same loop gcc kept them on the stack, a store per FMA (the value pass
+   then took ~2x as long). */
+static inline __attribute__((always_inline)) void value_sums(const uint16_t *const *rows, long n_valid, const float *p,
+                                                             long hp, long d0, long left,
+                                                             __m256 acc[VALUE_HEADS][2]) {
+    __m256 a00 = acc[0][0], a01 = acc[0][1], a10 = acc[1][0], a11 = acc[1][1];
+    __m256 a20 = acc[2][0], a21 = acc[2][1], a30 = acc[3][0], a31 = acc[3][1];
     for (long k = 0; k < n_valid; k++) {
         __m256i x;
         if (left == VALUE_DIMS) {
             x = _mm256_loadu_si256((const __m256i *)(rows[k] + d0));
         } else { /* a slice past dv: copied into zeros first (a row may end at dv) */
+            uint16_t edge[VALUE_DIMS] = {0};
             memcpy(edge, rows[k] + d0, sizeof *edge * left);
             x = _mm256_loadu_si256((const __m256i *)edge);
         }
         __m256 even = low_halves(x), odd = high_halves(x);
-        for (int i = 0; i < VALUE_HEADS; i++) {
-            __m256 pk = _mm256_broadcast_ss(p + k * hp + i);
-            acc[i][0] = _mm256_fmadd_ps(pk, even, acc[i][0]);
-            acc[i][1] = _mm256_fmadd_ps(pk, odd, acc[i][1]);
-        }
+        const float *pk = p + k * hp;
+        __m256 w = _mm256_broadcast_ss(pk);
+        a00 = _mm256_fmadd_ps(w, even, a00), a01 = _mm256_fmadd_ps(w, odd, a01);
+        w = _mm256_broadcast_ss(pk + 1);
+        a10 = _mm256_fmadd_ps(w, even, a10), a11 = _mm256_fmadd_ps(w, odd, a11);
+        w = _mm256_broadcast_ss(pk + 2);
+        a20 = _mm256_fmadd_ps(w, even, a20), a21 = _mm256_fmadd_ps(w, odd, a21);
+        w = _mm256_broadcast_ss(pk + 3);
+        a30 = _mm256_fmadd_ps(w, even, a30), a31 = _mm256_fmadd_ps(w, odd, a31);
     }
+    acc[0][0] = a00, acc[0][1] = a01, acc[1][0] = a10, acc[1][1] = a11;
+    acc[2][0] = a20, acc[2][1] = a21, acc[3][0] = a30, acc[3][1] = a31;
+}
+
+/* O[h0 + i][d0 .. d0 + 15] += sum over the valid keys of P[k][h0 + i] * row_k[d0 ..], P fp32 [n][hp] (pp, as
+   pack_probabilities left it). Lane l of acc[i][0] sums dim d0 + 2l, of acc[i][1] dim d0 + 2l + 1; a slice past dv
+   is copied into zeros first (a row may end at dv). */
+static void value_tile(const uint16_t *const *rows, const uint16_t *vp, long n_valid, const uint16_t *pp, long hp,
+                       long h0, long d0, long dv, float *o, long o_head) {
+    (void)vp;
+    const float *p = (const float *)pp + h0;
+    long left = dv - d0 < VALUE_DIMS ? dv - d0 : VALUE_DIMS;
+    __m256 acc[VALUE_HEADS][2];
+    for (int i = 0; i < VALUE_HEADS; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+    if (left == VALUE_DIMS) /* the loop specialised for whole slices, which every slice but a last one is */
+        value_sums(rows, n_valid, p, hp, d0, VALUE_DIMS, acc);
+    else
+        value_sums(rows, n_valid, p, hp, d0, left, acc);
     for (int i = 0; i < VALUE_HEADS; i++) {
         __m256 lo = _mm256_unpacklo_ps(acc[i][0], acc[i][1]), hi = _mm256_unpackhi_ps(acc[i][0], acc[i][1]);
         float ordered[VALUE_DIMS]; /* dims d0 .. d0 + 15 in order: unpack interleaves within 128-bit halves */
