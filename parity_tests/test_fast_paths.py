@@ -59,6 +59,7 @@ GEMM_OPS = {
     torch.ops.glm5_hal.native_indexer_scores.default,  # its fused indexer scores (products, ReLU, head sum)
     torch.ops.glm5_hal.native_paged_sparse_attention.default,  # its sparse attention (both products), rows in place
     torch.ops.glm5_hal.native_quantized_index_scores.default,  # its indexer scores over quantized rows (decoded in it)
+    torch.ops.glm5_hal.native_quantized_index_scores_paged.default,  # the same over the op's paged batch
     torch.ops.glm5_hal.native_indexer_prolog.default,  # its decode-sized indexer prolog (three projections in it)
 }
 

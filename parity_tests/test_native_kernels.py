@@ -23,6 +23,7 @@ from backends.torch_eager.native import bf16_gemm, build, indexer_scores, quanti
 from backends.torch_eager.native import indexer_prolog as native_prolog
 from backends.torch_eager.native import sparse_attention as native_attention
 from glm5_hal.kv_formats import FORMATS, decode_rows, encode_rows
+from glm5_hal.paged import token_positions, token_sequences
 
 ISAS = ("avx512_bf16", "avx2", "portable")
 SETTINGS = settings(max_examples=30, deadline=None, derandomize=True)
@@ -310,6 +311,94 @@ def test_quantized_index_scores_reject_bad_arguments():
     strided = torch.zeros(3, 4, 264, dtype=torch.uint8)[..., ::2]
     with pytest.raises(ValueError, match=r"cache: expected rows contiguous in D, got strides \(1056, 264, 2\)"):
         scores(q, w, strided, tables, limits, 8, "fp8_index")
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@SETTINGS
+@given(
+    kv_cache_dtype=st.sampled_from(sorted(quantized_index_scores.CODES)),
+    q_lens=st.lists(st.integers(0, 4), min_size=1, max_size=3),
+    extra_keys=st.lists(st.integers(0, 300), min_size=3, max_size=3),
+    heads=st.integers(1, 9),
+    block_size=st.sampled_from([1, 3, 16, 64]),
+    spare_columns=st.integers(0, 2),
+    outside=st.booleans(),
+    first_token=st.integers(0, 2),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_paged_quantized_index_scores_find_each_tokens_keys_as_the_torch_side_did(
+    isa, kv_cache_dtype, q_lens, extra_keys, heads, block_size, spare_columns, outside, first_token, seed
+):
+    """The paged entry against the per-token one fed as the torch backend fed it (glm5_hal.paged's sequences and
+    positions, table rows clamped into the cache, keys of entries outside the cache -inf after), bit for bit:
+    ragged batches with sequences without new tokens, spare table columns, entries outside the cache (negative and
+    past the end), a tile of the batch from first_token on, one thread and three."""
+    _runs(quantized_index_scores, isa)
+    gen = torch.Generator().manual_seed(seed)
+    q_len = torch.tensor(q_lens)
+    k_len = q_len + torch.tensor(extra_keys[: len(q_lens)])
+    columns = int(-(-k_len.max() // block_size)) + spare_columns
+    blocks = max(columns, 1) + 1
+    table = torch.randint(0, blocks, (len(q_lens), max(columns, 1)), generator=gen, dtype=torch.int32)
+    if outside:
+        entries = torch.randint(0, table.numel(), (3,), generator=gen)
+        table.view(-1)[entries] = torch.tensor([-1, blocks, -7], dtype=torch.int32)
+    cu = torch.cat([torch.zeros(1, dtype=torch.int64), q_len.cumsum(0)]).to(torch.int32)
+    tokens, width, seq_lens = int(cu[-1]), table.shape[1] * block_size, k_len.to(torch.int32)
+    cache = _quantized_index_cache(gen, kv_cache_dtype, blocks, block_size, False)
+    q = torch.randn(tokens, heads, 128, generator=gen).bfloat16()
+    weights = torch.randn(tokens, heads, generator=gen)
+    seqs = token_sequences(cu, tokens)
+    positions = token_positions(seq_lens, cu, seqs)
+    raw = table[seqs]
+    want = quantized_index_scores.scores(
+        q, weights, cache, raw.clamp(0, blocks - 1), positions + 1, width, kv_cache_dtype, isa=isa, threads=1
+    )
+    key_blocks = torch.arange(width) // block_size
+    visible = torch.arange(width)[None, :] <= positions[:, None]
+    want[((raw < 0) | (raw >= blocks))[:, key_blocks] & visible] = float("-inf")
+    first = min(first_token, tokens)
+    for threads in (1, 3):
+        got = quantized_index_scores.paged_scores(
+            q[first:], weights[first:], cache, table, seq_lens, cu, width, kv_cache_dtype,
+            first_token=first, isa=isa, threads=threads,
+        )  # fmt: skip
+        assert _same_bits(got, want[first:])
+
+
+def test_paged_quantized_index_scores_op_passes_opcheck():
+    """The custom op the backend calls (what spies, FakeTensor and torch.compile see): schema (out mutated),
+    fake and real results alike."""
+    _runs(quantized_index_scores, "avx2")
+    q, w = torch.randn(2, 4, 128).bfloat16(), torch.randn(2, 4)
+    cache = encode_rows(torch.randn(12, 128), FORMATS["fp8_index"]).view(3, 4, 132)
+    table, lens = torch.tensor([[0, 2]], dtype=torch.int32), torch.tensor([5], dtype=torch.int32)
+    args = (q, w, cache, table, lens, torch.tensor([0, 2], dtype=torch.int32), torch.empty(2, 8), "fp8_index", 0)
+    torch.library.opcheck(torch.ops.glm5_hal.native_quantized_index_scores_paged.default, (*args, "avx2"))
+
+
+def test_paged_quantized_index_scores_reject_bad_arguments():
+    q, w = torch.zeros(2, 4, 128, dtype=torch.bfloat16), torch.zeros(2, 4)
+    cache = torch.zeros(3, 4, 132, dtype=torch.uint8)
+    table, lens, cu = torch.zeros(1, 2, dtype=torch.int32), torch.tensor([2], dtype=torch.int32), torch.tensor([0, 2])
+    cu = cu.to(torch.int32)
+    paged = quantized_index_scores.paged_scores
+    with pytest.raises(ValueError, match=r"kv_cache_dtype: expected one of \('fp8_index', 'int8_index'\)"):
+        paged(q, w, cache, table, lens, cu, 8, "fp8_ds_mla")
+    with pytest.raises(ValueError, match=r"block_table: expected \[B, >= 9 / 4\] int32, got \(1, 2\) torch.int32"):
+        paged(q, w, cache, table, lens, cu, 9, "fp8_index")
+    with pytest.raises(ValueError, match=r"block_table: expected \[B, >= 8 / 4\] int32, got \(1, 2\) torch.int64"):
+        paged(q, w, cache, table.long(), lens, cu, 8, "fp8_index")
+    with pytest.raises(ValueError, match=r"seq_lens_k: expected \[1\] int32, got \(2,\) torch.int32"):
+        paged(q, w, cache, table, lens.repeat(2), cu, 8, "fp8_index")
+    with pytest.raises(ValueError, match=r"cu_seqlens_q: expected \[2\] int32, got \(2,\) torch.int64"):
+        paged(q, w, cache, table, lens, cu.long(), 8, "fp8_index")
+    with pytest.raises(ValueError, match=r"first_token: expected >= 0, got -1"):
+        paged(q, w, cache, table, lens, cu, 8, "fp8_index", first_token=-1)
+    with pytest.raises(ValueError, match=r"weights: expected \(2, 4\), got \(2, 3\)"):
+        paged(q, w[:, :3], cache, table, lens, cu, 8, "fp8_index")
+    with pytest.raises(ValueError, match=r"out: expected \[2, 8\] fp32 with contiguous rows"):
+        paged(q, w, cache, table, lens, cu, 8, "fp8_index", out=torch.empty(2, 7))
 
 
 # ------------------------------------------------------------------------------------------------ indexer prolog

@@ -117,8 +117,12 @@ class _ScoringBatch:
         self.block_table = block_table
         self.block_size = index_k_cache.shape[1]
         self.width = block_table.shape[1] * self.block_size  # every key position the block table can address
-        self.seqs = token_sequences(cu_seqlens_q, num_tokens)  # [T]
-        self.positions = token_positions(seq_lens_k, cu_seqlens_q, self.seqs)  # [T]
+        self.seq_lens_k, self.cu_seqlens_q = seq_lens_k, cu_seqlens_q
+        # A kernel that takes the paged batch finds each token's sequence, position and table row itself.
+        self.paged = self.fused and kv_cache_dtype != AUTO
+        if not self.paged:
+            self.seqs = token_sequences(cu_seqlens_q, num_tokens)  # [T]
+            self.positions = token_positions(seq_lens_k, cu_seqlens_q, self.seqs)  # [T]
         # Keys are gathered a whole cache block at a time (one contiguous copy per block instead of one per key,
         # about 4x faster on CPU), so a chunk is a whole number of blocks.
         self.blocks_per_chunk = max(1, min(KEY_CHUNK, max(self.width, 1)) // self.block_size)
@@ -133,6 +137,11 @@ class _ScoringBatch:
     def row_logits(self, start: int, out: Tensor) -> None:
         """Fill out [tile, width] fp32 with the logits of tokens start : start + tile (-inf where not visible)."""
         tokens = slice(start, start + out.shape[0])
+        if self.paged:
+            q, weights, isa = self.q[tokens], self.weights[tokens], self.gemm.native_isa
+            args = (q, weights, self.cache, self.block_table, self.seq_lens_k, self.cu_seqlens_q, self.width)
+            native_quantized_scores.paged_scores(*args, self.kv_cache_dtype, first_token=start, out=out, isa=isa)
+            return
         seqs, positions = self.seqs[tokens], self.positions[tokens]
         last_block = self.cache.shape[0] - 1
         if self.fused:
@@ -226,6 +235,11 @@ def lightning_indexer(
     num_tokens, device = q_idx.shape[0], q_idx.device
     # A block table narrower than topk: rank all its columns, the -1 / -inf padding comes from the fill below.
     ranked = min(topk, batch.width)
+    if ranked == topk and num_tokens <= batch.token_tile:  # one tile, no padding columns (decode): no fill, no copy
+        logits = torch.empty(num_tokens, batch.width, dtype=COMPUTE_DTYPE, device=device)
+        batch.row_logits(0, logits)
+        best, columns = topk_lower_position_ties(logits, topk)  # sorted as below
+        return torch.where(best == float("-inf"), -1, columns).to(torch.int32), best
     indices = torch.full((num_tokens, topk), -1, dtype=torch.int32, device=device)
     scores = torch.full((num_tokens, topk), float("-inf"), dtype=COMPUTE_DTYPE, device=device)
     row_logits = torch.empty(min(batch.token_tile, num_tokens), batch.width, dtype=COMPUTE_DTYPE, device=device)

@@ -98,7 +98,7 @@ ISAS: dict[str, Isa] = {
 SYMBOLS: dict[str, tuple[str, ...]] = {
     "bf16_gemm": ("glm5_bf16_gemm_nt",),
     "indexer_scores": ("glm5_indexer_scores",),
-    "quantized_index_scores": ("glm5_quantized_index_scores",),
+    "quantized_index_scores": ("glm5_quantized_index_scores", "glm5_quantized_index_scores_paged"),
     "indexer_prolog": ("glm5_indexer_prolog_project", "glm5_indexer_prolog_finish", "glm5_encode_index_rows"),
     "sparse_attention": ("glm5_sparse_attention",),
     "int8_gemm": ("glm5_w8a8_gemm_nt", "glm5_w4a8_gemm_nt"),

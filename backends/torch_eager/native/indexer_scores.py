@@ -105,14 +105,6 @@ def check_score_arguments(
     shapes of weights, tables, limits and out, CPU tensors); returns `out`, made if None."""
     tokens = q.shape[0]
     check(
-        cache.stride(-1) == 1, ValueError, lambda: f"cache: expected rows contiguous in D, got strides {cache.stride()}"
-    )
-    check(
-        tuple(weights.shape) == tuple(q.shape[:2]),
-        ValueError,
-        lambda: f"weights: expected {tuple(q.shape[:2])}, got {tuple(weights.shape)}",
-    )
-    check(
         tables.dim() == 2 and tables.shape[0] == tokens and tables.shape[1] * cache.shape[1] >= width,
         ValueError,
         lambda: f"tables: expected [{tokens}, >= {width} / {cache.shape[1]}], got {tuple(tables.shape)}",
@@ -120,7 +112,25 @@ def check_score_arguments(
     check(
         tuple(limits.shape) == (tokens,), ValueError, lambda: f"limits: expected [{tokens}], got {tuple(limits.shape)}"
     )
-    for name, t in (("q", q), ("weights", weights), ("cache", cache), ("tables", tables), ("limits", limits)):
+    for name, t in (("tables", tables), ("limits", limits)):
+        check(t.device.type == "cpu", ValueError, lambda t=t, n=name: f"{n}: expected a CPU tensor, got {t.device}")
+    return check_score_operands(q, weights, cache, width, out)
+
+
+def check_score_operands(q: Tensor, weights: Tensor, cache: Tensor, width: int, out: Tensor | None) -> Tensor:
+    """What a scoring kernel's wrapper checks of q, weights, the cache and out, however it is told where each
+    token's keys are (cache rows contiguous, the shapes of weights and out, CPU tensors); returns `out`, made if
+    None."""
+    tokens = q.shape[0]
+    check(
+        cache.stride(-1) == 1, ValueError, lambda: f"cache: expected rows contiguous in D, got strides {cache.stride()}"
+    )
+    check(
+        tuple(weights.shape) == tuple(q.shape[:2]),
+        ValueError,
+        lambda: f"weights: expected {tuple(q.shape[:2])}, got {tuple(weights.shape)}",
+    )
+    for name, t in (("q", q), ("weights", weights), ("cache", cache)):
         check(t.device.type == "cpu", ValueError, lambda t=t, n=name: f"{n}: expected a CPU tensor, got {t.device}")
     if out is None:
         out = torch.empty(tokens, width, dtype=torch.float32)

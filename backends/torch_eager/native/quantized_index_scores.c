@@ -24,6 +24,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "paged_tokens.h"
+
 #if !defined(GLM5_PORTABLE) && (defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__)))
 #if !defined(__FMA__) || !defined(__F16C__)
 #pragma GCC target("avx2,fma,f16c") /* the AVX-512 builds: every CPU with AVX-512F has AVX2, FMA3 and F16C */
@@ -162,13 +164,13 @@ static inline long blocks_spanned(long c0, long n, long block_size) {
 
 /* Scores of tokens [t_begin, t_end) at key positions [s_begin, s_end): one thread's share.
  * q: [T][hp][dims] fp32 (hp: H rounded up to HEADS, zero heads past H); w: [T][hp] fp32; cache rows of row_stride
- * bytes, blocks of block_stride bytes (dims codes then an fp32 scale); code: CODE_E4M3 or CODE_INT8; table:
- * [T][table_width] int32 (each token's block table row, every entry a valid block); limit: [T] (positions >= limit
- * get -inf); scores: [T][score_row] fp32. Returns 0, or -1 if the workspace could not be allocated. */
-int glm5_quantized_index_scores(long heads, long dims, int code, const float *q, const float *w, const uint8_t *cache,
-                                long block_stride, long row_stride, long block_size, const int32_t *table,
-                                long table_width, const int64_t *limit, float *scores, long score_row, long t_begin,
-                                long t_end, long s_begin, long s_end) {
+ * bytes, blocks of block_stride bytes (dims codes then an fp32 scale); code: CODE_E4M3 or CODE_INT8; tables[t -
+ * t_begin]: token t's block table row (every entry a valid block); limits[t - t_begin] (positions >= it get -inf);
+ * scores: [T][score_row] fp32. Returns 0, or -1 if the workspace could not be allocated. */
+static int score_tokens(long heads, long dims, int code, const float *q, const float *w, const uint8_t *cache,
+                        long block_stride, long row_stride, long block_size, const int32_t *const *tables,
+                        const int64_t *limits, float *scores, long score_row, long t_begin, long t_end, long s_begin,
+                        long s_end) {
     long hp = (heads + HEADS - 1) / HEADS * HEADS;
     float *keys = malloc(sizeof *keys * CHUNK * (dims > 0 ? dims : 1));
     int32_t *decoded_blocks = malloc(sizeof *decoded_blocks * (CHUNK + 2)); /* a chunk spans <= CHUNK + 1 blocks */
@@ -181,9 +183,10 @@ int glm5_quantized_index_scores(long heads, long dims, int code, const float *q,
         long c1 = c0 + CHUNK < s_end ? c0 + CHUNK : s_end, first_block = c0 / block_size;
         long decoded = 0; /* keys c0 .. c0 + decoded - 1 are in `keys`, from the blocks in decoded_blocks */
         for (long t = t_begin; t < t_end; t++) {
-            const int32_t *tt = table + t * table_width;
+            const int32_t *tt = tables[t - t_begin];
             float *st = scores + t * score_row;
-            long visible_end = limit[t] < c1 ? (limit[t] > c0 ? limit[t] : c0) : c1;
+            long limit = limits[t - t_begin];
+            long visible_end = limit < c1 ? (limit > c0 ? limit : c0) : c1;
             for (long s = visible_end; s < c1; s++) st[s] = -INFINITY;
             long needed = visible_end - c0;
             if (needed <= 0) continue;
@@ -214,4 +217,43 @@ int glm5_quantized_index_scores(long heads, long dims, int code, const float *q,
     free(keys);
     free(decoded_blocks);
     return 0;
+}
+
+/* score_tokens with each token's table row and limit given: table [T][table_width] int32 (every entry a valid
+ * block), limit [T]. Returns 0, or -1 if the workspace could not be allocated. */
+int glm5_quantized_index_scores(long heads, long dims, int code, const float *q, const float *w, const uint8_t *cache,
+                                long block_stride, long row_stride, long block_size, const int32_t *table,
+                                long table_width, const int64_t *limit, float *scores, long score_row, long t_begin,
+                                long t_end, long s_begin, long s_end) {
+    long tokens = t_end - t_begin;
+    const int32_t **tables = malloc(sizeof *tables * (tokens > 0 ? tokens : 1));
+    if (!tables) return -1;
+    for (long t = t_begin; t < t_end; t++) tables[t - t_begin] = table + t * table_width;
+    int status = score_tokens(heads, dims, code, q, w, cache, block_stride, row_stride, block_size, tables,
+                              limit + t_begin, scores, score_row, t_begin, t_end, s_begin, s_end);
+    free(tables);
+    return status;
+}
+
+/* score_tokens over the op's paged batch (paged_tokens.h): tokens first_token + t of the batch for t in t_begin ..
+ * t_end - 1 (q, w and scores hold the tokens from first_token on), key positions < width; keys whose table entry
+ * names no block of the cache get -inf and are never read. Returns 0, or -1 if the workspace could not be
+ * allocated. */
+int glm5_quantized_index_scores_paged(long heads, long dims, int code, const float *q, const float *w,
+                                      const uint8_t *cache, long block_stride, long row_stride, long block_size,
+                                      long num_blocks, const int32_t *block_table, long table_stride,
+                                      long max_blocks, const int32_t *seq_lens_k, const int32_t *cu_seqlens_q,
+                                      long batch, long first_token, float *scores, long score_row, long width,
+                                      long t_begin, long t_end, long s_begin, long s_end) {
+    struct paged_batch pb = {block_table, table_stride, max_blocks, seq_lens_k, cu_seqlens_q, batch, block_size,
+                             num_blocks};
+    struct token_views views;
+    if (token_views_make(&pb, width, first_token + t_begin, first_token + t_end, &views)) return -1;
+    int status = score_tokens(heads, dims, code, q, w, cache, block_stride, row_stride, block_size, views.tables,
+                              views.limits, scores, score_row, t_begin, t_end, s_begin, s_end);
+    if (status == 0)
+        paged_mask_outside(&pb, &views, scores + t_begin * score_row, score_row, first_token + t_begin,
+                           first_token + t_end, s_begin, s_end);
+    token_views_free(&views);
+    return status;
 }

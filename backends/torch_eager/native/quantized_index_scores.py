@@ -11,6 +11,11 @@ sum over heads, with the rows read in place from the cache (no gathered copy, no
     # limits [T] int64: key positions >= limits[t] are not visible to token t (they get -inf)
     # s [T, width] fp32: s[t, p] = sum_h weights[t, h] * relu(q[t, h] . key(t, p)) for p < limits[t], else -inf
 
+    s = paged_scores(q, weights, cache, block_table, seq_lens_k, cu_seqlens_q, width, "fp8_index", first_token=0)
+    # the same scores over the op's paged batch (docs/ops.md "Conventions"): q, weights and s hold its tokens
+    # first_token .. first_token + T - 1; each token's sequence, visible keys (its position and before) and table
+    # row are found in the kernel (paged_tokens.h), and keys whose table entry names no block of the cache get -inf
+
 vLLM stores DeepSeek-V3.2 / GLM-5 index keys as fp8_index rows, so this is the scorer of every indexer step served
 through glm5-hal's vLLM plugin. On torch's intra-op thread count, split by tokens or by key ranges. The custom op
 torch.ops.glm5_hal.native_quantized_index_scores is what aten-level spies, FakeTensor and torch.compile see.
@@ -25,7 +30,7 @@ from torch import Tensor
 
 from backends.torch_eager.native import build
 from backends.torch_eager.native import threads as threads_
-from backends.torch_eager.native.indexer_scores import check_score_arguments, score_shares
+from backends.torch_eager.native.indexer_scores import check_score_arguments, check_score_operands, score_shares
 from glm5_hal.checks import check
 from glm5_hal.kv_formats import FORMATS
 
@@ -38,10 +43,16 @@ KEY_CHUNK = 256  # CHUNK in quantized_index_scores.c: a thread's share of key po
 
 _L, _P = ctypes.c_long, ctypes.c_void_p
 _ARGTYPES = [_L, _L, ctypes.c_int, _P, _P, _P, _L, _L, _L, _P, _L, _P, _P, _L, _L, _L, _L, _L]
+_PAGED_ARGTYPES = [_L, _L, ctypes.c_int, _P, _P, _P, _L, _L, _L, _L, _P, _L, _L, _P, _P, _L, _L, _P, _L, _L]
+_PAGED_ARGTYPES += [_L, _L, _L, _L]
 
 
-def _kernel(isa: str):
-    return build.function("quantized_index_scores", isa, "glm5_quantized_index_scores", _ARGTYPES, ctypes.c_int)
+def _kernel(isa: str, paged: bool = False):
+    if paged:
+        name, argtypes = "glm5_quantized_index_scores_paged", _PAGED_ARGTYPES
+    else:
+        name, argtypes = "glm5_quantized_index_scores", _ARGTYPES
+    return build.function("quantized_index_scores", isa, name, argtypes, ctypes.c_int)
 
 
 def availability(isa: str = AVX2) -> tuple[bool, str]:
@@ -85,21 +96,8 @@ def _run(
     return out
 
 
-def scores(
-    q: Tensor,
-    weights: Tensor,
-    cache: Tensor,
-    tables: Tensor,
-    limits: Tensor,
-    width: int,
-    kv_cache_dtype: str,
-    *,
-    out: Tensor | None = None,
-    isa: str = AVX2,
-    threads: int | None = None,
-) -> Tensor:
-    """The scores described in the module docstring, written into `out` ([T, width] fp32, rows contiguous) if
-    given. isa: the build (backends.torch_eager.native.build.ISAS). threads: default torch's."""
+def _check_format(q: Tensor, cache: Tensor, kv_cache_dtype: str) -> None:
+    """q and the cache as the kernel reads them: D-wide float queries over rows of a quantized format."""
     check(kv_cache_dtype in CODES, ValueError, lambda: f"kv_cache_dtype: expected one of {tuple(CODES)}")
     fmt = FORMATS[kv_cache_dtype]
     check(
@@ -115,11 +113,107 @@ def scores(
             f"got {tuple(cache.shape)} {cache.dtype}"
         ),
     )
+
+
+def scores(
+    q: Tensor,
+    weights: Tensor,
+    cache: Tensor,
+    tables: Tensor,
+    limits: Tensor,
+    width: int,
+    kv_cache_dtype: str,
+    *,
+    out: Tensor | None = None,
+    isa: str = AVX2,
+    threads: int | None = None,
+) -> Tensor:
+    """The scores described in the module docstring, written into `out` ([T, width] fp32, rows contiguous) if
+    given. isa: the build (backends.torch_eager.native.build.ISAS). threads: default torch's."""
+    _check_format(q, cache, kv_cache_dtype)
     out = check_score_arguments(q, weights, cache, tables, limits, width, out)
     if threads is None:  # the build is an argument of the op: torch.compile and FakeTensor see every build
         torch.ops.glm5_hal.native_quantized_index_scores(q, weights, cache, tables, limits, out, kv_cache_dtype, isa)
         return out
     return _run(q, weights, cache, tables, limits, out, kv_cache_dtype, isa, threads)
+
+
+def _run_paged(
+    q: Tensor,
+    weights: Tensor,
+    cache: Tensor,
+    block_table: Tensor,
+    seq_lens_k: Tensor,
+    cu_seqlens_q: Tensor,
+    out: Tensor,
+    kv_cache_dtype: str,
+    first_token: int,
+    isa: str,
+    threads: int | None,
+) -> Tensor:
+    tokens, heads, dims = q.shape
+    width = out.shape[1]
+    if out.numel() == 0:
+        return out
+    q32, w = _padded(q, heads), _padded(weights, heads)
+    table = block_table if block_table.stride(1) == 1 or block_table.shape[1] <= 1 else block_table.contiguous()
+    seq_lens_k, cu_seqlens_q = seq_lens_k.contiguous(), cu_seqlens_q.contiguous()
+    args = (heads, dims, CODES[kv_cache_dtype], q32.data_ptr(), w.data_ptr(), cache.data_ptr(), cache.stride(0))
+    args += (cache.stride(1), cache.shape[1], cache.shape[0], table.data_ptr(), table.stride(0), table.shape[1])
+    args += (seq_lens_k.data_ptr(), cu_seqlens_q.data_ptr(), table.shape[0], first_token, out.data_ptr())
+    args += (out.stride(0), width)
+    shares = score_shares(tokens, heads, dims, width, KEY_CHUNK, threads)
+    failed = threads_.failed_shares(_kernel(isa, paged=True), args, shares)
+    check(not failed, MemoryError, lambda: f"quantized index scores: no memory for a workspace of {dims}-wide keys")
+    return out
+
+
+def paged_scores(
+    q: Tensor,
+    weights: Tensor,
+    cache: Tensor,
+    block_table: Tensor,
+    seq_lens_k: Tensor,
+    cu_seqlens_q: Tensor,
+    width: int,
+    kv_cache_dtype: str,
+    *,
+    first_token: int = 0,
+    out: Tensor | None = None,
+    isa: str = AVX2,
+    threads: int | None = None,
+) -> Tensor:
+    """The paged form of `scores` (module docstring), written into `out` ([T, width] fp32, rows contiguous) if
+    given: block_table [B, max_blocks] int32 (max_blocks * block_size >= width), seq_lens_k [B] and cu_seqlens_q
+    [B + 1] int32, as the op takes them. isa: the build. threads: default torch's."""
+    _check_format(q, cache, kv_cache_dtype)
+    batch = block_table.shape[0] if block_table.dim() == 2 else -1
+    check(
+        block_table.dim() == 2 and block_table.dtype == torch.int32 and block_table.shape[1] * cache.shape[1] >= width,
+        ValueError,
+        lambda: (
+            f"block_table: expected [B, >= {width} / {cache.shape[1]}] int32, got {tuple(block_table.shape)} "
+            f"{block_table.dtype}"
+        ),
+    )
+    for name, t, size in (("seq_lens_k", seq_lens_k, batch), ("cu_seqlens_q", cu_seqlens_q, batch + 1)):
+        check(
+            tuple(t.shape) == (size,) and t.dtype == torch.int32,
+            ValueError,
+            lambda t=t, n=name, size=size: f"{n}: expected [{size}] int32, got {tuple(t.shape)} {t.dtype}",
+        )
+    check(first_token >= 0, ValueError, lambda: f"first_token: expected >= 0, got {first_token}")
+    for name, t in (("block_table", block_table), ("seq_lens_k", seq_lens_k), ("cu_seqlens_q", cu_seqlens_q)):
+        check(t.device.type == "cpu", ValueError, lambda t=t, n=name: f"{n}: expected a CPU tensor, got {t.device}")
+    out = check_score_operands(q, weights, cache, width, out)
+    if threads is None:
+        torch.ops.glm5_hal.native_quantized_index_scores_paged(
+            q, weights, cache, block_table, seq_lens_k, cu_seqlens_q, out, kv_cache_dtype, first_token, isa
+        )
+        return out
+    return _run_paged(
+        q, weights, cache, block_table, seq_lens_k, cu_seqlens_q, out, kv_cache_dtype, first_token, isa, threads
+    )
 
 
 _LIBRARY = torch.library.Library("glm5_hal", "FRAGMENT")
@@ -154,6 +248,47 @@ def _fake(
     limits: Tensor,
     out: Tensor,
     kv_cache_dtype: str,
+    isa: str = AVX2,
+) -> None:
+    return None
+
+
+_LIBRARY.define(
+    "native_quantized_index_scores_paged(Tensor q, Tensor weights, Tensor cache, Tensor block_table, "
+    "Tensor seq_lens_k, Tensor cu_seqlens_q, Tensor(a!) out, str kv_cache_dtype, int first_token, "
+    f"str isa='{AVX2}') -> ()"
+)
+
+
+def _paged_cpu_op(
+    q: Tensor,
+    weights: Tensor,
+    cache: Tensor,
+    block_table: Tensor,
+    seq_lens_k: Tensor,
+    cu_seqlens_q: Tensor,
+    out: Tensor,
+    kv_cache_dtype: str,
+    first_token: int,
+    isa: str = AVX2,
+) -> None:
+    _run_paged(q, weights, cache, block_table, seq_lens_k, cu_seqlens_q, out, kv_cache_dtype, first_token, isa, None)
+
+
+_LIBRARY.impl("native_quantized_index_scores_paged", _paged_cpu_op, "CPU")
+
+
+@torch.library.register_fake("glm5_hal::native_quantized_index_scores_paged")
+def _paged_fake(
+    q: Tensor,
+    weights: Tensor,
+    cache: Tensor,
+    block_table: Tensor,
+    seq_lens_k: Tensor,
+    cu_seqlens_q: Tensor,
+    out: Tensor,
+    kv_cache_dtype: str,
+    first_token: int,
     isa: str = AVX2,
 ) -> None:
     return None

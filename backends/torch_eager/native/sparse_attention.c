@@ -30,6 +30,7 @@
 #include <stdlib.h>
 
 #include "head_pairs.h"
+#include "paged_tokens.h" /* token_sequence */
 
 #if defined(GLM5_AVX2)
 #define KEYS PAIR_KEYS /* scores: keys per tile (6 x 2 or 3 x 4 head vectors of 8 = 12 accumulators) */
@@ -541,20 +542,6 @@ struct key_source {
     long batch, block_size, num_blocks;
     long block_step, row_step;   /* slot (block b, offset o) is row b * block_step + o * row_step */
 };
-
-/* The sequence of query token t: how many of cu_seqlens_q[1 ..] are <= t (torch.searchsorted(..., right=True), so a
-   sequence without new tokens is skipped), kept inside 0 .. batch - 1 whatever the prefix sums hold. */
-static long token_sequence(const int32_t *cu_seqlens_q, long batch, long t) {
-    long low = 0, high = batch; /* the answer is in low .. high */
-    while (low < high) {
-        long mid = (low + high) / 2;
-        if (cu_seqlens_q[mid + 1] <= t)
-            low = mid + 1;
-        else
-            high = mid;
-    }
-    return low < batch ? low : batch - 1;
-}
 
 /* valid_rows[0 .. n) = the rows of token t's keys, in the order of its selection; returns n. A paged key is a key
    when 0 <= position < seq_lens_k[b], its block lies in the table and the table names a block of the cache
