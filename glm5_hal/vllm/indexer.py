@@ -135,6 +135,23 @@ def _layer_metadata(attn_metadata: Any, layer: str) -> Glm5HalMetadata | None:
     return attn_metadata
 
 
+# The RoPE tables of the step being run: (forward context, positions' data and length, dtype, RoPE settings, cos,
+# sin). Every layer's indexer of a step rotates at the same positions, so the tables are made once per step (~0.15
+# ms a layer at decode on a CPU). The context is held, so that a later step's context cannot reuse its id.
+_step_tables: tuple[Any, ...] | None = None
+
+
+def _step_rope(context: Any, cfg: ModelConfig, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """rope_cos_sin(cfg, positions, dtype), made at the step's first layer and reused by its others."""
+    global _step_tables
+    # What rope_cos_sin reads of the config (each layer has its own ModelConfig object, equal to the others).
+    key = (positions.data_ptr(), positions.shape[0], dtype, cfg.qk_rope_head_dim, cfg.rope_theta, cfg.rope_scaling)
+    held = _step_tables
+    if held is None or held[0] is not context or held[1] != key:
+        held = _step_tables = (context, key, *rope_cos_sin(cfg, positions, dtype))
+    return held[2], held[3]
+
+
 def _select_keys(
     hidden_states: Tensor, q_c: Tensor, positions: Tensor, topk_indices_buffer: Tensor, layer_name: str
 ) -> None:
@@ -152,7 +169,7 @@ def _select_keys(
     slots = context.slot_mapping[binding.cache_layer][:tokens]
     step = StepMetadata(positions[:tokens], slots, metadata.block_table, metadata.seq_lens, metadata.query_start_loc)
     x = hidden_states[:tokens]
-    cos, sin = rope_cos_sin(cfg, step.positions, compute_dtype(x))
+    cos, sin = _step_rope(context, cfg, step.positions, compute_dtype(x))
     q_idx, weights = binding.indexer().prolog(x, q_c[:tokens], cos, sin, cache, step, INDEX_CACHE_FORMAT)
     topk = lightning_indexer(
         q_idx,

@@ -189,3 +189,24 @@ def test_int4_packing_is_the_w4a8_layout() -> None:
 def test_importing_glm5_hal_never_imports_vllm() -> None:
     done = run_python("import sys, glm5_hal, glm5_hal.vllm, glm5_hal.model; print('vllm' in sys.modules)")
     assert done.returncode == 0 and done.stdout.split()[-1] == "False", (done.stdout, done.stderr[-2000:])
+
+
+def test_rope_tables_are_made_once_per_step() -> None:
+    """The indexer's RoPE tables: the same tensors for every layer of a step (same forward context and positions),
+    made anew for another step's context, other positions or another dtype, and always rope_cos_sin's values."""
+    from glm5_hal.config import PRESETS
+    from glm5_hal.model.rope import rope_cos_sin
+    from glm5_hal.vllm.indexer import _step_rope
+
+    cfg = PRESETS["glm5-mini"]
+    step, next_step = object(), object()
+    positions = torch.tensor([5, 9, 4000])
+    cos, sin = _step_rope(step, cfg, positions, torch.float32)
+    assert _step_rope(step, cfg, positions, torch.float32)[0] is cos  # the step's next layer
+    want = rope_cos_sin(cfg, positions, torch.float32)
+    assert torch.equal(cos, want[0]) and torch.equal(sin, want[1])
+    positions += 1  # vLLM refills its persistent positions buffer in place for the next step
+    cos_next, _ = _step_rope(next_step, cfg, positions, torch.float32)
+    assert cos_next is not cos and torch.equal(cos_next, rope_cos_sin(cfg, positions, torch.float32)[0])
+    assert _step_rope(next_step, cfg, positions[:2], torch.float32)[0].shape[0] == 2  # other positions
+    assert _step_rope(next_step, cfg, positions[:2], torch.float64)[0].dtype == torch.float64  # another dtype
