@@ -366,6 +366,18 @@ def test_paged_quantized_index_scores_find_each_tokens_keys_as_the_torch_side_di
         assert _same_bits(got, want[first:])
 
 
+@pytest.mark.parametrize("isa", ISAS)
+def test_paged_quantized_index_scores_of_tokens_without_a_sequence_see_no_key(isa):
+    """Value checks off, a batch of no sequence can come with tokens (cu_seqlens_q [0] while T = 2): every score is
+    -inf and nothing of the (empty) per-sequence tensors is read (the ASan run checks the reading)."""
+    _runs(quantized_index_scores, isa)
+    q, w = torch.randn(2, 4, 128).bfloat16(), torch.randn(2, 4)
+    cache = encode_rows(torch.randn(12, 128), FORMATS["fp8_index"]).view(3, 4, 132)
+    table, lens, cu = torch.zeros(0, 2, dtype=torch.int32), torch.zeros(0, dtype=torch.int32), torch.zeros(1)
+    got = quantized_index_scores.paged_scores(q, w, cache, table, lens, cu.int(), 8, "fp8_index", isa=isa, threads=2)
+    assert torch.equal(got, torch.full((2, 8), float("-inf")))
+
+
 def test_paged_quantized_index_scores_op_passes_opcheck():
     """The custom op the backend calls (what spies, FakeTensor and torch.compile see): schema (out mutated),
     fake and real results alike."""

@@ -75,6 +75,10 @@ static inline int token_views_make(const struct paged_batch *pb, long width, lon
         token_views_free(v);
         return -1;
     }
+    if (pb->batch <= 0) { /* no sequence (tokens past the prefix sums, value checks off): no token sees a key */
+        for (long i = 0; i < tokens; i++) v->tables[i] = v->rows, v->limits[i] = 0;
+        return 0;
+    }
     for (long b = first; b < first + sequences && tokens > 0; b++) {
         const int32_t *raw = pb->block_table + b * pb->table_stride;
         int32_t *row = v->rows + (b - first) * width_blocks;
@@ -94,6 +98,7 @@ static inline int token_views_make(const struct paged_batch *pb, long width, lon
    -inf for every visible key whose table entry names no block of the cache (the others are left as they are). */
 static inline void paged_mask_outside(const struct paged_batch *pb, const struct token_views *v, float *scores,
                                       long score_row, long t_begin, long t_end, long s_begin, long s_end) {
+    if (pb->batch <= 0) return; /* no token sees a key (token_views_make) */
     for (long t = t_begin; t < t_end; t++) {
         long b = v->first_seq + (v->tables[t - t_begin] - v->rows) / (pb->max_blocks > 0 ? pb->max_blocks : 1);
         const int32_t *raw = pb->block_table + b * pb->table_stride;
