@@ -86,6 +86,23 @@ def test_bf16_gemm_is_the_fp32_gemm_of_the_bf16_operands(isa, batch, rows, cols,
 
 
 @pytest.mark.parametrize("isa", ISAS)
+def test_bf16_gemm_gives_a_row_the_same_bits_whether_a_stays_in_l2_or_is_blocked(isa):
+    """bf16_gemm.c reads a small A (decode: up to A_RESIDENT = 256 KiB) with each group of B rows whole and a larger
+    one in blocks of rows of A per pass over B; both sum each output's K blocks in the same order, so a row's result
+    is the same to the bit whatever else is in the batch (a decode token alone, or within a prefill)."""
+    _runs(bf16_gemm, isa)
+    gen = torch.Generator().manual_seed(11)
+    depth = 2100  # three K blocks, the last partial
+    a, b = _bf16(gen, 1, 70, depth), _bf16(gen, 1, 37, depth)  # 70 x 2100 x 2 bytes: past A_RESIDENT
+    blocked = bf16_gemm.bmm_nt(a, b, isa=isa, threads=1)
+    _assert_within_fp32_sums(
+        blocked, torch.bmm(a.double(), b.double().mT), torch.bmm(a.double().abs(), b.double().abs().mT), depth
+    )
+    for rows in (slice(0, 1), slice(5, 9), slice(60, 70), slice(0, 62)):  # 62 x 2100 x 2 bytes: within it
+        assert _same_bits(bf16_gemm.bmm_nt(a[:, rows], b, isa=isa, threads=1), blocked[:, rows])
+
+
+@pytest.mark.parametrize("isa", ISAS)
 def test_bf16_gemm_takes_transposed_and_expanded_operands_and_any_thread_count(isa):
     _runs(bf16_gemm, isa)
     gen = torch.Generator().manual_seed(5)
