@@ -219,6 +219,32 @@ def test_weight_routes_split_where_their_lines_cross():
     assert caps._crossing({"a": 1.0, "b": 2.0}, {"a": 2.0, "b": 3.0}, "a", "b", (4, 256)) == 256  # parallel
 
 
+def test_a_native_weight_route_takes_fp32_activations_only_where_their_two_parts_pay():
+    """One native route for all rows (the AVX-512 BF16 kernel on a Zen 4, times as its probe measured them): at decode
+    an fp32 activation's two parts cost little more than one (the weight is read once), at prefill twice the
+    arithmetic, and the native route is only 1.6x fp32 there. So such products take fp32 from the rows of work where
+    the doubled rows stop paying; bf16 activations stay native at every row count."""
+    times = {
+        (caps.WEIGHTS, caps.DECODE_ROWS): {"fp32": 1.7927, "half": 1.0761, "native": 0.2669},
+        (caps.WEIGHTS, caps.PREFILL_ROWS): {"fp32": 22.9863, "half": 21.0474, "native": 14.1936},
+    }
+    weights = decide(_cpu(ZEN5), FakeProbe(times=times, native=NATIVE_OK), AUTO).half_choice(torch.bfloat16)
+    assert weights.small.label == weights.large.label == "native:avx512_bf16"
+    # Lines: fp32 1.4563 + 0.084102 r, native 0.04584 + 0.055265 x; native(x) x 1.05 = fp32(x / 2) at x = 88.1.
+    assert weights.split_rows == 89 and "two parts stop paying from 89 rows" in weights.reason
+    assert weights.small.max_work == float("inf")
+    assert weights.large.max_work == pytest.approx(22.9863 / 14.1936 / caps.ROUTE_MARGIN)
+    routed = RoutedGemm(*(from_route(torch.bfloat16, r) for r in (weights.small, weights.large)), weights.split_rows)
+    w = torch.zeros(8, 16, dtype=torch.bfloat16)
+    for rows, dtype, native in ((44, torch.float32, True), (45, torch.float32, False), (4096, torch.bfloat16, True)):
+        x = torch.zeros(rows, 16, dtype=dtype)
+        assert routed.for_rows(x, rows).takes_half(x, w.T, rows, output=False) == native, (rows, dtype)
+    # A native route over twice as fast at prefill too keeps fp32 activations on it at every row count.
+    times[(caps.WEIGHTS, caps.PREFILL_ROWS)]["native"] = 9.0
+    weights = decide(_cpu(ZEN5), FakeProbe(times=times, native=NATIVE_OK), AUTO).half_choice(torch.bfloat16)
+    assert weights.small == weights.large and weights.large.max_work == float("inf")
+
+
 def test_attention_routes_split_by_head_count():
     """The AVX2 case: the native attention kernel wins at a tensor-parallel share of the heads and loses at all 64
     (times as measured on a Zen 3); a call takes the route for its own head count, and the weight family's row

@@ -704,6 +704,28 @@ def _crossing(
     return max(low + 1, min(high, low + math.ceil(gap / closing)))
 
 
+def _two_part_split(
+    small: dict[str, float], large: dict[str, float], native: str, counts: tuple[int, int]
+) -> int | None:
+    """For a weight family whose one route is `native`: the rows of work (an fp32 activation's rows x its two parts,
+    as gemm.RoutedGemm counts them) from which such a product costs more on it, by ROUTE_MARGIN, than on the fp32
+    GEMM at its own rows, on the lines through both routes' times at counts[0] (`small`) and counts[1] (`large`);
+    None where that is past twice the larger count (the native route is over twice as fast at prefill too)."""
+    low, high = counts
+
+    def line(route: str) -> tuple[float, float]:  # (time at 0 rows, time per row)
+        slope = (large[route] - small[route]) / (high - low)
+        return small[route] - slope * low, slope
+
+    (native_at_0, native_slope), (fp32_at_0, fp32_slope) = line(native), line(FP32)
+    # Where native(x) x margin = fp32(x / 2), for x rows of work.
+    closing = native_slope * ROUTE_MARGIN - fp32_slope / 2
+    gap = fp32_at_0 - native_at_0 * ROUTE_MARGIN
+    if closing <= 0 or gap >= 2 * high * closing:
+        return None
+    return max(low + 1, math.ceil(gap / closing))
+
+
 def _measured_choice(
     dtype: torch.dtype, family: str, routes: list[Route], probe: Probe, measured: dict[str, float], why: str
 ) -> HalfChoice:
@@ -718,18 +740,32 @@ def _measured_choice(
             measured[f"{unit} {family} {name}{at} (ms)"] = round(seconds * 1e3, 4)
     small, small_ratio = _fastest(times[counts[0]], routes)
     large, large_ratio = _fastest(times[counts[-1]], routes)
+    split = None
     if family == WEIGHTS:
         # An fp32 activation doubles a product's rows on a half route (two stacked parts), and the weight family's
-        # products pick their route by those rows (gemm.RoutedGemm), so no work bound on top: on the native kernel
-        # twice the rows at decode cost far less than twice (the weight is read once). The half route keeps its
-        # bound (its fp32 weights would enter in two parts and the residual doubles its passes).
-        small, large = (replace(r, max_work=math.inf) if r.name == NATIVE else r for r in (small, large))
+        # products pick their route by those rows (gemm.RoutedGemm). On the native kernel at decode twice the rows
+        # cost far less than twice (the weight is read once): no work bound there. At prefill the arithmetic sets
+        # the time, so a large native route keeps its bound (an fp32 activation's two parts are twice the work) from
+        # the rows of work where the doubled rows stop paying (_two_part_split). The half route keeps its bound (its
+        # fp32 weights would enter in two parts and the residual doubles its passes).
+        if small.name == NATIVE:
+            small = replace(small, max_work=math.inf)
+        if small.name == large.name == NATIVE and small.label == large.label:
+            split = _two_part_split(times[counts[0]], times[counts[-1]], large.label, counts)
+            if split is None:
+                large = small
 
     def verdict(route: Route, ratio: float, where: str) -> str:
         if route.name == FP32:
             return f"fp32 fastest {where} (others within {ROUTE_MARGIN}x or slower)"
         return f"{route.label} measured {ratio:.2f}x fp32 {where}"
 
+    if split is not None:  # one native route, its fp32 activations' products bounded from `split` rows of work on
+        reason = (
+            f"{verdict(large, large_ratio, 'at the measured shapes')}; an fp32 activation's two parts stop paying "
+            f"from {split} {what} of them"
+        )
+        return HalfChoice(dtype, family, small, large, f"{why}{reason}", split)
     if len(counts) == 1 or small.label == large.label:
         route = large if small.label == large.label else small
         reason = verdict(route, large_ratio if len(counts) > 1 else small_ratio, "at the measured shapes")
