@@ -234,6 +234,10 @@ def test_a_native_weight_route_takes_fp32_activations_only_where_their_two_parts
     assert weights.split_rows == 89 and "two parts stop paying from 89 rows" in weights.reason
     assert weights.small.max_work == float("inf")
     assert weights.large.max_work == pytest.approx(22.9863 / 14.1936 / caps.ROUTE_MARGIN)
+    # The op's outputs: native x 1.05 against one pass of torch's GEMM (the half route's time with its residual, / 2):
+    # 0.2802 < 0.5381 at 4 rows, 14.903 > 10.524 at 256; the lines cross at 4 + 0.2578 x 252 / 4.6374 = 18.0 rows.
+    assert weights.small.outputs_below == weights.large.outputs_below == 19
+    assert "the op's outputs too below 19 rows" in weights.path
     routed = RoutedGemm(*(from_route(torch.bfloat16, r) for r in (weights.small, weights.large)), weights.split_rows)
     w = torch.zeros(8, 16, dtype=torch.bfloat16)
     for rows, dtype, native in ((44, torch.float32, True), (45, torch.float32, False), (4096, torch.bfloat16, True)):

@@ -350,6 +350,28 @@ def test_the_native_gemm_takes_bf16_column_operands_and_fp32_rows_only() -> None
         assert rel <= (2.0**-8 if output else 2.0**-14), rel  # hi + lo carries ~2^-16 of an fp32 operand
 
 
+def test_the_native_gemm_takes_the_outputs_of_few_rows_where_the_probe_measured_it_faster() -> None:
+    """outputs_below (the probe's crossing with one pass of torch's half GEMM): an op's output of fewer rows of work
+    takes the native kernel, if its weight is read in place (K-contiguous); more rows (an fp32 operand's two parts
+    count twice), or a weight that would be copied on every call, take torch's bf16 GEMM as before."""
+    isa = next(isa for isa in (bf16_gemm.FAST, bf16_gemm.AVX2, bf16_gemm.PORTABLE) if bf16_gemm.availability(isa)[0])
+    gemm = Gemm(torch.bfloat16, True, math.inf, True, isa, torch_half=True, outputs_below=8)
+    native, torch_bmm = torch.ops.glm5_hal.native_bf16_bmm_nt.default, torch.ops.aten.bmm.default
+    w = torch.randn(16, 32).bfloat16()
+    for a, b, want in (
+        (torch.randn(2, 7, 32).bfloat16(), w.T.expand(2, 32, 16), native),
+        (torch.randn(2, 8, 32).bfloat16(), w.T.expand(2, 32, 16), torch_bmm),
+        (torch.randn(2, 4, 32), w.T.expand(2, 32, 16), torch_bmm),  # 4 fp32 rows: 8 rows of work
+        (torch.randn(2, 3, 32), w.T.expand(2, 32, 16), native),
+        (torch.randn(2, 4, 32).bfloat16(), torch.randn(2, 32, 16).bfloat16(), torch_bmm),  # N-contiguous b
+    ):
+        with _GemmSpy() as spy:
+            got = gemm.bmm(a, b, output=True)
+        assert want in spy.functions and (native in spy.functions) == (want == native), (a.shape, a.dtype, b.stride())
+        rel = float((got.double() - a.double() @ b.double()).norm() / (a.double() @ b.double()).norm())
+        assert rel <= 2.0**-8, rel  # an output: rounded right after anyway
+
+
 def test_without_fast_torch_half_gemms_the_native_kernel_takes_the_outputs_too() -> None:
     """On a CPU without bf16 units (torch_half False: torch emulates its bf16 GEMM there), the native route sends the
     op's outputs to the native kernel as well, and a product it cannot take (an fp32 column operand) to fp32 GEMMs:

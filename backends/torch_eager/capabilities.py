@@ -431,6 +431,9 @@ class Route:
     # NATIVE: whether torch's own half GEMM is fast here (the device has units for the dtype); where not, the native
     # kernel also takes the op's outputs and what it cannot take runs in fp32 (gemm.Gemm.torch_half).
     torch_half: bool = True
+    # NATIVE, where torch_half: the op's outputs too take the native kernel in products of fewer rows of work than
+    # this, where it measured faster than one pass of torch's half GEMM (_native_outputs_below); 0: never.
+    outputs_below: float = 0.0
 
     @property
     def label(self) -> str:
@@ -447,6 +450,10 @@ class Route:
             text = f"{unit} operands, fp32 result"
         else:
             text = f"{unit} operands, {unit} result + its rounding residual (addmm)"
+        if self.outputs_below == math.inf:
+            text += ", the op's outputs too"
+        elif self.outputs_below > 0:
+            text += f", the op's outputs too below {self.outputs_below:.0f} rows"
         if math.isfinite(self.max_work):
             text += f", fp32 past {self.max_work:.1f}x work"
         return text
@@ -704,6 +711,29 @@ def _crossing(
     return max(low + 1, min(high, low + math.ceil(gap / closing)))
 
 
+def _native_outputs_below(
+    small: dict[str, float], large: dict[str, float], native: Route, half: Route, counts: tuple[int, int]
+) -> float:
+    """The rows below which the weight family's `native` route also takes the op's outputs: where it is faster, by
+    ROUTE_MARGIN, than one pass of torch's half GEMM (an output's rounded result needs no residual), on lines
+    through both routes' times at counts[0] (`small`) and counts[1] (`large`). The half route's time counts its
+    residual's pass where it has one: one pass is taken as half of it (the residual is the same GEMM again).
+    inf: faster at both counts; 0: slower at the decode count (a win only at prefill is left to torch's GEMM)."""
+    if native.name != NATIVE:
+        return 0.0
+    low, high = counts
+    passes = 1 if half.fp32_output else 2
+    ours = [times[native.label] * ROUTE_MARGIN for times in (small, large)]
+    theirs = [times[half.label] / passes for times in (small, large)]
+    if ours[0] > theirs[0]:
+        return 0.0
+    if ours[1] <= theirs[1]:
+        return math.inf
+    # ours starts below theirs and ends above: where the lines cross.
+    closing = (ours[1] - ours[0]) - (theirs[1] - theirs[0])
+    return float(math.ceil(low + (theirs[0] - ours[0]) * (high - low) / closing))
+
+
 def _two_part_split(
     small: dict[str, float], large: dict[str, float], native: str, counts: tuple[int, int]
 ) -> int | None:
@@ -750,6 +780,10 @@ def _measured_choice(
         # fp32 weights would enter in two parts and the residual doubles its passes).
         if small.name == NATIVE:
             small = replace(small, max_work=math.inf)
+        half = next((r for r in routes if r.name == HALF), None)
+        if half is not None:  # the op's outputs: the native kernel against one pass of torch's half GEMM
+            below = _native_outputs_below(times[counts[0]], times[counts[-1]], small, half, counts)
+            small, large = (replace(r, outputs_below=below) if r.name == NATIVE else r for r in (small, large))
         if small.name == large.name == NATIVE and small.label == large.label:
             split = _two_part_split(times[counts[0]], times[counts[-1]], large.label, counts)
             if split is None:
@@ -795,8 +829,9 @@ def _decide_half(
             return _everywhere(dtype, FP32_ROUTE, f"no {unit} units: {facts.evidence[unit]}; {notes.rstrip('; ')}")
         return _everywhere(dtype, FP32_ROUTE, f"no fp32-accurate {unit} route: {notes.rstrip('; ')}")
     fastest_kind = next((r for r in routes if r.name == NATIVE), routes[1])  # NATIVE_ISAS: fastest first
-    if mode == FORCE:
-        return _everywhere(dtype, fastest_kind, f"{ENV_FAST_PATHS}=1; {notes}".rstrip("; "))
+    if mode == FORCE:  # the native route then takes the op's outputs too: every product on the forced kernels
+        forced = replace(fastest_kind, outputs_below=math.inf) if fastest_kind.name == NATIVE else fastest_kind
+        return _everywhere(dtype, forced, f"{ENV_FAST_PATHS}=1; {notes}".rstrip("; "))
     if facts.units[unit] is None:
         known = f"{unit} units unknown here; "
     else:

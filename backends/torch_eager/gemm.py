@@ -98,6 +98,10 @@ class Gemm:
     # it there, ~15x slower than fp32 at prefill sizes): the native kernel then also takes the op's outputs, and a
     # product it does not take runs in fp32.
     torch_half: bool = True
+    # Where torch's half GEMM is fast: the op's outputs too take the native kernel in products of fewer rows than
+    # this (rows of work: an fp32 operand's two parts count twice), where the probe measured it faster than one
+    # pass of torch's GEMM (decode, where the weight's bytes set the time); 0: never.
+    outputs_below: float = 0.0
 
     @property
     def half(self) -> bool:
@@ -123,24 +127,32 @@ class Gemm:
         torch code instead)."""
         return self.native and self.native_isa != amx_gemm.FAST
 
-    def takes_native(self, b: Tensor, output: bool) -> bool:
-        """Whether a product with column operand b runs on backends.torch_eager.native's kernel: not where it is the
-        op's output and torch's half GEMM is fast (its rounded result is enough, and faster where arithmetic sets the
-        time), and not where b is an fp32 operand: b is the weight-like one (a weight, the cache rows), and splitting
-        it into parts with torch ops costs more per element (~0.9 ns on this project's CPU) than the kernel spends on
-        it at these row counts. An fp32 `a` (activations: few rows) is split cheaply."""
-        return self.native and (not output or not self.torch_half) and b.dtype == self.operand
+    def takes_native(self, b: Tensor, output: bool, rows: int) -> bool:
+        """Whether a product with column operand b and `rows` rows of work (a's stacked parts) runs on
+        backends.torch_eager.native's kernel. Not where b is an fp32 operand: b is the weight-like one (a weight, the
+        cache rows), and splitting it into parts with torch ops costs more per element (~0.9 ns on this project's CPU)
+        than the kernel spends on it at these row counts (an fp32 `a`, activations of few rows, is split cheaply).
+        Where the product is the op's output and torch's half GEMM is fast, torch's rounded result is enough: the
+        native kernel takes it only below `outputs_below` rows, and only where b is read in place (K-contiguous, as a
+        weight [N, K] is; another layout would be copied on every call)."""
+        if not self.native or b.dtype != self.operand:
+            return False
+        if not output or not self.torch_half:
+            return True
+        return rows < self.outputs_below and (b.shape[-2] <= 1 or b.stride(-2) == 1)
 
     def takes_half(self, a: Tensor, b: Tensor, rows: int, output: bool) -> bool:
         """Whether a product of a and b (any float dtypes) with `rows` rows runs on the half-precision path."""
         if not self.half:
             return False
-        if not self.torch_half and not self.takes_native(b, output):
+        a_parts = 1 if a.dtype == self.operand else 2
+        native = self.takes_native(b, output, rows * a_parts)
+        if not self.torch_half and not native:
             return False  # torch's emulated half GEMM would run it: fp32 is faster
-        parts = (1 if a.dtype == self.operand else 2) * (1 if b.dtype == self.operand else 2)
+        parts = a_parts * (1 if b.dtype == self.operand else 2)
         # One pass where the GEMM returns fp32 (torch's out_dtype, or the native kernel where it takes the product),
         # or where the result is the op's output; else the residual's second pass.
-        one_pass = output or (self.fp32_output and (not self.native or self.takes_native(b, output)))
+        one_pass = output or (self.fp32_output and (not self.native or native))
         return parts * (1 if one_pass else 2) <= self.max_work
 
     def _product(self, a: Tensor, b: Tensor, matmul, matmul_add, output: bool) -> Tensor:
@@ -149,7 +161,7 @@ class Gemm:
         weight once: one GEMM, plus the residual GEMM where the result comes back rounded."""
         rows, cols = a.shape[-2], b.shape[-1]
         stacked_a, a_parts = _stacked_parts(a, self.operand, -2)  # a's parts along rows
-        if self.takes_native(b, output):
+        if self.takes_native(b, output, rows * a_parts):
             # b is in the operand dtype here (takes_native): one part; b^T is the [N, K] the kernel reads.
             b_parts = 1
             if stacked_a.dim() == 2:
@@ -250,7 +262,7 @@ def from_route(activation: torch.dtype, route: Route) -> Gemm:
     if route.name == FP32_NAME:
         return FP32
     if route.name == NATIVE:
-        return Gemm(activation, True, route.max_work, True, route.isa, route.torch_half)
+        return Gemm(activation, True, route.max_work, True, route.isa, route.torch_half, route.outputs_below)
     return Gemm(activation, route.fp32_output, route.max_work)
 
 

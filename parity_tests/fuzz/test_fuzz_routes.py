@@ -25,10 +25,11 @@ from glm5_hal.registry import OP_NAMES
 CONFIGS_PER_ROUTE = 100
 QUANTIZED_CONFIGS_PER_ROUTE = 80  # per indexer op: the quantized rows' products alone differ from the above
 # The native kernel each op's bf16 / int8 products must reach on the native route (so the route is not a no-op).
-# grouped_matmul is not here: its products are its outputs, rounded to bf16 anyway, which take torch's bf16 GEMM
-# on the native route too (gemm.Gemm.takes_native).
+# Forced, the native route takes the ops' outputs too (grouped_matmul's products are its outputs; with the probe's
+# choice they take it only below the rows where it measured faster than torch's GEMM: gemm.Gemm.takes_native).
 NATIVE_KERNELS = {
     "mla_prolog": "bf16_gemm",
+    "grouped_matmul": "bf16_gemm",
     # indexer_prolog: its decode-sized calls with contiguous weights take the fused prolog (native/indexer_prolog.c)
     "indexer_prolog": ("indexer_prolog", "bf16_gemm"),
     "fused_moe": "bf16_gemm",
