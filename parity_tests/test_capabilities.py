@@ -356,9 +356,11 @@ def test_the_native_int8_kernel_takes_the_row_counts_it_measured_faster_for():
     inexact = FakeProbe(exact={ONEDNN: True}, int8={ONEDNN: 6.0}, streaming_rows=4)
     got = decide(_cpu(ZEN5), inexact, AUTO).int8
     assert got.native_rows == 0 and not any("streaming" in asked for asked in inexact.asked)
-    # Forced fast paths measure nothing, so the general route takes every row count.
+    # Forced fast paths measure nothing and run glm5-hal's own kernel at every row count (issue 29: forcing left the
+    # cut-off at 0, so it never ran the native kernel); where it is not exact, the first exact route.
     forced = decide(_cpu(ZEN5), FakeProbe(exact=exact, streaming_rows=4), FORCE).int8
-    assert forced.route == ONEDNN and forced.native_rows == 0
+    assert forced.route == NATIVE_INT8 and forced.takes_native(1) and forced.takes_native(4096)
+    assert decide(_cpu(ZEN5), FakeProbe(exact={**exact, NATIVE_INT8: False}), FORCE).int8.route == ONEDNN
 
 
 def test_the_native_int8_kernel_as_the_general_route_takes_every_row_count():

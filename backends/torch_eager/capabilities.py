@@ -858,9 +858,11 @@ def _decide_int8(facts: DeviceFacts, probe: Probe, mode: str, measured: dict[str
     if not exact:
         return Int8Choice(None, "no exact int8 GEMM: " + "; ".join(rejected))
     exactness = f"{EXACTNESS_DEPTH}-deep -128/127 check passed"
-    if mode == FORCE or not facts.measure_speed:
-        why = f"{ENV_FAST_PATHS}=1" if mode == FORCE else f"int8 units: {facts.evidence['int8']}"
-        return Int8Choice(exact[0].name, f"{why}; {exactness}")
+    if mode == FORCE:  # glm5-hal's own kernels first (AMX's, then VNNI's), so that forcing runs them at every size
+        own = [r for r in exact if r in (int8_gemms.AMX_S8, int8_gemms.NATIVE_VNNI)]
+        return Int8Choice((own or exact)[0].name, f"{ENV_FAST_PATHS}=1; {exactness}")
+    if not facts.measure_speed:
+        return Int8Choice(exact[0].name, f"int8 units: {facts.evidence['int8']}; {exactness}")
     # The first exact route (int8_gemms.ROUTES is in order of preference) that beats fp32 is used. The order is a
     # fact about the kernels the probe shape cannot show: a prepacked weight saves a reorder per call, which
     # dominates at decode, where the weight is streamed from memory once per call.
