@@ -1,8 +1,10 @@
 """What the probe times to choose a route per op family (capabilities.FAMILIES): each family's own products, at
 GLM-5 widths, run by this backend's ops on each candidate route (gemm.forced_route).
 
-    weights    a projection [rows, 2048] @ [2048, 2048]^T (8 MiB of bf16: past the caches, as a real weight),
-               at capabilities.DECODE_ROWS and PREFILL_ROWS rows
+    weights    a projection [rows, 2048] @ [2048, 2048]^T (8 MiB of bf16) at capabilities.DECODE_ROWS and
+               PREFILL_ROWS rows, the last-level cache overwritten before each timed call: a real weight comes from
+               memory (8 MiB fits the 32 MiB L3 of the project's EPYCs: on a Zen 4 the native kernel's 4-row
+               product ran 2.3-3.2x faster warm than from memory, fp32's 1.2x)
     attention  sparse_flash_attention: 4 tokens over 2048 selected keys of 576 (d_v 512), bf16 cache, at
                capabilities.FEW_HEADS and ALL_HEADS heads
     indexer    indexer_logits: 4 tokens x 32 heads of 128 over 4096 keys, bf16 cache
@@ -28,6 +30,7 @@ from backends.torch_eager import capabilities as caps
 from backends.torch_eager.gemm import forced_route, from_route, gemm_for
 from backends.torch_eager.indexer import indexer_logits
 from backends.torch_eager.sparse_attention import sparse_flash_attention
+from glm5_hal.cpu_flags import cache_flush_bytes
 from glm5_hal.kv_formats import AUTO, FORMATS, encode_rows
 from glm5_hal.parity.inputs import SeqSpec, paged_batch, randn, random_topk_indices
 
@@ -88,9 +91,14 @@ def time_routes(
     """The best of `reps` alternating calls of `family`'s workload on each route (seconds, by Route.label)."""
     call = workload(family, device, dtype, rows)
     gemms = {route.label: from_route(dtype, route) for route in routes}
+    # The weight family's products read their weight from memory in a model (the other families' workloads are
+    # calls of the ops over their own inputs, as in a decode step, and keep what those calls leave in the caches).
+    flush = torch.empty(cache_flush_bytes() // 4) if family == caps.WEIGHTS and device.type == "cpu" else None
 
     def timed(name: str) -> float:
         with forced_route(family, gemms[name]):
+            if flush is not None:
+                flush.add_(1.0)
             caps._synchronize(device)
             start = time.perf_counter()
             call()
