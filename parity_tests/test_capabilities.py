@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -63,7 +64,9 @@ class FakeProbe:
         self.asked.append(f"route_times {dtype} {family} {rows}")
         key = (family, rows) if (family, rows) in self.times else (family, 0)  # 0: the same at every count
         if key in self.times:
-            return {r.label: self.times[key][r.name] for r in routes}
+            times = {r.label: self.times[key][r.name] for r in routes}
+            # The half route's product as an op's output, where the fake has it (the weight family).
+            return times | {n: t for n, t in self.times[key].items() if n == f"{caps.HALF} output"}
         return {r.label: 1.0 / self.speed.get(r.name, 1.0) if r.name != caps.FP32 else 1.0 for r in routes}
 
     def fp32_output(self, dtype: torch.dtype) -> bool:
@@ -225,19 +228,26 @@ def test_a_native_weight_route_takes_fp32_activations_only_where_their_two_parts
     arithmetic, and the native route is only 1.6x fp32 there. So such products take fp32 from the rows of work where
     the doubled rows stop paying; bf16 activations stay native at every row count."""
     times = {
-        (caps.WEIGHTS, caps.DECODE_ROWS): {"fp32": 1.7927, "half": 1.0761, "native": 0.2669},
-        (caps.WEIGHTS, caps.PREFILL_ROWS): {"fp32": 22.9863, "half": 21.0474, "native": 14.1936},
+        (caps.WEIGHTS, caps.DECODE_ROWS): {"fp32": 1.7927, "half": 1.08, "half output": 0.5381, "native": 0.2669},
+        (caps.WEIGHTS, caps.PREFILL_ROWS): {"fp32": 22.99, "half": 21.05, "half output": 10.5237, "native": 14.1936},
     }
     weights = decide(_cpu(ZEN5), FakeProbe(times=times, native=NATIVE_OK), AUTO).half_choice(torch.bfloat16)
     assert weights.small.label == weights.large.label == "native:avx512_bf16"
     # Lines: fp32 1.4563 + 0.084102 r, native 0.04584 + 0.055265 x; native(x) x 1.05 = fp32(x / 2) at x = 88.1.
     assert weights.split_rows == 89 and "two parts stop paying from 89 rows" in weights.reason
     assert weights.small.max_work == float("inf")
-    assert weights.large.max_work == pytest.approx(22.9863 / 14.1936 / caps.ROUTE_MARGIN)
-    # The op's outputs: native x 1.05 against one pass of torch's GEMM (the half route's time with its residual, / 2):
-    # 0.2802 < 0.5381 at 4 rows, 14.903 > 10.524 at 256; the lines cross at 4 + 0.2578 x 252 / 4.6374 = 18.0 rows.
+    assert weights.large.max_work == pytest.approx(22.99 / 14.1936 / caps.ROUTE_MARGIN)
+    # The op's outputs: native x 1.05 against torch's GEMM of an output (one pass): 0.2802 < 0.5381 at 4 rows,
+    # 14.903 > 10.524 at 256; the lines cross at 4 + 0.2578 x 252 / 4.6374 = 18.0 rows.
     assert weights.small.outputs_below == weights.large.outputs_below == 19
-    assert "the op's outputs too below 19 rows" in weights.path
+    assert "(avx512_bf16 build; the op's outputs too, below 19 rows)" in weights.path
+    # Unmeasured (a probe without the output timing), or slower at 4 rows: never; faster at both counts: always.
+    for output_times, want in (((None, None), 0.0), ((0.2, 30.0), 0.0), ((0.6, 20.0), math.inf)):
+        timed = {key: {**t, "half output": v} for (key, t), v in zip(times.items(), output_times)}
+        if output_times[0] is None:
+            timed = {key: {n: v for n, v in t.items() if n != "half output"} for key, t in times.items()}
+        got = decide(_cpu(ZEN5), FakeProbe(times=timed, native=NATIVE_OK), AUTO).half_choice(torch.bfloat16)
+        assert got.small.outputs_below == want, output_times
     routed = RoutedGemm(*(from_route(torch.bfloat16, r) for r in (weights.small, weights.large)), weights.split_rows)
     w = torch.zeros(8, 16, dtype=torch.bfloat16)
     for rows, dtype, native in ((44, torch.float32, True), (45, torch.float32, False), (4096, torch.bfloat16, True)):
@@ -319,7 +329,10 @@ def test_the_real_route_timer_runs_every_family_on_every_route() -> None:
     assert routes[0] == caps.FP32_ROUTE and len(routes) >= 2  # fp32 and at least the residual route here
     for family in caps.FAMILIES:
         got = probe.route_times(torch.bfloat16, family, tuple(routes), caps.DECODE_ROWS)
-        assert set(got) == {r.label for r in routes} and all(0 < t < 10 for t in got.values()), (family, got)
+        want = {r.label for r in routes}
+        if family == caps.WEIGHTS:  # and the half route's product as an op's output (one pass)
+            want |= {caps.output_label(r) for r in routes if r.name == caps.HALF}
+        assert set(got) == want and all(0 < t < 10 for t in got.values()), (family, got)
 
 
 def test_cpu_with_units_and_a_measured_win_takes_the_fast_paths():

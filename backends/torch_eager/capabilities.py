@@ -445,15 +445,16 @@ class Route:
         if self.name == FP32:
             return "fp32 operands"
         if self.name == NATIVE:
-            text = f"{unit} operands, native kernels' fp32 result ({self.isa} build)"
+            outputs = ""
+            if self.outputs_below == math.inf:
+                outputs = "; the op's outputs too"
+            elif self.outputs_below > 0:
+                outputs = f"; the op's outputs too, below {self.outputs_below:.0f} rows"
+            text = f"{unit} operands, native kernels' fp32 result ({self.isa} build{outputs})"
         elif self.fp32_output:
             text = f"{unit} operands, fp32 result"
         else:
             text = f"{unit} operands, {unit} result + its rounding residual (addmm)"
-        if self.outputs_below == math.inf:
-            text += ", the op's outputs too"
-        elif self.outputs_below > 0:
-            text += f", the op's outputs too below {self.outputs_below:.0f} rows"
         if math.isfinite(self.max_work):
             text += f", fp32 past {self.max_work:.1f}x work"
         return text
@@ -711,20 +712,25 @@ def _crossing(
     return max(low + 1, min(high, low + math.ceil(gap / closing)))
 
 
+def output_label(route: Route) -> str:
+    """The weight family's measured time of `route`'s product as an op's output (route_times): for the half route,
+    one pass of torch's GEMM, its rounded result being all an output needs."""
+    return f"{route.label} output"
+
+
 def _native_outputs_below(
     small: dict[str, float], large: dict[str, float], native: Route, half: Route, counts: tuple[int, int]
 ) -> float:
     """The rows below which the weight family's `native` route also takes the op's outputs: where it is faster, by
-    ROUTE_MARGIN, than one pass of torch's half GEMM (an output's rounded result needs no residual), on lines
-    through both routes' times at counts[0] (`small`) and counts[1] (`large`). The half route's time counts its
-    residual's pass where it has one: one pass is taken as half of it (the residual is the same GEMM again).
-    inf: faster at both counts; 0: slower at the decode count (a win only at prefill is left to torch's GEMM)."""
-    if native.name != NATIVE:
+    ROUTE_MARGIN, than torch's half GEMM of an output (one pass, measured as output_label(half)), on lines through
+    both times at counts[0] (`small`) and counts[1] (`large`). inf: faster at both counts; 0: slower at the decode
+    count (a win only at prefill is left to torch's GEMM) or not measured."""
+    label = output_label(half)
+    if native.name != NATIVE or label not in small or label not in large:
         return 0.0
     low, high = counts
-    passes = 1 if half.fp32_output else 2
     ours = [times[native.label] * ROUTE_MARGIN for times in (small, large)]
-    theirs = [times[half.label] / passes for times in (small, large)]
+    theirs = [times[label] for times in (small, large)]
     if ours[0] > theirs[0]:
         return 0.0
     if ours[1] <= theirs[1]:

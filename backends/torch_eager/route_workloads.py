@@ -40,10 +40,12 @@ INDEXER_SHAPE = {"tokens": 4, "heads": 32, "keys": 4096, "head_dim": 128}
 BLOCK_SIZE = 64
 
 
-def _weights(device: torch.device, dtype: torch.dtype, rows: int, gen: torch.Generator) -> Callable[[], object]:
+def _weights(
+    device: torch.device, dtype: torch.dtype, rows: int, gen: torch.Generator, output: bool = False
+) -> Callable[[], object]:
     x = randn((rows, WIDTH), gen, dtype=dtype).to(device)
     w = randn((WIDTH, WIDTH), gen, dtype=dtype).to(device)
-    return lambda: gemm_for(dtype, device).linear(x, w)
+    return lambda: gemm_for(dtype, device).linear(x, w, output=output)
 
 
 def _attention(device: torch.device, dtype: torch.dtype, gen: torch.Generator, heads: int) -> Callable[[], object]:
@@ -88,9 +90,17 @@ def workload(family: str, device: torch.device, dtype: torch.dtype, count: int) 
 def time_routes(
     device: torch.device, dtype: torch.dtype, family: str, routes: tuple[caps.Route, ...], rows: int, reps: int
 ) -> dict[str, float]:
-    """The best of `reps` alternating calls of `family`'s workload on each route (seconds, by Route.label)."""
+    """The best of `reps` alternating calls of `family`'s workload on each route (seconds, by Route.label); for the
+    weight family also the half route's product as an op's output (by capabilities.output_label)."""
     call = workload(family, device, dtype, rows)
     gemms = {route.label: from_route(dtype, route) for route in routes}
+    calls = dict.fromkeys(gemms, call)
+    if family == caps.WEIGHTS:  # and an op's output on the half route: one pass of torch's GEMM, no residual
+        output_call = _weights(device, dtype, rows, torch.Generator().manual_seed(0), output=True)
+        for route in routes:
+            if route.name == caps.HALF:
+                gemms[caps.output_label(route)] = gemms[route.label]
+                calls[caps.output_label(route)] = output_call
     # The weight family's products read their weight from memory in a model (the other families' workloads are
     # calls of the ops over their own inputs, as in a decode step, and keep what those calls leave in the caches).
     flush = torch.empty(cache_flush_bytes() // 4) if family == caps.WEIGHTS and device.type == "cpu" else None
@@ -101,7 +111,7 @@ def time_routes(
                 flush.add_(1.0)
             caps._synchronize(device)
             start = time.perf_counter()
-            call()
+            calls[name]()
             caps._synchronize(device)
             return time.perf_counter() - start
 
