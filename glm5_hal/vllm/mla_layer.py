@@ -48,17 +48,19 @@ HALF_DTYPES = (torch.bfloat16, torch.float16)
 
 
 def contract_along_contiguous_dims(attn: Any) -> None:
-    """Store attn's half-precision up-projections on the CPU with the dim torch.bmm contracts (-2) contiguous: the same
-    values in another layout. vLLM copies W_UK_T into a contiguous [heads, qk_nope, kv_lora] parameter, whose
-    contracted dim is strided, and torch's CPU bf16 bmm takes ~5x longer over that layout at one decode token (0.59
-    against 0.11 ms for 4 heads x 192 x 512 on an AVX2 Zen 3, docs/vllm.md#speed); W_UV is already laid out so.
-    fp32 weights keep vLLM's layout (fp32 tokens are compared bit for bit with glm5-hal's, and a new layout may change
-    the order of a GEMM's sums)."""
+    """Store attn's half-precision up-projections on the CPU as compact [heads, out, reduction] tensors viewed as
+    [heads, reduction, out]: the dim torch.bmm contracts (-2) contiguous and each head's matrix right after the
+    previous one. The same values in another layout. vLLM copies W_UK_T into a contiguous [heads, qk_nope, kv_lora]
+    parameter, whose contracted dim is strided: torch's CPU bf16 bmm took ~5x longer over it at one decode token
+    (0.59 against 0.11 ms for 4 heads x 192 x 512 on an AVX2 Zen 3). W_UV is a view into kv_b_proj's rows, contracted
+    dim contiguous but heads 448 rows apart instead of 256: the bmm took 10x longer over it (0.55 against 0.054 ms
+    for 4 heads x 512 x 256, Zen 4; docs/vllm.md#speed). fp32 weights keep vLLM's layout (fp32 tokens are compared
+    bit for bit with glm5-hal's, and a new layout may change the order of a GEMM's sums)."""
     for name in UP_PROJECTIONS:
         weight = getattr(attn, name, None)
         if not isinstance(weight, torch.Tensor) or weight.dim() != 3 or weight.dtype not in HALF_DTYPES:
             continue
-        if weight.device.type != "cpu" or weight.stride(-2) == 1:
+        if weight.device.type != "cpu" or weight.mT.is_contiguous():
             continue
         # A reload copies into the parameter in place (vLLM's replace_parameter with prefer_copy), whatever its layout.
         setattr(attn, name, torch.nn.Parameter(weight.detach().mT.contiguous().mT, requires_grad=False))

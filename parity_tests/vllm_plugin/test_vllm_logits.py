@@ -63,8 +63,10 @@ def test_bf16_logits_match_glm5_hal(checkpoints: dict[str, Path], vllm) -> None:
     for model_type, model in checkpoints.items():
         prompt = prompts((PROMPT_LENGTH,), seed=3)[0]
         answer = teacher_forced(vllm, model, prompt, dtype="bfloat16")
-        # the plugin's layers hold their bf16 up-projections with bmm's contracted dim contiguous (mla_layer.py)
-        assert answer["layers"]["up_projections"] == ["W_UK_T bfloat16 1", "W_UV bfloat16 1"], answer["layers"]
+        # the plugin's layers hold their bf16 up-projections with bmm's contracted dim contiguous, each head's matrix
+        # after the previous one (mla_layer.py)
+        want = ["W_UK_T bfloat16 1 compact", "W_UV bfloat16 1 compact"]
+        assert answer["layers"]["up_projections"] == want, answer["layers"]
         served = served_logprobs(answer)
         exact = glm5_hal_logprobs(model, prompt, torch.float32)
         own = glm5_hal_logprobs(model, prompt, torch.bfloat16)
@@ -104,7 +106,7 @@ def test_sparse_selection_is_exercised(checkpoints: dict[str, Path], vllm, tmp_p
     dense_served = teacher_forced(vllm, dense_model, prompt, dtype="bfloat16")
     assert "GLM5_HAL_SPARSE_MLA" not in dense_served["layers"]["attention"], dense_served["layers"]
     # a layer that is not glm5-hal's keeps vLLM's layout (its CPU MLA stores W_UK_T with the contracted dim strided)
-    assert "W_UK_T bfloat16 1" not in dense_served["layers"]["up_projections"], dense_served["layers"]
+    assert not any(p.startswith("W_UK_T bfloat16 1 ") for p in dense_served["layers"]["up_projections"]), dense_served
     dense = served_logprobs(dense_served)
     # row i predicts position i + 1 from keys 0..i+... : rows < INDEX_TOPK saw at most index_topk keys
     short, long = slice(0, INDEX_TOPK - 1), slice(2 * INDEX_TOPK, None)

@@ -22,7 +22,8 @@ def describe_model(model: Any) -> dict[str, list[str]]:
     """What serves each layer: attention backend names, index-cache backend names, MoE method classes, and the
     layout of the MLA layers' up-projections."""
     seen: dict[str, list[str]] = {"attention": [], "indexer_cache": [], "moe": [], "linear_schemes": []}
-    seen["up_projections"] = []  # name, dtype and the stride of the dim torch.bmm contracts
+    # name, dtype, the stride of the dim torch.bmm contracts, and whether the heads' matrices lie end to end
+    seen["up_projections"] = []
     for _, module in model.named_modules():
         kind = type(module).__name__
         if kind == "MLAAttention":
@@ -30,7 +31,10 @@ def describe_model(model: Any) -> dict[str, list[str]]:
             for name in ("W_UK_T", "W_UV"):
                 w = getattr(module, name, None)
                 if w is not None:
-                    seen["up_projections"].append(f"{name} {str(w.dtype).removeprefix('torch.')} {w.stride(-2)}")
+                    packing = "compact" if w.mT.is_contiguous() or w.is_contiguous() else "strided"
+                    seen["up_projections"].append(
+                        f"{name} {str(w.dtype).removeprefix('torch.')} {w.stride(-2)} {packing}"
+                    )
         elif kind == "DeepseekV32IndexerCache":
             seen["indexer_cache"].append(module.get_attn_backend().get_name())
         elif hasattr(module, "quant_method") and hasattr(module, "w13_weight"):
