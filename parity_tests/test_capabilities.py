@@ -243,9 +243,9 @@ def test_a_native_weight_route_takes_fp32_activations_only_where_their_two_parts
     assert "(avx512_bf16 build; the op's outputs too, below 19 rows)" in weights.path
     # Unmeasured (a probe without the output timing), or slower at 4 rows: never; faster at both counts: always.
     for output_times, want in (((None, None), 0.0), ((0.2, 30.0), 0.0), ((0.6, 20.0), math.inf)):
-        timed = {key: {**t, "half output": v} for (key, t), v in zip(times.items(), output_times)}
-        if output_times[0] is None:
-            timed = {key: {n: v for n, v in t.items() if n != "half output"} for key, t in times.items()}
+        timed = {key: {n: v for n, v in t.items() if n != "half output"} for key, t in times.items()}
+        if output_times[0] is not None:
+            timed = {key: {**t, "half output": v} for (key, t), v in zip(timed.items(), output_times)}
         got = decide(_cpu(ZEN5), FakeProbe(times=timed, native=NATIVE_OK), AUTO).half_choice(torch.bfloat16)
         assert got.small.outputs_below == want, output_times
     routed = RoutedGemm(*(from_route(torch.bfloat16, r) for r in (weights.small, weights.large)), weights.split_rows)
