@@ -11,7 +11,8 @@ first), so the prompt's prefill is not in it. Three ways, each in a fresh proces
 (native kernels built, first-call costs paid):
 
 - `vllm+glm5-hal`: vLLM serving the DSA checkpoint through the plugin;
-- `vllm dense`: the same weights without the indexer, labelled `deepseek_v3`: vLLM's own CPU MLA over every key;
+- `vllm dense`: the same weights without the indexer, labelled `deepseek_v3`: vLLM's own CPU MLA over every key
+  (its prompt prefilled in chunks: `prefill_dense_in_chunks`);
 - `glm5-hal generate`: CausalLM.generate (index keys as fp8_index rows, as vLLM stores them).
 
 Medians over --repeats requests per way and context, one torch thread each (OMP_NUM_THREADS=1). The machine's CPU
@@ -74,6 +75,31 @@ def write_checkpoints(root: Path) -> dict[str, Path]:
     return paths
 
 
+def prefill_dense_in_chunks() -> None:
+    """Keep chunked prefill and prefix caching on for the dense model in this process (call before building its LLM).
+
+    Why: without AMX, vLLM's CPU platform turns both off for every MLA model, and its CPU MLA prefill (CPU_SDPA_MLA)
+    then computes a prompt's attention whole, with [heads, S, S] fp32 scores: 16 GiB at 32K (and as much again for
+    the softmax), which a 24 GiB machine cannot hold. With the settings kept, vLLM prefills the prompt in chunks over
+    the cached context through the same backend's context-chunk path. Only the prefill changes: the decode steps this
+    bench times run vLLM's dense MLA unchanged. Checked on the bench checkpoint (3000-token prompt, 17 greedy
+    tokens): chunks of 1024 and a whole prefill give the same tokens, and a second request hits the prefix cache
+    (2992 tokens) and gives them again.
+    """
+    from vllm.platforms import cpu
+
+    from glm5_hal.vllm.plugin import _restore_scheduling, _scheduling
+
+    platform_update = cpu.CpuPlatform.check_and_update_config.__func__
+
+    def check_and_update_config(cls, vllm_config) -> None:
+        kept = _scheduling(vllm_config)
+        platform_update(cls, vllm_config)
+        _restore_scheduling(vllm_config, kept)
+
+    cpu.CpuPlatform.check_and_update_config = classmethod(check_and_update_config)
+
+
 def prompt(length: int, seed: int) -> list[int]:
     import torch
 
@@ -85,6 +111,8 @@ def _vllm_worker(model: str, context: int, repeats: int) -> list[float]:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
+    if json.loads((Path(model) / "config.json").read_text())["model_type"] == "deepseek_v3":
+        prefill_dense_in_chunks()
     llm = LLM(
         model=model,
         dtype="bfloat16",

@@ -13,8 +13,9 @@ Modes (`MODES`): `compiled` is the plugin's default for the DSA models it serves
 Dynamo traced once, Inductor); `breakable` is vLLM's own default for these architectures
 (VLLM_USE_BREAKABLE_CUDAGRAPH=1: breakable CUDA graphs, no torch.compile on a CPU); `eager` is --enforce-eager;
 `dense` is perf/vllm_bench.py's `vllm dense` way (the same weights relabelled deepseek_v3, vLLM's own MLA over every
-key, its default mode), so `compiled,dense` is that bench's plugin / dense ratio with both sides on the machine at
-once. Checkpoints and dims as perf/vllm_bench.py (glm5-mini dims, index_topk 2048, bf16).
+key, its default mode, the prompt prefilled in chunks and cached as the plugin's is: `prefill_dense_in_chunks`), so
+`compiled,dense` is that bench's plugin / dense ratio with both sides on the machine at once. Checkpoints and dims
+as perf/vllm_bench.py (glm5-mini dims, index_topk 2048, bf16).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from perf.vllm_bench import NEW_TOKENS, cpu_name, prompt, write_checkpoints
+from perf.vllm_bench import NEW_TOKENS, cpu_name, prefill_dense_in_chunks, prompt, write_checkpoints
 
 MODES: dict[str, tuple[dict[str, str], dict[str, object], str]] = {
     # name: (environment, LLM settings, checkpoint: vllm_bench.write_checkpoints' key)
@@ -45,6 +46,8 @@ def _worker(mode: str, model: str, context: int, windows: int, barrier: Path) ->
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
+    if MODES[mode][2] == "dense":
+        prefill_dense_in_chunks()  # and prefix caching on: its windows decode, as the plugin's do
     llm = LLM(
         model=model,
         dtype="bfloat16",
