@@ -91,8 +91,20 @@ static inline void heads_by_keys(const uint16_t *const rows[PAIR_KEYS], const ui
 static inline void prefetch(const uint16_t *from, long elements) {
     for (long e = 0; e < elements; e += 32) _mm_prefetch((const char *)(from + e), _MM_HINT_T0);
 }
+
+/* The same into L2 (T2), not L1: sparse_attention.c asks for several whole 1 KiB rows at once, more lines than L1
+   can have in flight; on a Zen 4 (AVX-512 BF16) its scores over 2048 rows of a 16K cache that is out of L3 took
+   1.04-1.22x less time so (4 to 64 heads, both builds), and the same time where the rows are in cache. */
+static inline void prefetch_to_l2(const uint16_t *from, long elements) {
+    for (long e = 0; e < elements; e += 32) _mm_prefetch((const char *)(from + e), _MM_HINT_T2);
+}
 #else
 static inline void prefetch(const uint16_t *from, long elements) {
+    (void)from;
+    (void)elements;
+}
+
+static inline void prefetch_to_l2(const uint16_t *from, long elements) {
     (void)from;
     (void)elements;
 }

@@ -122,7 +122,7 @@ static __attribute__((noinline)) void score_few_heads(const uint16_t *const *val
         const uint16_t *keys[ROW_KEYS];
         for (int j = 0; j < ROW_KEYS; j++) keys[j] = valid_rows[n0 + j < n ? n0 + j : n0]; /* spare lanes: a real row */
         for (long ahead = n0 + 4 * ROW_KEYS; ahead < n0 + 5 * ROW_KEYS && ahead < n; ahead++)
-            prefetch(valid_rows[ahead], dims);
+            prefetch_to_l2(valid_rows[ahead], dims);
         row_dot_tile(keys, n - n0 < ROW_KEYS ? (int)(n - n0) : ROW_KEYS, qf, dims, scale, s + n0 * hp, hp);
     }
 }
@@ -623,7 +623,7 @@ static int attend(long heads, long dims, long dv, long topk, const uint16_t *q, 
             const uint16_t *keys[KEYS];
             for (int j = 0; j < KEYS; j++) keys[j] = valid_rows[j < n_keys ? n0 + j : n0]; /* spare lanes: a real row */
             for (long ahead = n0 + 2 * KEYS; ahead < n0 + 3 * KEYS && ahead < n; ahead++) /* two tiles ahead */
-                prefetch(valid_rows[ahead], dims);
+                prefetch_to_l2(valid_rows[ahead], dims);
             for (long h0 = 0; h0 < hp; h0 += HEAD_GROUP) {
                 int nv = (int)((hp - h0) / 16 < HEAD_GROUP / 16 ? (hp - h0) / 16 : HEAD_GROUP / 16);
 #if !defined(GLM5_PORTABLE) && !defined(GLM5_AVX2)
