@@ -222,7 +222,7 @@ def _quantized_index_cache(gen: torch.Generator, kv_cache_dtype: str, blocks: in
 @SETTINGS
 @given(
     kv_cache_dtype=st.sampled_from(sorted(quantized_index_scores.CODES)),
-    q_dtype=st.sampled_from([torch.bfloat16, torch.float32]),
+    q_dtype=st.sampled_from([torch.bfloat16, torch.float32, "mixed"]),
     tokens=st.integers(1, 4),
     heads=st.integers(1, 40),
     block_size=st.sampled_from([1, 3, 16, 64]),
@@ -235,12 +235,18 @@ def test_quantized_index_scores_are_the_fp32_scores_over_the_decoded_rows(
     isa, kv_cache_dtype, q_dtype, tokens, heads, block_size, width, one_sequence, raw, seed
 ):
     """Widths past the kernel's 256-key chunk, tokens sharing one block table (the decoded chunk is reused) or each
-    their own (decoded again), rows of random bytes (NaN codes, any scale) or as the writer encodes them."""
+    their own (decoded again), rows of random bytes (NaN codes, any scale) or as the writer encodes them; bf16
+    queries (the bf16 route over e4m3 codes), fp32 ones, or "mixed": fp32 queries of which every other token holds
+    bf16 values, so tokens sharing a decoded chunk alternate between the two routes."""
     _runs(quantized_index_scores, isa)
     gen = torch.Generator().manual_seed(seed)
     blocks = -(-max(width, 1) // block_size)
     cache = _quantized_index_cache(gen, kv_cache_dtype, blocks + 2, block_size, raw)
-    q = torch.randn(tokens, heads, 128, generator=gen).to(q_dtype)
+    q = torch.randn(tokens, heads, 128, generator=gen)
+    if q_dtype == "mixed":
+        q[::2] = q[::2].bfloat16().float()
+    else:
+        q = q.to(q_dtype)
     weights = torch.randn(tokens, heads, generator=gen)
     tables = torch.randint(0, blocks + 2, (tokens, blocks), generator=gen, dtype=torch.int32)
     if one_sequence:
@@ -256,10 +262,12 @@ def test_quantized_index_scores_are_the_fp32_scores_over_the_decoded_rows(
 
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("kv_cache_dtype", sorted(quantized_index_scores.CODES))
-def test_every_code_decodes_to_kv_formats_value_bit_for_bit(isa, kv_cache_dtype):
+@pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16])
+def test_every_code_decodes_to_kv_formats_value_bit_for_bit(isa, kv_cache_dtype, q_dtype):
     """Token d's query is the unit vector e_d (one head), so its score over a row is relu(key[d]) exactly, and with
     -e_d relu(-key[d]): every one of the 256 codes, at a scale of 1, a plain one and one that makes products
-    subnormal, against kv_formats.decode_rows. NaN codes sit in rows of their own (0 x NaN would spread them)."""
+    subnormal, against kv_formats.decode_rows. NaN codes sit in rows of their own (0 x NaN would spread them). With
+    bf16 queries e4m3 codes take the bf16 route (value times scale after the dot: here the same rounding)."""
     _runs(quantized_index_scores, isa)
     fmt = FORMATS[kv_cache_dtype]
     finite = [c for c in range(256) if kv_cache_dtype != "fp8_index" or c & 0x7F != 0x7F]
@@ -277,7 +285,7 @@ def test_every_code_decodes_to_kv_formats_value_bit_for_bit(isa, kv_cache_dtype)
     table = torch.arange(width, dtype=torch.int32).expand(128, width)
     limits = torch.full((128,), width)
     for sign in (1.0, -1.0):
-        q = (sign * torch.eye(128))[:, None, :]  # token d: q = sign e_d
+        q = (sign * torch.eye(128, dtype=q_dtype))[:, None, :]  # token d: q = sign e_d
         got = quantized_index_scores.scores(
             q, torch.ones(128, 1), cache, table, limits, width, kv_cache_dtype, isa=isa, threads=1
         )
@@ -308,6 +316,51 @@ def test_every_e4m3_code_decodes_the_same_with_subnormals_flushed(isa):
     finally:
         torch.set_flush_denormal(False)
     assert torch.equal(got, want.T.clamp_min(0.0))
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_bf16_queries_the_bf16_route_cannot_take_exactly_get_the_fp32_scores(isa):
+    """The bf16 route (quantized_index_scores.c's top) scales after the dot and runs VDPBF16PS, which flushes
+    subnormals. Token 0's bf16 query is +-2^-120 (and its negation, a second head): its products with the e4m3
+    subnormal codes (m 2^-9) are subnormal, so that route would give 0 where the scores are m 2^-29 sums (scale
+    2^100). Token 1's bf16 query e_0 - e_1 meets rows whose keys overflow (448 x 1e38: inf - inf, NaN) or hold
+    0 x inf (scale inf), where scaling after the dot would give 0 and inf. Each must equal the scores over the
+    decoded rows: the fp32 route."""
+    _runs(quantized_index_scores, isa)
+    gen = torch.Generator().manual_seed(7)
+    fmt = FORMATS["fp8_index"]
+    codes = torch.randint(1, 8, (4, 128), generator=gen, dtype=torch.uint8)  # subnormal magnitudes
+    codes |= torch.randint(0, 2, (4, 128), generator=gen, dtype=torch.uint8) << 7  # random signs
+    codes[2:] = 0
+    codes[2, :2] = 0x7E  # 448, 448
+    codes[3, 0] = 0x38  # 1.0, then 0
+    scales = torch.tensor([[2.0**100], [2.0**100], [1e38], [float("inf")]])
+    cache = torch.cat([codes, scales.view(torch.uint8)], dim=1)[:, None, :]  # one row per block
+    q = torch.zeros(2, 2, 128)
+    q[0, 0] = (torch.randint(0, 2, (128,), generator=gen) * 2 - 1) * 2.0**-120
+    q[0, 1] = -q[0, 0]  # the two heads' relu sum to |dot|
+    q[1, 0, 0], q[1, 0, 1] = 1.0, -1.0
+    q = q.bfloat16()
+    weights, width = torch.ones(2, 2), 4
+    tables = torch.arange(width, dtype=torch.int32).expand(2, width)
+    limits = torch.full((2,), width)
+    want, magnitude = _indexer_want(q, weights, decode_rows(cache, fmt), tables, limits, width)
+    assert want[0, :2].abs().min() > 0 and want[1, 2:].isnan().all()  # what the bf16 route would have missed
+    # A call each, token 0 over rows 0-1 only: a chunk with a scale the route cannot take is decoded for the fp32
+    # route, and a token that decodes it so takes every token sharing it past the route.
+    for t, keys in ((0, 2), (1, width)):
+        got = quantized_index_scores.scores(
+            q[t : t + 1],
+            weights[t : t + 1],
+            cache,
+            tables[t : t + 1, :keys],
+            limits[t : t + 1],
+            keys,
+            "fp8_index",
+            isa=isa,
+            threads=1,
+        )
+        _assert_within_fp32_sums(got, want[t : t + 1, :keys], magnitude[t : t + 1, :keys], 2 * 128)
 
 
 def test_quantized_index_scores_reject_bad_arguments():

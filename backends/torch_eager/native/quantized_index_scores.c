@@ -18,12 +18,31 @@
  * D x ceil(H / 4) x 4 multiply-adds, whatever H. Built with AVX2 + FMA + F16C (the AVX-512 and AMX builds compile the
  * same 256-bit code: every such CPU has FMA and F16C) and portable (scalar loops with the same blocking and per-lane sums, each
  * product rounded before it is added where the vector code fuses the two).
+ *
+ * bf16 queries over e4m3 codes (the vLLM plugin's indexer: its queries are bf16), in the AVX-512 BF16 build and the
+ * portable one: the codes of a chunk are decoded to their exact values as bf16 (every e4m3 value is one; a 128-entry
+ * table, VPERMI2W), the scale kept aside, and each dot is VDPBF16PS over exact bf16 products with fp32 sums, times
+ * the key's scale once:
+ *
+ *   dot(t, s, h) = (sum_d q[t][h][d] * value(code[d])) * scale     instead of   sum_d q[t][h][d] * (value(code[d]) * scale)
+ *
+ * so a key element is not rounded to fp32 before its product: each term differs from the fp32 route's by at most
+ * that rounding (2^-24 of it), and the sum is fp32 as before. About a third of the instructions per key of the fp32
+ * route (no fp32 decode, 32 products a VDPBF16PS). VDPBF16PS reads subnormal inputs as 0 and flushes subnormal
+ * sums, so a token takes this route only where nothing subnormal can occur: every q element is finite, exactly a
+ * bf16 (the op's bf16 q widened) and 0 or at least 2^-110 in magnitude (then every product, and every nonzero sum of
+ * them, is a multiple of 2^-126: a normal number), and a chunk only where every key's scale is finite and at most
+ * FLT_MAX / 448 (value * scale cannot overflow, as the fp32 route's keys cannot). Other tokens and chunks take the
+ * fp32 route. The portable build runs the same route in scalar code (lane sums in VDPBF16PS's order), so the
+ * choice between the routes is tested on every CPU.
  */
+#include <float.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "bf16.h"
 #include "paged_tokens.h"
 
 #if !defined(GLM5_PORTABLE) && (defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__)))
@@ -35,6 +54,12 @@
 #endif
 
 #define CHUNK 256 /* key positions decoded at a time: 128 KiB of fp32 keys at D = 128, in L2 across tokens */
+#if defined(GLM5_PORTABLE) || (defined(VECTORS) && defined(__AVX512BF16__) && defined(__AVX512BW__))
+#define BF16_DOTS 1   /* the bf16 route (top of the file) */
+#define BF16_KEYS 4   /* keys per bf16 tile: 4 keys x 4 heads of 16-lane accumulators */
+#define BF16_LANES 16 /* fp32 lanes per accumulator, each summing a pair of dims per 32 */
+#define MIN_Q_EXPONENT 17 /* a q element's bf16 exponent field: |q| >= 2^(17 - 127) = 2^-110 (or q = 0) */
+#endif
 #define HEADS 4   /* heads per tile (q is padded to a multiple of it with zero heads, never added) */
 #define LANES 8   /* dims per accumulator */
 
@@ -157,6 +182,122 @@ static void tile(const float *key0, const float *key1, const float *q, const flo
 #endif
 }
 
+#if defined(BF16_DOTS)
+/* value(m) as bf16 bits for the e4m3 magnitudes m = 0 .. 127 (exact; NaN 0x7FC0 for 0x7F): the decode table. */
+static void e4m3_bf16_table(uint16_t table[128]) {
+    for (int m = 0; m < 128; m++) {
+        float value = e4m3_value((uint8_t)m);
+        uint32_t bits;
+        memcpy(&bits, &value, sizeof bits);
+        table[m] = (uint16_t)(bits >> 16); /* the low half is 0: value(m) has at most 4 significant bits */
+    }
+}
+
+/* out[d] = value(row[d]) as bf16 for d < dims (the sign is the code's top bit); returns the row's scale, stored
+   right after the codes. */
+static float decode_row_bf16(const uint8_t *row, long dims, const uint16_t table[128], uint16_t *out) {
+    float scale;
+    memcpy(&scale, row + dims, sizeof scale);
+    long d = 0;
+#if !defined(GLM5_PORTABLE)
+    const __m512i t0 = _mm512_loadu_si512(table), t1 = _mm512_loadu_si512(table + 32);
+    const __m512i t2 = _mm512_loadu_si512(table + 64), t3 = _mm512_loadu_si512(table + 96);
+    const __m512i bit6 = _mm512_set1_epi16(0x40), sign = _mm512_set1_epi16((short)0x8000);
+    for (; d < dims; d += 32) {
+        __mmask32 live = dims - d >= 32 ? 0xFFFFFFFFu : (__mmask32)((1u << (dims - d)) - 1u);
+        __m512i x = _mm512_cvtepu8_epi16(_mm256_maskz_loadu_epi8(live, row + d));
+        /* VPERMI2W reads the low 6 bits of each index: magnitudes 0-63 from (t0, t1), 64-127 from (t2, t3) */
+        __m512i low = _mm512_permutex2var_epi16(t0, x, t1), high = _mm512_permutex2var_epi16(t2, x, t3);
+        __m512i value = _mm512_mask_blend_epi16(_mm512_test_epi16_mask(x, bit6), low, high);
+        value = _mm512_ternarylogic_epi32(value, _mm512_slli_epi16(x, 8), sign, 0xF8); /* value | (code << 8 & sign) */
+        _mm512_mask_storeu_epi16(out + d, live, value);
+    }
+#endif
+    for (; d < dims; d++) out[d] = (uint16_t)(table[row[d] & 0x7F] | (row[d] & 0x80) << 8);
+    return scale;
+}
+
+/* Whether a scale keeps a chunk on the bf16 route: finite and value * scale cannot overflow (|value| <= 448). */
+static inline int bf16_scale_ok(float scale) { return fabsf(scale) <= FLT_MAX / 448.0f; }
+
+/* qb [hp][dims] bf16 = token t's q [hp][dims] fp32 if every element can take the bf16 route (the top of the file:
+   finite, exactly a bf16, 0 or |q| >= 2^-110); returns whether it can. */
+static int bf16_query(const float *q, long n, uint16_t *qb) {
+    for (long i = 0; i < n; i++) {
+        uint32_t bits;
+        memcpy(&bits, &q[i], sizeof bits);
+        uint32_t exponent = (bits >> 23) & 0xFF;
+        if ((bits & 0xFFFF) || exponent == 0xFF || (exponent < MIN_Q_EXPONENT && (bits & 0x7FFFFFFF))) return 0;
+        qb[i] = (uint16_t)(bits >> 16);
+    }
+    return 1;
+}
+
+/* partial[4 j + i] += w[i] relu(dot(j, i)), dot(j, i) = (q_i . value(key_j)) * scales[j], for the keys j < n_keys
+   (BF16_KEYS at most; the other entries get garbage) and the heads h0 + i < heads (i < HEADS; live = heads - h0);
+   q: [HEADS][dims] bf16 from head h0, keys [n_keys][dims] bf16 values, w: HEADS weights from head h0. Per lane l of
+   a dot: the dim pairs (32 p + 2 l, 32 p + 2 l + 1) in order p, each pair added odd dim first (VDPBF16PS's order);
+   the 16 lanes summed by the tree below, the same in both builds. relu keeps NaN; no branch on a dot's sign (as in
+   tile: with random signs the branches cost more than the decode and the products together). */
+static void bf16_tile(const uint16_t *keys, int n_keys, const float *scales, const uint16_t *q, const float *w,
+                      long dims, long live, float partial[BF16_KEYS * HEADS]) {
+#if !defined(GLM5_PORTABLE)
+    __m512 acc[BF16_KEYS][HEADS];
+    for (int j = 0; j < BF16_KEYS; j++)
+        for (int h = 0; h < HEADS; h++) acc[j][h] = _mm512_setzero_ps();
+    const uint16_t *key[BF16_KEYS];
+    for (int j = 0; j < BF16_KEYS; j++) key[j] = keys + (j < n_keys ? j : 0) * dims; /* spare keys: a real one */
+    for (long d = 0; d < dims; d += 32) {
+        __mmask32 live = dims - d >= 32 ? 0xFFFFFFFFu : (__mmask32)((1u << (dims - d)) - 1u);
+        __m512bh qv[HEADS];
+        for (int h = 0; h < HEADS; h++) qv[h] = (__m512bh)_mm512_maskz_loadu_epi16(live, q + h * dims + d);
+        for (int j = 0; j < BF16_KEYS; j++) {
+            __m512bh kv = (__m512bh)_mm512_maskz_loadu_epi16(live, key[j] + d);
+            for (int h = 0; h < HEADS; h++) acc[j][h] = _mm512_dpbf16_ps(acc[j][h], qv[h], kv);
+        }
+    }
+    /* Lane sums of the 16 accumulators at once: per key, within each 128-bit quarter, lanes (0 + 2) + (1 + 3) of
+       every head side by side; then the quarters (0 + 2) + (1 + 3) across keys. Lane 4 j + i of `sums` is dot (j, i). */
+    __m512 quarters[BF16_KEYS];
+    for (int j = 0; j < BF16_KEYS; j++) {
+        __m512 h01 = _mm512_add_ps(_mm512_unpacklo_ps(acc[j][0], acc[j][1]), _mm512_unpackhi_ps(acc[j][0], acc[j][1]));
+        __m512 h23 = _mm512_add_ps(_mm512_unpacklo_ps(acc[j][2], acc[j][3]), _mm512_unpackhi_ps(acc[j][2], acc[j][3]));
+        quarters[j] = _mm512_add_ps(_mm512_shuffle_ps(h01, h23, 0x44), _mm512_shuffle_ps(h01, h23, 0xEE));
+    }
+    __m512 k01 = _mm512_add_ps(_mm512_shuffle_f32x4(quarters[0], quarters[1], 0x44),
+                               _mm512_shuffle_f32x4(quarters[0], quarters[1], 0xEE));
+    __m512 k23 = _mm512_add_ps(_mm512_shuffle_f32x4(quarters[2], quarters[3], 0x44),
+                               _mm512_shuffle_f32x4(quarters[2], quarters[3], 0xEE));
+    __m512 sums = _mm512_add_ps(_mm512_shuffle_f32x4(k01, k23, 0x88), _mm512_shuffle_f32x4(k01, k23, 0xDD));
+    const __m512i key_of_lane = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+    __m512 scale = _mm512_permutexvar_ps(key_of_lane, _mm512_castps128_ps512(_mm_loadu_ps(scales)));
+    const __m512 head_of_lane = _mm512_setr_ps(0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3);
+    __mmask16 alive = _mm512_cmp_ps_mask(head_of_lane, _mm512_set1_ps((float)(live < HEADS ? live : HEADS)), _CMP_LT_OQ);
+    __m512 weights = _mm512_broadcast_f32x4(_mm_loadu_ps(w));
+    __m512 terms = _mm512_mul_ps(weights, _mm512_max_ps(_mm512_setzero_ps(), _mm512_mul_ps(sums, scale)));
+    __m512 sum = _mm512_loadu_ps(partial);
+    _mm512_storeu_ps(partial, _mm512_mask_add_ps(sum, alive, sum, terms)); /* max(0, NaN) is NaN */
+    (void)n_keys;
+#else
+    for (int j = 0; j < n_keys; j++)
+        for (int h = 0; h < HEADS; h++) {
+            float lanes[BF16_LANES] = {0.0f};
+            for (long d = 0; d < dims; d += 2) { /* dims d, d + 1 into lane (d / 2) mod 16: the odd one first */
+                float *lane = &lanes[(d / 2) % BF16_LANES];
+                if (d + 1 < dims) *lane += bf16_to_float(q[h * dims + d + 1]) * bf16_to_float(keys[j * dims + d + 1]);
+                *lane += bf16_to_float(q[h * dims + d]) * bf16_to_float(keys[j * dims + d]);
+            }
+            float quarter[4]; /* the vector build's tree: (0 + 2) + (1 + 3) within each quarter, then the quarters */
+            for (int c = 0; c < 4; c++)
+                quarter[c] = (lanes[4 * c] + lanes[4 * c + 2]) + (lanes[4 * c + 1] + lanes[4 * c + 3]);
+            float dot = ((quarter[0] + quarter[2]) + (quarter[1] + quarter[3])) * scales[j];
+            if (h < live) partial[4 * j + h] += w[h] * (dot > 0.0f || dot != dot ? dot : 0.0f);
+        }
+#endif
+}
+
+#endif
+
 /* Blocks of the table that key positions c0 .. c0 + n - 1 lie in. */
 static inline long blocks_spanned(long c0, long n, long block_size) {
     return n > 0 ? (c0 + n - 1) / block_size - c0 / block_size + 1 : 0;
@@ -174,14 +315,21 @@ static int score_tokens(long heads, long dims, int code, const float *q, const f
     long hp = (heads + HEADS - 1) / HEADS * HEADS;
     float *keys = malloc(sizeof *keys * CHUNK * (dims > 0 ? dims : 1));
     int32_t *decoded_blocks = malloc(sizeof *decoded_blocks * (CHUNK + 2)); /* a chunk spans <= CHUNK + 1 blocks */
-    if (!keys || !decoded_blocks) {
-        free(keys);
-        free(decoded_blocks);
-        return -1;
-    }
-    for (long c0 = s_begin; c0 < s_end; c0 += CHUNK) {
+    int status = keys && decoded_blocks ? 0 : -1;
+#if defined(BF16_DOTS)
+    /* The bf16 route's workspace: the chunk's values (in `keys`' first half) and scales, and a token's q. */
+    uint16_t *values = (uint16_t *)keys, table[128];
+    float *key_scales = malloc(sizeof *key_scales * CHUNK);
+    uint16_t *qb = malloc(sizeof *qb * hp * (dims > 0 ? dims : 1));
+    if (!key_scales || !qb) status = -1;
+    if (code == CODE_E4M3) e4m3_bf16_table(table);
+    long qb_token = -1; /* the token whose q is in qb (a decode call has one token and many chunks) */
+    int qb_ok = 0;
+#endif
+    for (long c0 = s_begin; c0 < s_end && status == 0; c0 += CHUNK) {
         long c1 = c0 + CHUNK < s_end ? c0 + CHUNK : s_end, first_block = c0 / block_size;
         long decoded = 0; /* keys c0 .. c0 + decoded - 1 are in `keys`, from the blocks in decoded_blocks */
+        int decoded_bf16 = 0; /* ... as bf16 values and scales (the bf16 route), or as fp32 keys */
         for (long t = t_begin; t < t_end; t++) {
             const int32_t *tt = tables[t - t_begin];
             float *st = scores + t * score_row;
@@ -190,18 +338,53 @@ static int score_tokens(long heads, long dims, int code, const float *q, const f
             for (long s = visible_end; s < c1; s++) st[s] = -INFINITY;
             long needed = visible_end - c0;
             if (needed <= 0) continue;
+            const float *qt = q + t * hp * dims, *wt = w + t * hp;
+            int bf16 = 0;
+#if defined(BF16_DOTS)
+            if (code == CODE_E4M3 && qb_token != t) {
+                qb_ok = bf16_query(qt, hp * dims, qb);
+                qb_token = t;
+            }
+            bf16 = code == CODE_E4M3 && qb_ok;
+#endif
             long shared = decoded < needed ? decoded : needed;
             if (memcmp(tt + first_block, decoded_blocks, sizeof *tt * blocks_spanned(c0, shared, block_size)))
                 decoded = 0; /* another sequence's blocks: decode again */
+            if (decoded_bf16 && !bf16) decoded = 0; /* this token needs fp32 keys */
+            if (decoded == 0) decoded_bf16 = bf16;
             if (decoded < needed) {
                 for (long s = c0 + decoded; s < visible_end; s++) {
                     const uint8_t *row = cache + (long)tt[s / block_size] * block_stride + (s % block_size) * row_stride;
+#if defined(BF16_DOTS)
+                    if (decoded_bf16) {
+                        key_scales[s - c0] = decode_row_bf16(row, dims, table, values + (s - c0) * dims);
+                        if (bf16_scale_ok(key_scales[s - c0])) continue;
+                        decoded_bf16 = 0; /* a scale the bf16 route cannot take: the chunk's keys as fp32 */
+                        s = c0 - 1;
+                        continue;
+                    }
+#endif
                     decode_row(row, dims, code, keys + (s - c0) * dims);
                 }
                 memcpy(decoded_blocks, tt + first_block, sizeof *tt * blocks_spanned(c0, needed, block_size));
                 decoded = needed;
             }
-            const float *qt = q + t * hp * dims, *wt = w + t * hp;
+#if defined(BF16_DOTS)
+            if (decoded_bf16) {
+                for (long k = 0; k < needed; k += BF16_KEYS) {
+                    int n_keys = needed - k < BF16_KEYS ? (int)(needed - k) : BF16_KEYS;
+                    float partial[BF16_KEYS * HEADS] = {0.0f};
+                    for (long h0 = 0; h0 < heads; h0 += HEADS)
+                        bf16_tile(values + k * dims, n_keys, key_scales + k, qb + h0 * dims, wt + h0, dims,
+                                  heads - h0, partial);
+                    for (int j = 0; j < n_keys; j++) {
+                        const float *p = partial + HEADS * j;
+                        st[c0 + k + j] = (p[0] + p[1]) + (p[2] + p[3]);
+                    }
+                }
+                continue;
+            }
+#endif
             for (long k = 0; k < needed; k += 2) {
                 const float *key0 = keys + k * dims, *key1 = k + 1 < needed ? key0 + dims : key0;
                 float partial[2 * HEADS] = {0.0f};
@@ -216,7 +399,11 @@ static int score_tokens(long heads, long dims, int code, const float *q, const f
     }
     free(keys);
     free(decoded_blocks);
-    return 0;
+#if defined(BF16_DOTS)
+    free(key_scales);
+    free(qb);
+#endif
+    return status;
 }
 
 /* score_tokens with each token's table row and limit given: table [T][table_width] int32 (every entry a valid

@@ -17,8 +17,12 @@ sum over heads, with the rows read in place from the cache (no gathered copy, no
     # row are found in the kernel (paged_tokens.h), and keys whose table entry names no block of the cache get -inf
 
 vLLM stores DeepSeek-V3.2 / GLM-5 index keys as fp8_index rows, so this is the scorer of every indexer step served
-through glm5-hal's vLLM plugin. On torch's intra-op thread count, split by tokens or by key ranges. The custom op
-torch.ops.glm5_hal.native_quantized_index_scores is what aten-level spies, FakeTensor and torch.compile see.
+through glm5-hal's vLLM plugin. Its queries are bf16: in the avx512_bf16 (and portable) build those take the bf16
+route (quantized_index_scores.c's top: codes decoded to bf16, VDPBF16PS dots, each key's scale applied after its
+dot, so each term is within 2^-24 of the fp32 route's), where nothing subnormal can occur; other queries, and chunks
+with a scale it cannot take, run the fp32 route. On torch's intra-op thread count, split by tokens or by key
+ranges. The custom op torch.ops.glm5_hal.native_quantized_index_scores is what aten-level spies, FakeTensor and
+torch.compile see.
 """
 
 from __future__ import annotations
