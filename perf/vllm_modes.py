@@ -14,8 +14,9 @@ Dynamo traced once, Inductor); `breakable` is vLLM's own default for these archi
 (VLLM_USE_BREAKABLE_CUDAGRAPH=1: breakable CUDA graphs, no torch.compile on a CPU); `eager` is --enforce-eager;
 `dense` is perf/vllm_bench.py's `vllm dense` way (the same weights relabelled deepseek_v3, vLLM's own MLA over every
 key, its default mode, the prompt prefilled in chunks and cached as the plugin's is: `prefill_dense_in_chunks`), so
-`compiled,dense` is that bench's plugin / dense ratio with both sides on the machine at once. Checkpoints and dims
-as perf/vllm_bench.py (glm5-mini dims, index_topk 2048, bf16).
+`compiled,dense` is that bench's plugin / dense ratio with both sides on the machine at once; `4k-pages` is
+`compiled` with GLM5_HAL_VLLM_HUGE_PAGES=0 (the KV caches on vLLM's own pages). Checkpoints and dims as
+perf/vllm_bench.py (glm5-mini dims, index_topk 2048, bf16).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ MODES: dict[str, tuple[dict[str, str], dict[str, object], str]] = {
     "breakable": ({"VLLM_USE_BREAKABLE_CUDAGRAPH": "1"}, {}, "dsa"),
     "eager": ({}, {"enforce_eager": True}, "dsa"),
     "dense": ({}, {}, "dense"),
+    "4k-pages": ({"GLM5_HAL_VLLM_HUGE_PAGES": "0"}, {}, "dsa"),  # compiled, the KV caches left on vLLM's pages
 }
 BARRIER_TIMEOUT_S = 1800  # the other engine's start and prefill
 

@@ -35,6 +35,7 @@ from glm5_hal.model.norms import LayerNorm, compute_dtype
 from glm5_hal.model.rope import rope_cos_sin
 from glm5_hal.ops import lightning_indexer
 from glm5_hal.ops.common import call_op, custom_op
+from glm5_hal.vllm.caches import on_huge_pages
 from glm5_hal.vllm.sparse_mla import Glm5HalMetadata, Glm5HalMetadataBuilder
 
 INDEX_CACHE_FORMAT = "fp8_index"  # vLLM's DeepseekV32IndexerCache rows: 128 e4m3 bytes + 1 fp32 scale
@@ -166,6 +167,7 @@ def _select_keys(
     tokens = metadata.num_actual_tokens
     cfg = binding.cfg
     cache = binding.vllm_indexer.k_cache.kv_cache  # [num_blocks, block_size, 132] uint8
+    on_huge_pages(cache, "index")
     slots = context.slot_mapping[binding.cache_layer][:tokens]
     step = StepMetadata(positions[:tokens], slots, metadata.block_table, metadata.seq_lens, metadata.query_start_loc)
     x = hidden_states[:tokens]

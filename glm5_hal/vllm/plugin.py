@@ -20,13 +20,13 @@ import re
 from typing import Any
 
 from glm5_hal.environment import setting
-from glm5_hal.vllm.settings import LOGGER, TESTED_VLLM
+from glm5_hal.vllm.settings import LOGGER, OFF, ON, TESTED_VLLM, switch
 
 MODE_ENV = "GLM5_HAL_VLLM"
 MOE_ENV = "GLM5_HAL_VLLM_MOE"
 QUANT_LINEAR_ENV = "GLM5_HAL_VLLM_QUANT_LINEAR"
 BREAKABLE_ENV = "VLLM_USE_BREAKABLE_CUDAGRAPH"  # vLLM's: set, it decides the compile mode whatever the plugin says
-AUTO, ON, OFF = "auto", "1", "0"
+AUTO = "auto"
 _MODES = (AUTO, ON, OFF)
 
 # Where vLLM finds the backend (AttentionBackend classes are named by their import path).
@@ -41,14 +41,6 @@ def plugin_mode() -> str:
     if value not in _MODES:
         raise ValueError(f"{MODE_ENV}: expected one of {_MODES}, got {value!r}")
     return value
-
-
-def switch(name: str) -> bool:
-    """A 0 / 1 setting (unset or empty: 0); a ValueError names any other value."""
-    value = setting(name, OFF).strip() or OFF
-    if value not in (ON, OFF):
-        raise ValueError(f"{name}: expected '0' or '1', got {value!r}")
-    return value == ON
 
 
 def minor_version(version: str) -> tuple[int, int] | None:

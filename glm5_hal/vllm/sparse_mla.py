@@ -34,6 +34,7 @@ from vllm.v1.attention.backend import (
 
 from glm5_hal.kv_formats import AUTO, write_rows
 from glm5_hal.ops import sparse_flash_attention
+from glm5_hal.vllm.caches import on_huge_pages
 
 # vLLM's kv_cache_dtype -> glm5-hal's format of the latent cache ("auto": the model's float dtype).
 LATENT_CACHE_FORMATS: dict[str, str] = {"auto": AUTO, "fp8_ds_mla": "fp8_ds_mla"}
@@ -212,6 +213,7 @@ class Glm5HalSparseMLAImpl(MLAAttentionImpl[Glm5HalMetadata]):
         slot_mapping [T'] (T' <= T, -1 = padding); kv_cache [num_blocks, block_size, 576 or 656]."""
         if kv_cache.numel() == 0:
             return  # the profiling run before the cache exists
+        on_huge_pages(kv_cache, "latent")
         slots = slot_mapping.flatten()
         n = slots.shape[0]
         rows = torch.cat([kv_c_normed[:n], k_pe[:n].reshape(n, -1)], dim=-1)

@@ -19,8 +19,8 @@ from typing import Any
 
 
 def describe_model(model: Any) -> dict[str, list[str]]:
-    """What serves each layer: attention backend names, index-cache backend names, MoE method classes, and the
-    layout of the MLA layers' up-projections."""
+    """What serves each layer: attention backend names, index-cache backend names, MoE method classes, the layout
+    of the MLA layers' up-projections, and the pages of the KV caches the plugin's ops read."""
     seen: dict[str, list[str]] = {"attention": [], "indexer_cache": [], "moe": [], "linear_schemes": []}
     # name, dtype, the stride of the dim torch.bmm contracts, and whether the heads' matrices lie end to end
     seen["up_projections"] = []
@@ -41,6 +41,14 @@ def describe_model(model: Any) -> dict[str, list[str]]:
             seen["moe"].append(type(module.quant_method).__name__)
         elif getattr(module, "scheme", None) is not None:
             seen["linear_schemes"].append(type(module.scheme).__name__)
+    try:  # the KV caches the plugin's ops saw, and whether they are on huge pages now (glm5_hal.vllm.caches)
+        from glm5_hal.vllm.caches import seen as caches_seen
+
+        seen["kv_cache_pages"] = [
+            f"{kind} {'huge' if r.collapsed else 'asked' if r.asked else 'base'}" for kind, r in caches_seen()
+        ]
+    except ImportError:
+        seen["kv_cache_pages"] = []
     return {k: sorted(set(v)) for k, v in seen.items()}
 
 
