@@ -298,6 +298,33 @@ static void bf16_tile(const uint16_t *keys, int n_keys, const float *scales, con
 
 #endif
 
+/* The bf16 route asks for the next chunk's rows to be brought into L2 while this chunk's dots run: a chunk's decode
+   reads its rows from memory and the dots that follow leave memory idle. A cursor walks the next chunk's positions,
+   4 rows a tile. In the fp32 route (AVX2 build) the same measured 1.1x out of the LLC but 4-7% slower in cache: not
+   used there. A prefetch never faults, so a table entry that names no block costs nothing.
+   The next rows to prefetch: key position `position` lies at `offset` in the block tt[block]. */
+struct row_cursor {
+    long position, block, offset;
+};
+
+static inline struct row_cursor cursor_at(long position, long block_size) {
+    struct row_cursor c = {position, position / block_size, position % block_size};
+    return c;
+}
+
+/* Prefetch (into L2) the rows of the cursor's next `rows` positions below `end`, and move it past them: no division
+   per row (one per position a cursor starts at: a division per row cost 0.15 ms of 0.78 at 32K keys in cache). */
+static inline void prefetch_rows(struct row_cursor *c, long rows, long end, const uint8_t *cache, long block_stride,
+                                 long row_stride, long row_bytes, long block_size, const int32_t *tt) {
+    for (long i = 0; i < rows && c->position < end; i++) {
+        const uint8_t *row = cache + (long)tt[c->block] * block_stride + c->offset * row_stride;
+        for (long b = 0; b < row_bytes; b += 64) __builtin_prefetch(row + b, 0, 1);
+        __builtin_prefetch(row + row_bytes - 1, 0, 1); /* a row's last line, where it starts mid-line */
+        c->position++;
+        if (++c->offset == block_size) c->block++, c->offset = 0;
+    }
+}
+
 /* Blocks of the table that key positions c0 .. c0 + n - 1 lie in. */
 static inline long blocks_spanned(long c0, long n, long block_size) {
     return n > 0 ? (c0 + n - 1) / block_size - c0 / block_size + 1 : 0;
@@ -371,8 +398,12 @@ static int score_tokens(long heads, long dims, int code, const float *q, const f
             }
 #if defined(BF16_DOTS)
             if (decoded_bf16) {
+                long next_end = limit < s_end ? limit : s_end; /* the next chunk's visible keys end before it */
+                struct row_cursor next = cursor_at(c1, block_size);
                 for (long k = 0; k < needed; k += BF16_KEYS) {
                     int n_keys = needed - k < BF16_KEYS ? (int)(needed - k) : BF16_KEYS;
+                    prefetch_rows(&next, BF16_KEYS, next_end, cache, block_stride, row_stride, dims + 4, block_size,
+                                  tt);
                     float partial[BF16_KEYS * HEADS] = {0.0f};
                     for (long h0 = 0; h0 < heads; h0 += HEADS)
                         bf16_tile(values + k * dims, n_keys, key_scales + k, qb + h0 * dims, wt + h0, dims,
