@@ -3,7 +3,8 @@
 vLLM allocates its CPU KV caches with the process's page size (4 KiB where transparent huge pages are "madvise", as
 on this project's machines); sparse attention and the indexer's scorer read their rows scattered, so most rows cost a
 TLB miss (glm5_hal.huge_pages). The plugin's latent-cache write and indexer ask for huge pages for each cache buffer
-once (keyed by its storage), where GLM5_HAL_VLLM_HUGE_PAGES is 1 (the default; 0 leaves vLLM's pages as they are).
+once (keyed by its storage and kind), where GLM5_HAL_VLLM_HUGE_PAGES is 1 (the default; 0 leaves vLLM's pages as
+they are; another value stops the plugin's activation with a ValueError).
 """
 
 from __future__ import annotations

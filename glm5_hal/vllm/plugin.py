@@ -85,10 +85,12 @@ def activate() -> bool:
     from vllm.config import VllmConfig
     from vllm.platforms import current_platform
 
+    from glm5_hal.vllm.caches import HUGE_PAGES_ENV
     from glm5_hal.vllm.mla_layer import register_mla_layer
     from glm5_hal.vllm.moe import register_moe
     from glm5_hal.vllm.quant_linear import register_quant_linear
 
+    switch(HUGE_PAGES_ENV, default=True)  # read where the ops run; a bad value fails here, at start, not in a step
     _install_platform_hooks(type(current_platform), mode)
     _install_compiled_default(VllmConfig, mode)
     register_mla_layer()

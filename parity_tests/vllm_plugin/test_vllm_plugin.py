@@ -210,3 +210,11 @@ def test_rope_tables_are_made_once_per_step() -> None:
     assert cos_next is not cos and torch.equal(cos_next, rope_cos_sin(cfg, positions, torch.float32)[0])
     assert _step_rope(next_step, cfg, positions[:2], torch.float32)[0].shape[0] == 2  # other positions
     assert _step_rope(next_step, cfg, positions[:2], torch.float64)[0].dtype == torch.float64  # another dtype
+
+
+def test_a_bad_huge_pages_setting_stops_the_plugin_at_start() -> None:
+    """GLM5_HAL_VLLM_HUGE_PAGES is read where the ops run; activation reads it first, so a bad value fails there
+    (before any engine step) with the variable's name."""
+    done = run_python("from glm5_hal.vllm import plugin\nplugin.activate()", GLM5_HAL_VLLM_HUGE_PAGES="yes")
+    assert done.returncode != 0
+    assert "GLM5_HAL_VLLM_HUGE_PAGES: expected '0' or '1', got 'yes'" in done.stderr, done.stderr[-3000:]
