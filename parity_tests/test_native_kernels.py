@@ -318,6 +318,33 @@ def test_every_e4m3_code_decodes_the_same_with_subnormals_flushed(isa):
     assert torch.equal(got, want.T.clamp_min(0.0))
 
 
+BF16_ROUTE_ISAS = ("avx512_bf16", "portable")  # the builds of quantized_index_scores.c with the bf16 route
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_bf16_queries_over_e4m3_codes_take_the_bf16_route_where_the_build_has_it(isa):
+    """q = e_0 + e_1 over a row with codes of value 2^-9 and 3 x 2^-8 at dims 0 and 1, scale 0.3712: the bf16 route
+    scales the exact sum once, (v0 + v1) x s, the fp32 route sums the scaled keys, v0 s + v1 s, and the two differ in
+    the last bit here. So the score says which route ran: the bf16 one in the builds that have it (a guard or a
+    decode that sent every token to the fp32 route fails this), the fp32 one in the others."""
+    _runs(quantized_index_scores, isa)
+    codes = torch.zeros(1, 128, dtype=torch.uint8)
+    codes[0, 0], codes[0, 1] = 0x01, 0x06
+    scale = torch.tensor([[0.3712]])
+    cache = torch.cat([codes, scale.view(torch.uint8)], dim=1)[:, None, :]
+    v0, v1 = decode_rows(torch.cat([codes, torch.ones(1, 1).view(torch.uint8)], 1)[:, None, :], FORMATS["fp8_index"])[
+        0, 0, :2
+    ]
+    assert (v0.item(), v1.item()) == (2.0**-9, 3 * 2.0**-8)
+    bf16_route, fp32_route = (v0 + v1) * scale[0, 0], v0 * scale[0, 0] + v1 * scale[0, 0]  # fp32 arithmetic
+    assert bf16_route != fp32_route
+    q = torch.zeros(1, 1, 128, dtype=torch.bfloat16)
+    q[0, 0, :2] = 1.0
+    table, limits = torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int64)
+    got = quantized_index_scores.scores(q, torch.ones(1, 1), cache, table, limits, 1, "fp8_index", isa=isa, threads=1)
+    assert got.item() == (bf16_route if isa in BF16_ROUTE_ISAS else fp32_route).item()
+
+
 @pytest.mark.parametrize("isa", ISAS)
 def test_bf16_queries_the_bf16_route_cannot_take_exactly_get_the_fp32_scores(isa):
     """The bf16 route (quantized_index_scores.c's top) scales after the dot and runs VDPBF16PS, which flushes

@@ -41,14 +41,12 @@ def describe_model(model: Any) -> dict[str, list[str]]:
             seen["moe"].append(type(module.quant_method).__name__)
         elif getattr(module, "scheme", None) is not None:
             seen["linear_schemes"].append(type(module.scheme).__name__)
-    try:  # the KV caches the plugin's ops saw, and whether they are on huge pages now (glm5_hal.vllm.caches)
-        from glm5_hal.vllm.caches import seen as caches_seen
+    # the KV caches the plugin's ops saw, and whether they are on huge pages now (glm5_hal.vllm.caches)
+    from glm5_hal.vllm.caches import seen as caches_seen
 
-        seen["kv_cache_pages"] = [
-            f"{kind} {'huge' if r.collapsed else 'asked' if r.asked else 'base'}" for kind, r in caches_seen()
-        ]
-    except ImportError:
-        seen["kv_cache_pages"] = []
+    seen["kv_cache_pages"] = [
+        f"{kind} {'huge' if r.collapsed else 'asked' if r.asked else 'base'}" for kind, r in caches_seen()
+    ]
     return {k: sorted(set(v)) for k, v in seen.items()}
 
 

@@ -277,7 +277,6 @@ static void bf16_tile(const uint16_t *keys, int n_keys, const float *scales, con
     __m512 terms = _mm512_mul_ps(weights, _mm512_max_ps(_mm512_setzero_ps(), _mm512_mul_ps(sums, scale)));
     __m512 sum = _mm512_loadu_ps(partial);
     _mm512_storeu_ps(partial, _mm512_mask_add_ps(sum, alive, sum, terms)); /* max(0, NaN) is NaN */
-    (void)n_keys;
 #else
     for (int j = 0; j < n_keys; j++)
         for (int h = 0; h < HEADS; h++) {
@@ -295,8 +294,6 @@ static void bf16_tile(const uint16_t *keys, int n_keys, const float *scales, con
         }
 #endif
 }
-
-#endif
 
 /* The bf16 route asks for the next chunk's rows to be brought into L2 while this chunk's dots run: a chunk's decode
    reads its rows from memory and the dots that follow leave memory idle. A cursor walks the next chunk's positions,
@@ -324,6 +321,7 @@ static inline void prefetch_rows(struct row_cursor *c, long rows, long end, cons
         if (++c->offset == block_size) c->block++, c->offset = 0;
     }
 }
+#endif
 
 /* Blocks of the table that key positions c0 .. c0 + n - 1 lie in. */
 static inline long blocks_spanned(long c0, long n, long block_size) {
