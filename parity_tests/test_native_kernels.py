@@ -390,6 +390,46 @@ def test_bf16_queries_the_bf16_route_cannot_take_exactly_get_the_fp32_scores(isa
         _assert_within_fp32_sums(got, want[t : t + 1, :keys], magnitude[t : t + 1, :keys], 2 * 128)
 
 
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("heads", [1, 4, 5])
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_a_lone_tokens_scores_are_the_bits_it_gets_beside_a_token_of_its_sequence(isa, heads, block_size):
+    """A token alone with its keys (a decode step) and at most 4 heads has its tiles decode the codes on the way;
+    beside a token of its own sequence (prefill) it reads the chunk that token decoded into the workspace. Both
+    orders of the same products: each row the same bits either way (NaN where the other has NaN: the compiler may
+    swap the operands of a sum in one copy of the tile, and x86 then keeps the other NaN's sign), over 3 chunks of
+    random codes (NaN codes and scales included) with bf16 queries (the bf16 route), fp32 ones (the fp32 route) and
+    a limit inside a chunk."""
+    _runs(quantized_index_scores, isa)
+    gen = torch.Generator().manual_seed(heads * 31 + block_size)
+    width = 600
+    blocks = -(-width // block_size)
+    cache = _quantized_index_cache(gen, "fp8_index", blocks + 2, block_size, raw=True)
+    table = torch.randperm(blocks + 2, generator=gen)[:blocks].to(torch.int32).expand(2, blocks)
+    limits = torch.tensor([width, 421])
+    weights = torch.randn(2, heads, generator=gen)
+    for q_dtype in (torch.bfloat16, torch.float32):
+        q = torch.randn(2, heads, 128, generator=gen).to(q_dtype)
+        together = quantized_index_scores.scores(
+            q, weights, cache, table, limits, width, "fp8_index", isa=isa, threads=1
+        )
+        for t in range(2):
+            alone = quantized_index_scores.scores(
+                q[t : t + 1],
+                weights[t : t + 1],
+                cache,
+                table[t : t + 1],
+                limits[t : t + 1],
+                width,
+                "fp8_index",
+                isa=isa,
+                threads=1,
+            )
+            nan = together[t].isnan()
+            assert torch.equal(alone[0].isnan(), nan), (q_dtype, t)
+            assert _same_bits(alone[0][~nan], together[t][~nan]), (q_dtype, t)
+
+
 def test_quantized_index_scores_reject_bad_arguments():
     q, w = torch.zeros(2, 4, 128, dtype=torch.bfloat16), torch.zeros(2, 4)
     cache = torch.zeros(3, 4, 132, dtype=torch.uint8)
