@@ -815,6 +815,39 @@ def test_sparse_attention_is_the_softmax_over_only_the_selected_rows(
 
 
 @pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("heads", [1, 3, 4])
+def test_sparse_attention_over_many_blocks_of_keys_whose_peak_keeps_rising(isa, heads):
+    """At most 4 heads the AVX2 build takes a token's rows in one pass, blocks of 32 keys with the softmax shifted by
+    the running peak (the block's exps, total and partial output rescaled where a block raises it). Keys ordered by
+    head 0's score, so every block raises its peak, and in random order: out and lse within the fp32 path's bounds.
+    Then a +inf score in a late block, after blocks were taken: that head is NaN with lse +inf (the file's top), and
+    the other heads keep their values."""
+    _runs(native_attention, isa)
+    gen = torch.Generator().manual_seed(heads)
+    topk, dims, d_v, scale = 300, 64, 48, 0.125
+    rows = _bf16(gen, topk + 4, dims)
+    q = _bf16(gen, 1, heads, dims)
+    ascending = (rows.double() @ q[0, 0].double()).argsort()[None]  # head 0's scores, lowest first
+    for slots in (ascending[:, -topk:], torch.randperm(rows.shape[0], generator=gen)[None, :topk]):
+        want, want_lse, bound, lse_bound = _attention_reference(q, rows, slots, scale, d_v)
+        got, lse = native_attention.attention(q, rows, slots, scale, d_v, out_dtype=torch.float32, isa=isa, threads=1)
+        assert ((got.double() - want).abs() <= bound).all(), "out off by more than the fp32 path's bound"
+        assert ((lse.double() - want_lse).abs() <= lse_bound).all()
+    slots = ascending[:, -topk:]
+    late = slots[0, 250]
+    rows[late, 0] = float("inf")
+    q[0, :, 0] = torch.tensor([1.0, -1.0, 1.0, -1.0][:heads], dtype=torch.bfloat16)  # +inf for even heads
+    want, want_lse, bound, lse_bound = _attention_reference(q, rows, slots, scale, d_v)
+    got, lse = native_attention.attention(q, rows, slots, scale, d_v, out_dtype=torch.float32, isa=isa, threads=1)
+    for h in range(heads):
+        if h % 2 == 0:
+            assert got[0, h].isnan().all() and lse[0, h] == float("inf")
+        else:  # a -inf score: probability 0, whose product with the row's inf is NaN in that dim only
+            assert got[0, h, 0].isnan() and ((got[0, h, 1:].double() - want[0, h, 1:]).abs() <= bound[0, h, 1:]).all()
+            assert (lse[0, h].double() - want_lse[0, h]).abs() <= lse_bound[0, h]
+
+
+@pytest.mark.parametrize("isa", ISAS)
 def test_sparse_attention_keeps_torch_softmax_semantics_for_nan_and_inf(isa):
     """A NaN score makes its head NaN (torch's amax propagates it); a +inf score gives NaN out and lse +inf (the
     softmax shifts by 0 then, and inf / inf); a -inf score is a probability of 0 (whose product with the row's inf is

@@ -23,7 +23,10 @@
  * softmax (exp8 is exp16's arithmetic on 8 lanes); the values take the normalised probabilities in fp32, not as
  * hi + lo parts: with the rows widened to fp32 there is no bf16-only multiplier to feed, and an FMA of the fp32 P
  * rounds once per term as the fp32 path's GEMM does (so P is not cut to ~2^-16). A value tile is 4 heads x 16
- * dims. Subnormals are kept (no DAZ / FTZ in this build or the portable one).
+ * dims. At most 4 heads take the rows in one pass instead (attend_few_heads_online): blocks of keys, each scored,
+ * exponentiated and multiplied into the output while its rows are in L1 / L2, the softmax shifted by the running
+ * peak and the output divided by the total at the end; a NaN or infinite score sends the token to the two passes.
+ * Subnormals are kept (no DAZ / FTZ in this build or the portable one).
  */
 #include <float.h>
 #include <math.h>
@@ -71,6 +74,9 @@ static void score_tile(const uint16_t *keys[KEYS], int n_keys, const uint16_t *q
    every lane past the real heads). */
 #define ROW_HEADS 4
 #define ROW_KEYS 3 /* 3 keys x 4 heads = 12 accumulators, the keys' 3 widened slices and one q slice: 16 ymm */
+#if ROW_HEADS > VALUE_HEADS
+#error "the one-pass route's value tile covers VALUE_HEADS heads"
+#endif
 
 /* qf [ROW_HEADS][dims] fp32 from the packed q [pairs + odd][hp][2] of one token (dim d is pair d / 2, part d % 2). */
 static void widen_heads(const uint16_t *q, long hp, long heads, long dims, float *qf) {
@@ -114,16 +120,17 @@ static void row_dot_tile(const uint16_t *const *rows, int n_keys, const float *q
     }
 }
 
-/* s [n][hp] for the n valid rows, at most ROW_HEADS real heads (row_dot_tile). Not inlined into the token loop: there
-   it changed how gcc compiled the heads-in-lanes tiles, which then ran ~12% slower at 5 to 8 heads. */
-static __attribute__((noinline)) void score_few_heads(const uint16_t *const *valid_rows, long n, const float *qf,
-                                                      long dims, float scale, float *s, long hp) {
-    for (long n0 = 0; n0 < n; n0 += ROW_KEYS) {
+/* s [k1 - k0][hp] for the valid rows k0 .. k1 - 1 (of n), at most ROW_HEADS real heads (row_dot_tile); rows ahead
+   are prefetched up to n. Not inlined into the token loop: there it changed how gcc compiled the heads-in-lanes
+   tiles, which then ran ~12% slower at 5 to 8 heads. */
+static __attribute__((noinline)) void score_few_heads(const uint16_t *const *valid_rows, long n, long k0, long k1,
+                                                      const float *qf, long dims, float scale, float *s, long hp) {
+    for (long n0 = k0; n0 < k1; n0 += ROW_KEYS) {
         const uint16_t *keys[ROW_KEYS];
-        for (int j = 0; j < ROW_KEYS; j++) keys[j] = valid_rows[n0 + j < n ? n0 + j : n0]; /* spare lanes: a real row */
+        for (int j = 0; j < ROW_KEYS; j++) keys[j] = valid_rows[n0 + j < k1 ? n0 + j : n0]; /* spare lanes: a real row */
         for (long ahead = n0 + 4 * ROW_KEYS; ahead < n0 + 5 * ROW_KEYS && ahead < n; ahead++)
             prefetch_to_l2(valid_rows[ahead], dims);
-        row_dot_tile(keys, n - n0 < ROW_KEYS ? (int)(n - n0) : ROW_KEYS, qf, dims, scale, s + n0 * hp, hp);
+        row_dot_tile(keys, k1 - n0 < ROW_KEYS ? (int)(k1 - n0) : ROW_KEYS, qf, dims, scale, s + (n0 - k0) * hp, hp);
     }
 }
 
@@ -251,6 +258,60 @@ static void value_tile(const uint16_t *const *rows, const uint16_t *vp, long n_v
         _mm256_storeu_ps(ordered + 8, _mm256_permute2f128_ps(lo, hi, 0x31));
         for (long d = 0; d < left; d++) o[(h0 + i) * o_head + d0 + d] += ordered[d]; /* a block of keys' share */
     }
+}
+
+/* At most ROW_HEADS heads, in one pass over the rows: each block of VALUE_KEY_BLOCK keys gets its scores, exps and
+   value products while its rows are in L1 / L2, with the softmax's shift the running peak (the online softmax):
+   where a block raises a head's peak, the exps so far, their total and the head's partial output are scaled by
+   exp(old - new) first, and the output is divided by the total at the end. The two passes (all scores, then all
+   values) read every row twice, and 2048 selected rows (2.3 MiB at width 576) do not stay in L2 between them. The
+   values take E = exp(s - peak) in fp32 and the division comes last: the fp32 path's arithmetic up to the order of
+   the sums and the ~1 ulp of each rescale. Only where every score is finite (a NaN or infinite one has the file's
+   top semantics: returns 0 at once, having written nothing, and the caller runs the two passes). o [ROW_HEADS][dv]
+   fp32, s: VALUE_KEY_BLOCK x hp floats of workspace; lse: the token's H values. */
+static int attend_few_heads_online(const uint16_t *const *valid_rows, long n, const float *qf, long dims, long dv,
+                                   long heads, long hp, float scale, float *s, float *o, float *lse) {
+    const __m256 live = lanes_below(heads);
+    const __m256 zero = _mm256_setzero_ps(), infinity = _mm256_set1_ps(INFINITY);
+    __m256 peak = _mm256_set1_ps(-INFINITY), total = zero;
+    memset(o, 0, sizeof *o * ROW_HEADS * dv);
+    for (long k0 = 0; k0 < n; k0 += VALUE_KEY_BLOCK) {
+        long block = n - k0 < VALUE_KEY_BLOCK ? n - k0 : VALUE_KEY_BLOCK;
+        score_few_heads(valid_rows, n, k0, k0 + block, qf, dims, scale, s, hp);
+        __m256 block_peak = peak, not_finite = zero;
+        for (long k = 0; k < block; k++) {
+            __m256 x = _mm256_and_ps(live, _mm256_loadu_ps(s + k * hp)); /* dead lanes: 0 */
+            block_peak = _mm256_max_ps(block_peak, x);
+            /* |x| == inf, or x NaN (unordered) */
+            not_finite = _mm256_or_ps(not_finite, _mm256_cmp_ps(_mm256_andnot_ps(_mm256_set1_ps(-0.0f), x), infinity,
+                                                                _CMP_NLT_UQ));
+        }
+        if (_mm256_movemask_ps(not_finite)) return 0;
+        __m256 rescale = exp8(_mm256_sub_ps(peak, block_peak)); /* exp(-inf) at the first block: o and total are 0 */
+        float factors[8];
+        _mm256_storeu_ps(factors, rescale);
+        if (_mm256_movemask_ps(_mm256_cmp_ps(rescale, _mm256_set1_ps(1.0f), _CMP_NEQ_UQ)) & 0xF) {
+            total = _mm256_mul_ps(total, rescale);
+            for (long h = 0; h < ROW_HEADS; h++)
+                for (long d = 0; d < dv; d++) o[h * dv + d] *= factors[h];
+        }
+        peak = block_peak;
+        for (long k = 0; k < block; k++) {
+            __m256 e = _mm256_and_ps(live, exp8(_mm256_sub_ps(_mm256_and_ps(live, _mm256_loadu_ps(s + k * hp)), peak)));
+            _mm256_storeu_ps(s + k * hp, e);
+            total = _mm256_add_ps(total, e);
+        }
+        for (long d0 = 0; d0 < dv; d0 += VALUE_DIMS)
+            value_tile(valid_rows + k0, NULL, block, (const uint16_t *)s, hp, 0, d0, dv, o, dv);
+    }
+    float peaks[8], totals[8];
+    _mm256_storeu_ps(peaks, peak);
+    _mm256_storeu_ps(totals, total);
+    for (long h = 0; h < heads; h++) { /* total >= 1: the peak's own exp is 1 */
+        lse[h] = peaks[h] + logf(totals[h]);
+        for (long d = 0; d < dv; d++) o[h * dv + d] /= totals[h];
+    }
+    return 1;
 }
 #elif !defined(GLM5_PORTABLE)
 #include <immintrin.h>
@@ -615,7 +676,11 @@ static int attend(long heads, long dims, long dv, long topk, const uint16_t *q, 
 #if defined(GLM5_AVX2)
         if (heads <= ROW_HEADS) {
             widen_heads(qt, hp, heads, dims, qf);
-            score_few_heads(valid_rows, n, qf, dims, scale, s, hp);
+            if (attend_few_heads_online(valid_rows, n, qf, dims, dv, heads, hp, scale, s, o, lse + t * lse_token)) {
+                store_output(o, heads, dv, out_t, out_fp32, out_head);
+                continue;
+            }
+            score_few_heads(valid_rows, n, 0, n, qf, dims, scale, s, hp);
         } else
 #endif
         for (long n0 = 0; n0 < n; n0 += KEYS) {
