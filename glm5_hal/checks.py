@@ -216,6 +216,8 @@ def value_checks_enabled(*tensors: torch.Tensor) -> bool:
         return False
     if torch.compiler.is_compiling():
         return False
+    if all(type(t) is torch.Tensor and t.device.type != "meta" for t in tensors):
+        return True  # plain tensors (a fake one is a subclass): is_fake's walk costs more than most checks here
     from torch._subclasses.fake_tensor import is_fake
 
     return not any(is_fake(t) or t.device.type == "meta" for t in tensors)

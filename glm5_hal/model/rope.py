@@ -6,6 +6,7 @@ them once per forward call, shared by every layer, by MLA and by the indexer.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -28,9 +29,14 @@ def rope_inv_freq(cfg: ModelConfig) -> Tensor:
     linear ramp mixes the two in between. The softmax correction (mscale^2) lives in cfg.sm_scale; with
     mscale == mscale_all_dim the cos/sin tables themselves are not rescaled.
     """
-    dim, theta = cfg.qk_rope_head_dim, float(cfg.rope_theta)
+    return _inv_freq(cfg.qk_rope_head_dim, float(cfg.rope_theta), cfg.rope_scaling).clone()
+
+
+@functools.lru_cache(maxsize=16)
+def _inv_freq(dim: int, theta: float, yarn: YarnScaling | None) -> Tensor:
+    """rope_inv_freq's table, made once per (dim, theta, scaling): rope_cos_sin runs at every decode step, and the
+    table's dozen small torch ops were ~1% of a vLLM decode step (the plugin, glm5-mini dims). Read only."""
     extrapolated = theta ** (-torch.arange(0, dim, 2, dtype=torch.float64) / dim)
-    yarn: YarnScaling | None = cfg.rope_scaling
     if yarn is None or yarn.factor <= 1.0:
         return extrapolated
     if yarn.mscale != yarn.mscale_all_dim:
@@ -51,7 +57,7 @@ def rope_inv_freq(cfg: ModelConfig) -> Tensor:
 def rope_cos_sin(cfg: ModelConfig, positions: Tensor, dtype: torch.dtype = torch.float32) -> tuple[Tensor, Tensor]:
     """cos, sin: [T, rope/2] at `positions` (int [T]) in `dtype` (fp32, the ops' contract; fp64 for a float64
     model); angles computed in fp64 for long contexts."""
-    inv_freq = rope_inv_freq(cfg).to(positions.device)
+    inv_freq = _inv_freq(cfg.qk_rope_head_dim, float(cfg.rope_theta), cfg.rope_scaling).to(positions.device)
     angles = positions.to(torch.float64)[:, None] * inv_freq[None, :]
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
