@@ -30,6 +30,15 @@ def token_positions(seq_lens_k: Tensor, cu_seqlens_q: Tensor, seqs: Tensor) -> T
     return seq_lens_k.to(torch.int64)[seqs] - cu_seqlens_q.to(torch.int64)[seqs + 1] + tokens
 
 
+def blocks_in_use(block_table: Tensor, max_seq_len: int, block_size: int) -> Tensor:
+    """block_table [B, max_blocks] cut to the columns sequences of at most max_seq_len keys use: a view of its first
+    ceil(max_seq_len / block_size) columns (at least 1, at most max_blocks). A serving engine's table is as wide as
+    the longest sequence it allows; an op that scans every key position its table can address (the indexer's scores
+    and their top-k) then scans only the batch's. max_seq_len: the batch's longest sequence, or an upper bound."""
+    used = max(1, -(-max_seq_len // block_size)) if block_size > 0 else block_table.shape[1]
+    return block_table[:, : min(used, block_table.shape[1])]
+
+
 def key_slots(
     block_table: Tensor,
     seqs: Tensor,

@@ -35,6 +35,7 @@ from glm5_hal.model.norms import LayerNorm, compute_dtype
 from glm5_hal.model.rope import rope_cos_sin
 from glm5_hal.ops import lightning_indexer
 from glm5_hal.ops.common import call_op, custom_op
+from glm5_hal.paged import blocks_in_use
 from glm5_hal.vllm.caches import on_huge_pages
 from glm5_hal.vllm.sparse_mla import Glm5HalMetadata, Glm5HalMetadataBuilder
 
@@ -169,7 +170,10 @@ def _select_keys(
     cache = binding.vllm_indexer.k_cache.kv_cache  # [num_blocks, block_size, 132] uint8
     on_huge_pages(cache, "index")
     slots = context.slot_mapping[binding.cache_layer][:tokens]
-    step = StepMetadata(positions[:tokens], slots, metadata.block_table, metadata.seq_lens, metadata.query_start_loc)
+    # vLLM's block table is as wide as max_model_len, and the indexer scores and ranks every position its table
+    # addresses: only the blocks the batch's longest sequence uses
+    table = blocks_in_use(metadata.block_table, metadata.max_seq_len, cache.shape[1])
+    step = StepMetadata(positions[:tokens], slots, table, metadata.seq_lens, metadata.query_start_loc)
     x = hidden_states[:tokens]
     cos, sin = _step_rope(context, cfg, step.positions, compute_dtype(x))
     q_idx, weights = binding.indexer().prolog(x, q_c[:tokens], cos, sin, cache, step, INDEX_CACHE_FORMAT)
