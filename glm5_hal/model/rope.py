@@ -29,7 +29,11 @@ def rope_inv_freq(cfg: ModelConfig) -> Tensor:
     linear ramp mixes the two in between. The softmax correction (mscale^2) lives in cfg.sm_scale; with
     mscale == mscale_all_dim the cos/sin tables themselves are not rescaled.
     """
-    return _inv_freq(cfg.qk_rope_head_dim, float(cfg.rope_theta), cfg.rope_scaling).clone()
+    return _cached_inv_freq(cfg).clone()
+
+
+def _cached_inv_freq(cfg: ModelConfig) -> Tensor:
+    return _inv_freq(cfg.qk_rope_head_dim, float(cfg.rope_theta), cfg.rope_scaling)
 
 
 @functools.lru_cache(maxsize=16)
@@ -57,7 +61,7 @@ def _inv_freq(dim: int, theta: float, yarn: YarnScaling | None) -> Tensor:
 def rope_cos_sin(cfg: ModelConfig, positions: Tensor, dtype: torch.dtype = torch.float32) -> tuple[Tensor, Tensor]:
     """cos, sin: [T, rope/2] at `positions` (int [T]) in `dtype` (fp32, the ops' contract; fp64 for a float64
     model); angles computed in fp64 for long contexts."""
-    inv_freq = _inv_freq(cfg.qk_rope_head_dim, float(cfg.rope_theta), cfg.rope_scaling).to(positions.device)
+    inv_freq = _cached_inv_freq(cfg).to(positions.device)
     angles = positions.to(torch.float64)[:, None] * inv_freq[None, :]
     return angles.cos().to(dtype), angles.sin().to(dtype)
 

@@ -35,8 +35,8 @@
  * FLT_MAX / 448 (value * scale cannot overflow, as the fp32 route's keys cannot). Other tokens and chunks take the
  * fp32 route. A token alone with its keys (a decode step: no other token of the share reads its blocks) with at
  * most 4 heads skips the workspace: its tiles decode each key's codes in registers on the way (lone_token_chunk;
- * the same values in the same order, so the same bits). The portable build runs the same route in scalar code (lane sums in VDPBF16PS's order), so the
- * choice between the routes is tested on every CPU.
+ * the same values in the same order, so the same bits). The portable build runs the same route in scalar code
+ * (lane sums in VDPBF16PS's order), so the choice between the routes is tested on every CPU.
  */
 #include <float.h>
 #include <math.h>
@@ -231,7 +231,10 @@ static float decode_row_bf16(const uint8_t *row, long dims, const uint16_t table
     long d = 0;
 #if !defined(GLM5_PORTABLE)
     const struct e4m3_decoder dec = decoder_of(table);
-    for (; d < dims; d += 32) _mm512_mask_storeu_epi16(out + d, live_dims(dims, d), decode32(&dec, row + d, live_dims(dims, d)));
+    for (; d < dims; d += 32) {
+        __mmask32 live = live_dims(dims, d);
+        _mm512_mask_storeu_epi16(out + d, live, decode32(&dec, row + d, live));
+    }
 #endif
     for (; d < dims; d++) out[d] = (uint16_t)(table[row[d] & 0x7F] | (row[d] & 0x80) << 8);
     return scale;
@@ -329,8 +332,8 @@ static inline __attribute__((always_inline)) void bf16_tile(const uint16_t *keys
 #endif
 
 /* Key positions walked in order without a division per row (one where a walk starts): the block table entry and
-   the offset in the block move along with the position. A division per row cost a quarter of the bf16 route's time
-   in cache (0.10 of 0.39 ms over 16K keys, one token, 4 heads, Zen 4). */
+   the offset in the block move along with the position. The bf16 route over 16K keys in cache (one token, 4 heads,
+   Zen 4) took 0.37 -> 0.35 ms so; with the decode and dots knocked out, the divisions alone were 0.10 ms. */
 struct row_cursor {
     long position, block, offset; /* key position `position` lies at `offset` in the block tt[block] */
 };
@@ -370,11 +373,34 @@ static inline long blocks_spanned(long c0, long n, long block_size) {
 }
 
 #if defined(BF16_DOTS)
+/* st[c0 + k] for k < n: the bf16 route's scores of one token over keys c0 .. c0 + n - 1 (a chunk), from their
+   decoded values (values [n][dims]) or, with values NULL, from their codes (codes[k], decoded in the tiles), every
+   head tile of q (qb [hp][dims]) added; scales [n]. The rows of keys from c0 + n on are prefetched into L2 as the
+   tiles run, up to next_end. Inlined, so each call site compiles the loop for its kind of keys. */
+static inline __attribute__((always_inline)) void bf16_chunk_scores(
+    const uint16_t *values, const uint8_t *const *codes, const uint16_t table[128], long n, const float *scales,
+    const uint16_t *qb, const float *wt, long heads, long dims, long c0, long next_end, const uint8_t *cache,
+    long block_stride, long row_stride, long block_size, const int32_t *tt, float *st) {
+    struct row_cursor next = cursor_at(c0 + n, block_size);
+    for (long k = 0; k < n; k += BF16_KEYS) {
+        int n_keys = n - k < BF16_KEYS ? (int)(n - k) : BF16_KEYS;
+        prefetch_rows(&next, BF16_KEYS, next_end, cache, block_stride, row_stride, dims + 4, block_size, tt);
+        float partial[BF16_KEYS * HEADS] = {0.0f};
+        for (long h0 = 0; h0 < heads; h0 += HEADS)
+            bf16_tile(values ? values + k * dims : NULL, codes ? codes + k : NULL, table, n_keys, scales + k,
+                      qb + h0 * dims, wt + h0, dims, heads - h0, partial);
+        for (int j = 0; j < n_keys; j++) {
+            const float *p = partial + HEADS * j;
+            st[c0 + k + j] = (p[0] + p[1]) + (p[2] + p[3]);
+        }
+    }
+}
+
 /* The bf16 route for one token over keys c0 .. c0 + n - 1 (a chunk) when no other token reads them: the tiles decode
-   each key's codes on the way (bf16_tile with `codes`) instead of the chunk being decoded into the workspace first
-   and read back (one token, 4 heads, Zen 4: 0.35 -> 0.30 ms over 16K keys in cache, 0.98 -> 0.83 ms over 32K from
-   memory). The same values in the same order: the same bits as the decoded chunk. Returns 0 (nothing written) where
-   a key's scale keeps the chunk off the bf16 route. scales: CHUNK floats of workspace; the rest as score_tokens. */
+   each key's codes on the way instead of the chunk being decoded into the workspace first and read back (one token,
+   4 heads, Zen 4: 0.35 -> 0.30 ms over 16K keys in cache, 0.85 -> 0.73 ms over 32K from memory). The same values
+   in the same order: the same bits as the decoded chunk. Returns 0 (nothing written) where a key's scale keeps the
+   chunk off the bf16 route. scales: CHUNK floats of workspace; the rest as score_tokens. */
 static int lone_token_chunk(long dims, const uint16_t *qb, const float *wt, long heads, const uint16_t table[128],
                             const uint8_t *cache, long block_stride, long row_stride, long block_size,
                             const int32_t *tt, long c0, long n, long next_end, float *scales, float *st) {
@@ -387,17 +413,8 @@ static int lone_token_chunk(long dims, const uint16_t *qb, const float *wt, long
         ok &= bf16_scale_ok(scales[k]);
     }
     if (!ok) return 0;
-    struct row_cursor next = cursor_at(c0 + n, block_size);
-    for (long k = 0; k < n; k += BF16_KEYS) {
-        int n_keys = n - k < BF16_KEYS ? (int)(n - k) : BF16_KEYS;
-        prefetch_rows(&next, BF16_KEYS, next_end, cache, block_stride, row_stride, dims + 4, block_size, tt);
-        float partial[BF16_KEYS * HEADS] = {0.0f};
-        bf16_tile(NULL, rows + k, table, n_keys, scales + k, qb, wt, dims, heads, partial);
-        for (int j = 0; j < n_keys; j++) {
-            const float *p = partial + HEADS * j;
-            st[c0 + k + j] = (p[0] + p[1]) + (p[2] + p[3]);
-        }
-    }
+    bf16_chunk_scores(NULL, rows, table, n, scales, qb, wt, heads, dims, c0, next_end, cache, block_stride,
+                      row_stride, block_size, tt, st);
     return 1;
 }
 #endif
@@ -484,22 +501,9 @@ static int score_tokens(long heads, long dims, int code, const float *q, const f
                 decoded = needed;
             }
 #if defined(BF16_DOTS)
-            if (decoded_bf16) {
-                long next_end = limit < s_end ? limit : s_end; /* the next chunk's visible keys end before it */
-                struct row_cursor next = cursor_at(c1, block_size);
-                for (long k = 0; k < needed; k += BF16_KEYS) {
-                    int n_keys = needed - k < BF16_KEYS ? (int)(needed - k) : BF16_KEYS;
-                    prefetch_rows(&next, BF16_KEYS, next_end, cache, block_stride, row_stride, dims + 4, block_size,
-                                  tt);
-                    float partial[BF16_KEYS * HEADS] = {0.0f};
-                    for (long h0 = 0; h0 < heads; h0 += HEADS)
-                        bf16_tile(values + k * dims, NULL, table, n_keys, key_scales + k, qb + h0 * dims, wt + h0, dims,
-                                  heads - h0, partial);
-                    for (int j = 0; j < n_keys; j++) {
-                        const float *p = partial + HEADS * j;
-                        st[c0 + k + j] = (p[0] + p[1]) + (p[2] + p[3]);
-                    }
-                }
+            if (decoded_bf16) { /* (the next chunk's visible keys end before the token's limit) */
+                bf16_chunk_scores(values, NULL, table, needed, key_scales, qb, wt, heads, dims, c0,
+                                  limit < s_end ? limit : s_end, cache, block_stride, row_stride, block_size, tt, st);
                 continue;
             }
 #endif

@@ -287,10 +287,10 @@ static int attend_few_heads_online(const uint16_t *const *valid_rows, long n, co
                                                                 _CMP_NLT_UQ));
         }
         if (_mm256_movemask_ps(not_finite)) return 0;
-        __m256 rescale = exp8(_mm256_sub_ps(peak, block_peak)); /* exp(-inf) at the first block: o and total are 0 */
+        __m256 rescale = exp8(_mm256_sub_ps(peak, block_peak)); /* (the first block: o and total are still 0) */
         float factors[8];
         _mm256_storeu_ps(factors, rescale);
-        if (_mm256_movemask_ps(_mm256_cmp_ps(rescale, _mm256_set1_ps(1.0f), _CMP_NEQ_UQ)) & 0xF) {
+        if (k0 > 0 && _mm256_movemask_ps(_mm256_cmp_ps(rescale, _mm256_set1_ps(1.0f), _CMP_NEQ_UQ)) & 0xF) {
             total = _mm256_mul_ps(total, rescale);
             for (long h = 0; h < ROW_HEADS; h++)
                 for (long d = 0; d < dv; d++) o[h * dv + d] *= factors[h];
