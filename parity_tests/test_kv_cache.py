@@ -561,3 +561,38 @@ def test_readers_propagate_nan_and_inf_scales_as_the_reference(backend, op):
     got = {n: torch.from_numpy(produced[n]) for n in spec.output_names + spec.mutated if n in produced}
     verdicts = spec.judge(inputs, got, torch.float32)
     assert all(v.passed for v in verdicts), [v for v in verdicts if not v.passed]
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_index"])
+@pytest.mark.parametrize("layout", ["contiguous", "pages longer than blocks", "rows wider than the cache"])
+@pytest.mark.parametrize("slots", [[5, 22, 0], [5, -1, 22, 0, -1], [-1, -1], []])
+def test_write_rows_equals_the_reference_on_every_layout(kv_cache_dtype, layout, slots):
+    """glm5_hal.kv_formats.write_rows (the engines' and decomposed prologs' cache write) writes what
+    ops_reference.paged_cache.write_cache does, and nothing beside it: every slot written (one flat copy where the
+    blocks are one run of rows), padding slots (-1) skipped, a cache whose pages are longer than its blocks or whose
+    rows sit inside wider rows (a strided view, written by block and offset)."""
+    from glm5_hal.kv_formats import write_rows
+
+    gen = torch.Generator().manual_seed(len(slots) * 7 + len(layout))
+    num_blocks, block_size = 6, 4
+    width = 128 if kv_cache_dtype == "auto" else FORMATS[kv_cache_dtype].row_bytes
+    pages, columns = (block_size + 3 if layout == "pages longer than blocks" else block_size), width
+    columns += 40 if layout == "rows wider than the cache" else 0
+    if kv_cache_dtype == "auto":
+        storage = torch.randn(num_blocks, pages, columns, generator=gen)
+    else:
+        storage = torch.randint(0, 256, (num_blocks, pages, columns), generator=gen, dtype=torch.int32).to(torch.uint8)
+    original = storage.clone()
+    cache = storage[:, :block_size, 8 : 8 + width] if columns > width else storage[:, :block_size]
+    before = cache.clone()
+    slot_mapping = torch.tensor(slots, dtype=torch.int64)
+    rows = torch.randn(len(slots), 128, generator=gen)
+    write_rows(cache, slot_mapping, rows, kv_cache_dtype)
+    want = ref.write_cache(before.numpy(), slot_mapping.numpy(), rows.numpy(), kv_cache_dtype)
+    assert torch.equal(cache, torch.from_numpy(want).to(cache.dtype))
+    outside = torch.ones_like(storage, dtype=torch.bool)
+    if columns > width:
+        outside[:, :block_size, 8 : 8 + width] = False
+    else:
+        outside[:, :block_size] = False
+    assert torch.equal(storage[outside], original[outside]), "write_rows wrote outside the cache's rows"

@@ -288,8 +288,20 @@ def gemm_for(activation: torch.dtype, device: torch.device, family: str = WEIGHT
     fp32 unless the probe chose a half-precision route for bf16 / fp16 there."""
     if _forced and family in _forced and activation != COMPUTE_DTYPE:
         return _forced[family]
-    choice = capabilities(device).half_choice(activation, family)
+    caps = capabilities(device)
+    # The Gemm objects (frozen) of one set of choices: made once, not per call (every op of a decode step asks).
+    key = (id(caps), activation, family)
+    held = _gemms.get(key)
+    if held is not None and held[0] is caps:
+        return held[1]
+    choice = caps.half_choice(activation, family)
     if choice is None or not choice.use:
-        return FP32
-    small, large = from_route(activation, choice.small), from_route(activation, choice.large)
-    return large if small == large else RoutedGemm(small, large, choice.split_rows)
+        gemm: Gemm | RoutedGemm = FP32
+    else:
+        small, large = from_route(activation, choice.small), from_route(activation, choice.large)
+        gemm = large if small == large else RoutedGemm(small, large, choice.split_rows)
+    _gemms[key] = (caps, gemm)  # the choices are held, so that their id cannot name other choices later
+    return gemm
+
+
+_gemms: dict[tuple[int, torch.dtype, str], tuple[object, Gemm | RoutedGemm]] = {}

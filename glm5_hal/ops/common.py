@@ -75,12 +75,12 @@ def call_op(op: CustomOpDef, *args: object) -> object:
     step's weights have evicted them (measured on quant_matmul at GLM-5's kv_a_proj, 4 tokens, on a CPU), which is
     more than the int8 GEMM itself. The body is the same function either way, so the results are the same tensors.
     """
-    if _plain_eager(args):
+    if plain_eager(args):
         return _BODIES[op](*args)
     return op(*args)
 
 
-# What _plain_eager asks, bound once: each module attribute chain (torch._C._functorch...) costs dictionary
+# What plain_eager asks, bound once: each module attribute chain (torch._C._functorch...) costs dictionary
 # lookups in memory a decode step has evicted from the caches, on every op call.
 _is_compiling = torch.compiler.is_compiling
 _dispatch_modes = torch._C._len_torch_dispatch_stack
@@ -91,10 +91,11 @@ _grad_enabled = torch.is_grad_enabled
 _profiler = torch.autograd.profiler  # its _is_profiler_enabled flag changes: read it on every call
 
 
-def _plain_eager(args: tuple[object, ...]) -> bool:
-    """True when nothing would intercept the custom op: not compiling, no dispatch / function mode, no functorch
-    transform, no autocast, no profiler, and only plain tensors of which none needs grad (the ops define no
-    backward: the op, not the body, is what reports that)."""
+def plain_eager(args: tuple[object, ...]) -> bool:
+    """True when nothing would intercept a custom op called with `args`, so that its implementation may run directly
+    (call_op's case; backends ask it for their own torch.library ops): not compiling, no dispatch / function mode,
+    no functorch transform, no autocast, no profiler, and only plain tensors of which none needs grad (the ops
+    define no backward: the op, not the body, is what reports that)."""
     if _is_compiling():  # first: dynamo must not trace the torch._C queries below
         return False
     if (

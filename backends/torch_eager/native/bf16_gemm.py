@@ -26,6 +26,7 @@ from torch import Tensor
 from backends.torch_eager.native import build
 from backends.torch_eager.native import threads as threads_
 from glm5_hal.checks import check
+from glm5_hal.ops.common import plain_eager
 
 FAST = "avx512_bf16"  # build.ISAS: the kernel the backend uses
 AVX2 = "avx2"  # 256-bit FMA on exactly widened bf16: CPUs without AVX-512 (a 3 x 4 tile, NR = TILE_COLUMNS)
@@ -88,7 +89,8 @@ def bmm_nt(a: Tensor, b: Tensor, *, isa: str = FAST, threads: int | None = None)
         ValueError,
         lambda: f"b: expected [{a.shape[0]}, N, {a.shape[2]}] to match a {tuple(a.shape)}, got {tuple(b.shape)}",
     )
-    if threads is None:  # the build is an argument of the op: torch.compile and FakeTensor see every build
+    # The build is an argument of the op: torch.compile and FakeTensor see every build (plain eager: run directly).
+    if threads is None and not plain_eager((a, b)):
         return torch.ops.glm5_hal.native_bf16_bmm_nt(a, b, isa)
     return _run(a, b, isa, threads)
 

@@ -29,6 +29,7 @@ from backends.torch_eager.native import build
 from backends.torch_eager.native import threads as threads_
 from glm5_hal.checks import check
 from glm5_hal.kv_formats import AUTO, FORMATS
+from glm5_hal.ops.common import plain_eager
 
 AVX2 = "avx2"
 # kv_cache_dtype -> the kernel's cache code (CACHE_* in indexer_prolog.c); "auto" is a bf16 cache here.
@@ -209,7 +210,9 @@ def prolog(
     q_out = torch.empty(tokens, heads, dims, dtype=torch.bfloat16)
     weights_out = torch.empty(tokens, heads, dtype=torch.float32)
     weight_scale = heads**-0.5 * dims**-0.5
-    if threads is None:  # the build is an argument of the op: torch.compile and FakeTensor see every build
+    # The build is an argument of the op: torch.compile and FakeTensor see every build. In plain eager mode nothing
+    # would see the op: its implementation runs directly (torch's dispatch costs more than a decode step's prolog).
+    if threads is None and not plain_eager((x, q_norm, w_iq, cache)):
         torch.ops.glm5_hal.native_indexer_prolog(
             x, q_norm, w_iq, w_ik, norm_weight, norm_bias, w_iw, cos, sin, cache, slot_mapping, q_out, weights_out,
             eps, weight_scale, interleaved, kv_cache_dtype, isa,

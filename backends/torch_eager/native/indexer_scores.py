@@ -23,6 +23,7 @@ from backends.torch_eager.native import build
 from backends.torch_eager.native import threads as threads_
 from backends.torch_eager.native.packing import HEAD_LANES, head_pairs
 from glm5_hal.checks import check
+from glm5_hal.ops.common import plain_eager
 
 FAST = "avx512_bf16"
 AVX2 = "avx2"  # 256-bit FMA on exactly widened bf16: CPUs without AVX-512
@@ -167,7 +168,8 @@ def scores(
         lambda: f"cache: expected [blocks, block_size, {q.shape[2]}] bf16, got {tuple(cache.shape)} {cache.dtype}",
     )
     out = check_score_arguments(q, weights, cache, tables, limits, width, out)
-    if threads is None:  # the build is an argument of the op: torch.compile and FakeTensor see every build
+    # The build is an argument of the op: torch.compile and FakeTensor see every build (plain eager: run directly).
+    if threads is None and not plain_eager((q, weights, cache, out)):
         torch.ops.glm5_hal.native_indexer_scores(q, weights, cache, tables, limits, out, isa)
         return out
     return _run(q, weights, cache, tables, limits, out, isa, threads)

@@ -31,6 +31,7 @@ from torch import Tensor
 from backends.torch_eager.native import build
 from backends.torch_eager.native import threads as threads_
 from glm5_hal.checks import check
+from glm5_hal.ops.common import plain_eager
 
 FAST = "avx512_vnni"  # build.ISAS: the kernel the backend uses
 PORTABLE = "portable"  # the same blocking with scalar arithmetic (tests, any CPU)
@@ -250,7 +251,8 @@ def w8a8_mm(
     _check_vector("w_scale", w_scale, n)
     _check_vector("bias", bias, n)
     _check_out_dtype(out_dtype)
-    if isa == FAST and threads is None:
+    # Compile and FakeTensor see the op; in plain eager mode nothing would, and its implementation runs directly.
+    if isa == FAST and threads is None and not plain_eager((x_q, w_q)):
         return torch.ops.glm5_hal.native_w8a8_mm(x_q, w_q, n, x_scale, w_scale, bias, out_dtype)
     return _w8a8(x_q, _w8a8_weight(w_q, n, isa), x_scale, w_scale, bias, out_dtype, threads)
 
@@ -317,7 +319,7 @@ def w4a8_mm(
     )
     _check_vector("x_scale", x_scale, m)
     _check_out_dtype(out_dtype)
-    if isa == FAST and threads is None:
+    if isa == FAST and threads is None and not plain_eager((x_q, w_packed)):
         return torch.ops.glm5_hal.native_w4a8_mm(x_q, w_packed, scales, group, x_scale, out_dtype)
     return _w4a8(x_q, _w4a8_weight(w_packed, n, isa), scales, x_scale, out_dtype, threads)
 

@@ -37,6 +37,7 @@ from backends.torch_eager.native import threads as threads_
 from backends.torch_eager.native.indexer_scores import check_score_arguments, check_score_operands, score_shares
 from glm5_hal.checks import check
 from glm5_hal.kv_formats import FORMATS
+from glm5_hal.ops.common import plain_eager
 
 AVX2 = "avx2"
 PORTABLE = "portable"
@@ -136,7 +137,8 @@ def scores(
     given. isa: the build (backends.torch_eager.native.build.ISAS). threads: default torch's."""
     _check_format(q, cache, kv_cache_dtype)
     out = check_score_arguments(q, weights, cache, tables, limits, width, out)
-    if threads is None:  # the build is an argument of the op: torch.compile and FakeTensor see every build
+    # The build is an argument of the op: torch.compile and FakeTensor see every build (plain eager: run directly).
+    if threads is None and not plain_eager((q, weights, cache, out)):
         torch.ops.glm5_hal.native_quantized_index_scores(q, weights, cache, tables, limits, out, kv_cache_dtype, isa)
         return out
     return _run(q, weights, cache, tables, limits, out, kv_cache_dtype, isa, threads)
@@ -210,7 +212,7 @@ def paged_scores(
     for name, t in (("block_table", block_table), ("seq_lens_k", seq_lens_k), ("cu_seqlens_q", cu_seqlens_q)):
         check(t.device.type == "cpu", ValueError, lambda t=t, n=name: f"{n}: expected a CPU tensor, got {t.device}")
     out = check_score_operands(q, weights, cache, width, out)
-    if threads is None:
+    if threads is None and not plain_eager((q, weights, cache, out)):
         torch.ops.glm5_hal.native_quantized_index_scores_paged(
             q, weights, cache, block_table, seq_lens_k, cu_seqlens_q, out, kv_cache_dtype, first_token, isa
         )

@@ -41,6 +41,7 @@ from backends.torch_eager.native import build
 from backends.torch_eager.native import threads as threads_
 from backends.torch_eager.native.packing import head_pairs
 from glm5_hal.checks import check
+from glm5_hal.ops.common import plain_eager
 from glm5_hal.paged import slot_rows
 
 FAST = "avx512_bf16"
@@ -252,7 +253,8 @@ def paged_attention(
     """(out, lse) as `attention`, over the op's paged batch (module docstring). isa, threads, out_dtype: as
     `attention`."""
     _check_paged_arguments(q, cache, indices, block_table, seq_lens_k, cu_seqlens_q, d_v, out_dtype)
-    if threads is None and out_dtype == torch.bfloat16:  # the build is an argument of the op: compile sees each
+    # The build is an argument of the op: compile sees each; in plain eager mode the implementation runs directly.
+    if threads is None and out_dtype == torch.bfloat16 and not plain_eager((q, cache, indices)):
         return torch.ops.glm5_hal.native_paged_sparse_attention(
             q, cache, indices, block_table, seq_lens_k, cu_seqlens_q, scale, d_v, isa
         )

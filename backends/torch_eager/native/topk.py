@@ -20,6 +20,7 @@ from torch import Tensor
 from backends.torch_eager.native import build
 from backends.torch_eager.native import threads as threads_
 from glm5_hal.checks import check
+from glm5_hal.ops.common import plain_eager
 
 ISA = "portable"  # the only build: plain C (radix passes over memory; intrinsics would add little)
 MAX_WIDTH = (1 << 31) - 1  # topk.c keeps columns in 32 bits
@@ -63,7 +64,7 @@ def topk(scores: Tensor, k: int, *, threads: int | None = None) -> tuple[Tensor,
     width = scores.shape[1]
     check(0 <= k <= width, ValueError, lambda: f"k: expected 0 .. {width} (the row width), got {k}")
     check(width <= MAX_WIDTH, ValueError, lambda: f"scores: expected rows of at most {MAX_WIDTH} scores, got {width}")
-    if threads is None:
+    if threads is None and not plain_eager((scores,)):  # what sees ops (spies, FakeTensor, compile) sees this one
         return torch.ops.glm5_hal.native_topk(scores, k)
     return _run(scores, k, threads)
 
