@@ -384,9 +384,18 @@ def availability(kernel: str, isa: str) -> tuple[bool, str]:
         load(kernel, isa)
     except NativeUnavailable as exc:
         return False, str(exc)
-    if native_mode() == PORTABLE_ONLY:
-        return True, f"{kernel}_portable in place of {kernel}_{isa} ({ENV_NATIVE}=portable)"
-    return True, f"{kernel}_{isa} (backends/torch_eager/native/{kernel}.c)"
+    mode = native_mode()
+    answer = _available.get((kernel, isa, mode))  # asked by every op call that may take a kernel: made once
+    if answer is None:
+        if mode == PORTABLE_ONLY:
+            answer = True, f"{kernel}_portable in place of {kernel}_{isa} ({ENV_NATIVE}=portable)"
+        else:
+            answer = True, f"{kernel}_{isa} (backends/torch_eager/native/{kernel}.c)"
+        _available[kernel, isa, mode] = answer
+    return answer
+
+
+_available: dict[tuple[str, str, str], tuple[bool, str]] = {}  # availability's answers where the kernel loaded
 
 
 def status() -> dict[str, object]:
