@@ -812,6 +812,13 @@ def test_sparse_attention_is_the_softmax_over_only_the_selected_rows(
     rounded, lse_rounded = native_attention.attention(q, rows, slots, scale, d_v, isa=isa, threads=1)
     assert rounded.dtype == torch.bfloat16 and _same_bits(lse_rounded, lse)
     assert torch.equal(rounded.view(torch.int16), got.bfloat16().view(torch.int16))
+    # q as a view (heads and tokens at strides of their own, an offset): the kernel packs it from where it lies
+    view = _bf16(gen, tokens, 2 * heads, dims + 3)[:, 1::2, 2 : 2 + dims]
+    view.copy_(q)
+    got_view, lse_view = native_attention.attention(
+        view, rows, slots, scale, d_v, out_dtype=torch.float32, isa=isa, threads=1
+    )
+    assert _same_bits(got_view, got) and _same_bits(lse_view, lse)
 
 
 @pytest.mark.parametrize("isa", ISAS)

@@ -1,10 +1,26 @@
 /* What the kernels that put heads in vector lanes share (indexer_scores.c, sparse_attention.c): q packed as
- * [ceil(D / 2)][hp][2] bf16 (backends/torch_eager/native/packing.py: per pair of dims, every head's two values), keys as bf16
- * rows read in place, and prefetching of those rows (they are scattered over the cache, and a tile reads them a pair
- * of dims at a time, too slowly for the hardware prefetchers to run ahead). */
+ * [ceil(D / 2)][hp][2] bf16 (per pair of dims, every head's two values: packed by indexer_scores.c's caller in
+ * backends/torch_eager/native/packing.py, by sparse_attention.c itself with pack_head_pairs), keys as bf16 rows read
+ * in place, and prefetching of those rows (they are scattered over the cache, and a tile reads them a pair of dims at
+ * a time, too slowly for the hardware prefetchers to run ahead). */
 #ifndef GLM5_HAL_HEAD_PAIRS_H
 #define GLM5_HAL_HEAD_PAIRS_H
+#include <string.h>
+
 #include "bf16.h"
+
+/* One token's q [H][D] bf16 (head h at q + h * q_head, its dims contiguous) packed as [pairs + odd][hp][2]: per
+   pair of dims every head's two values, zero past H and past D (an odd D's last pair has no second value). The
+   kernels pack each token as they reach it: a decode step's q is a few KiB, and packing it in Python cost a zero fill
+   and a strided copy in torch, each several times dearer than this loop once a step has evicted torch's code. */
+static inline void pack_head_pairs(const uint16_t *q, long q_head, long heads, long dims, long hp, uint16_t *packed) {
+    long pairs = dims / 2, odd = dims % 2;
+    memset(packed, 0, sizeof *packed * (pairs + odd) * hp * 2);
+    for (long h = 0; h < heads; h++) {
+        const uint16_t *qh = q + h * q_head;
+        for (long d = 0; d < dims; d++) packed[((d / 2) * hp + h) * 2 + d % 2] = qh[d];
+    }
+}
 
 /* q_h . key in fp32 from the packed q (the scalar form of what the vector tiles compute). */
 static inline float head_dot(const uint16_t *q, long pairs, long odd, long hp, long h, const uint16_t *key) {

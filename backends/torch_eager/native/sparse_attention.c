@@ -635,11 +635,12 @@ static long select_rows(const struct key_source *keys, long t, long topk, const 
 }
 
 /* The scores, softmax and values of tokens t_begin .. t_end - 1 over the rows `keys` selects (the file's top).
-   q: [T][pairs + odd][hp][2] bf16 (hp = H rounded up to 16); rows: [num_slots] rows of row_stride elements; out:
+   q: [T][H][D] bf16 at element strides q_token, q_head (dims contiguous), packed per token as [pairs + odd][hp][2]
+   (hp = H rounded up to 16; head_pairs.h) into the workspace; rows: [num_slots] rows of row_stride elements; out:
    [T][H][dv] (element strides out_token, out_head), fp32 if out_fp32 else bf16; lse: [T][H] fp32 (stride
    lse_token). Returns 0, or -1 if the per-thread workspace could not be allocated. */
-static int attend(long heads, long dims, long dv, long topk, const uint16_t *q, const uint16_t *rows, long num_slots,
-                  long row_stride, const struct key_source *keys, float scale, void *out, int out_fp32,
+static int attend(long heads, long dims, long dv, long topk, const uint16_t *q, long q_token, long q_head,
+                  const uint16_t *rows, long num_slots, long row_stride, const struct key_source *keys, float scale, void *out, int out_fp32,
                   long out_token, long out_head, float *lse, long lse_token, long t_begin, long t_end) {
     long pairs = dims / 2, odd = dims % 2, hp = (heads + 15) / 16 * 16;
     long value_heads = (heads + VALUE_HEADS - 1) / VALUE_HEADS * VALUE_HEADS, key_pairs = (topk + 1) / 2 + 1;
@@ -652,13 +653,14 @@ static int attend(long heads, long dims, long dv, long topk, const uint16_t *q, 
     uint16_t *vp = malloc(sizeof *vp * key_pairs * 2 * VALUE_DIMS);
     float *o = malloc(sizeof *o * (value_heads * dv > 0 ? value_heads * dv : 1));
     float *per_head = malloc(sizeof *per_head * 3 * (hp > 0 ? hp : 1)); /* denominators, then a pair's copy */
+    uint16_t *qt = malloc(sizeof *qt * (pairs + odd) * hp * 2 + 1); /* this token's packed q */
 #if defined(GLM5_AVX2)
     float *qf = malloc(sizeof *qf * ROW_HEADS * (dims > 0 ? dims : 1)); /* q widened, where heads <= ROW_HEADS */
 #else
     float *qf = malloc(sizeof *qf);
 #endif
     int status = 0;
-    if (!valid_rows || !s || !vp || !o || !per_head || !qf) {
+    if (!valid_rows || !s || !vp || !o || !per_head || !qt || !qf) {
         status = -1;
         t_end = t_begin;
     }
@@ -672,7 +674,7 @@ static int attend(long heads, long dims, long dv, long topk, const uint16_t *q, 
             }
             continue;
         }
-        const uint16_t *qt = q + t * (pairs + odd) * hp * 2;
+        pack_head_pairs(q + t * q_token, q_head, heads, dims, hp, qt);
 #if defined(GLM5_AVX2)
         if (heads <= ROW_HEADS) {
             widen_heads(qt, hp, heads, dims, qf);
@@ -731,24 +733,25 @@ static int attend(long heads, long dims, long dv, long topk, const uint16_t *q, 
     free(vp);
     free(o);
     free(per_head);
+    free(qt);
     free(qf);
     return status;
 }
 
 /* Tokens t_begin .. t_end - 1 over flat slots [T][topk] int64 of the rows (see attend). */
-int glm5_sparse_attention(long heads, long dims, long dv, long topk, const uint16_t *q, const uint16_t *rows,
-                          long num_slots, long row_stride, const int64_t *slots, float scale, void *out, int out_fp32,
+int glm5_sparse_attention(long heads, long dims, long dv, long topk, const uint16_t *q, long q_token, long q_head,
+                          const uint16_t *rows, long num_slots, long row_stride, const int64_t *slots, float scale, void *out, int out_fp32,
                           long out_token, long out_head, float *lse, long lse_token, long t_begin, long t_end) {
     struct key_source keys = {.slots = slots};
-    return attend(heads, dims, dv, topk, q, rows, num_slots, row_stride, &keys, scale, out, out_fp32, out_token,
+    return attend(heads, dims, dv, topk, q, q_token, q_head, rows, num_slots, row_stride, &keys, scale, out, out_fp32, out_token,
                   out_head, lse, lse_token, t_begin, t_end);
 }
 
 /* Tokens t_begin .. t_end - 1 of the paged batch: indices [T][topk] int32 request-local positions, block_table
    [B][max_blocks], seq_lens_k [B] and cu_seqlens_q [B + 1] int32, the cache's rows as `rows` (slot (block b, offset
    o) = row b * block_step + o * row_step). The op's own arguments: no slot tensor is made. */
-int glm5_sparse_attention_paged(long heads, long dims, long dv, long topk, const uint16_t *q, const uint16_t *rows,
-                                long num_slots, long row_stride, const int32_t *indices, long index_stride,
+int glm5_sparse_attention_paged(long heads, long dims, long dv, long topk, const uint16_t *q, long q_token,
+                                long q_head, const uint16_t *rows, long num_slots, long row_stride, const int32_t *indices, long index_stride,
                                 const int32_t *block_table, long table_stride, long max_blocks,
                                 const int32_t *seq_lens_k, const int32_t *cu_seqlens_q, long batch, long block_size,
                                 long num_blocks, long block_step, long row_step, float scale, void *out,
@@ -758,6 +761,6 @@ int glm5_sparse_attention_paged(long heads, long dims, long dv, long topk, const
                               .table_stride = table_stride, .max_blocks = max_blocks, .seq_lens_k = seq_lens_k,
                               .cu_seqlens_q = cu_seqlens_q, .batch = batch, .block_size = block_size,
                               .num_blocks = num_blocks, .block_step = block_step, .row_step = row_step};
-    return attend(heads, dims, dv, topk, q, rows, num_slots, row_stride, &keys, scale, out, out_fp32, out_token,
+    return attend(heads, dims, dv, topk, q, q_token, q_head, rows, num_slots, row_stride, &keys, scale, out, out_fp32, out_token,
                   out_head, lse, lse_token, t_begin, t_end);
 }

@@ -39,7 +39,6 @@ from torch import Tensor
 
 from backends.torch_eager.native import build
 from backends.torch_eager.native import threads as threads_
-from backends.torch_eager.native.packing import head_pairs
 from glm5_hal.checks import check
 from glm5_hal.ops.common import plain_eager
 from glm5_hal.paged import slot_rows
@@ -49,7 +48,7 @@ AVX2 = "avx2"  # 256-bit FMA on exactly widened bf16, P in fp32 for the values: 
 PORTABLE = "portable"
 
 _L, _P, _F, _I = ctypes.c_long, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
-_HEAD = [_L, _L, _L, _L, _P, _P, _L, _L]  # heads, dims, dv, topk, q, rows, num_slots, row_stride
+_HEAD = [_L, _L, _L, _L, _P, _L, _L, _P, _L, _L]  # heads, dims, dv, topk, q, its strides, rows, num_slots, row_stride
 _TAIL = [_F, _P, _I, _L, _L, _P, _L, _L, _L]  # scale, out, out_fp32, out strides, lse, lse stride, token range
 _ARGTYPES = [*_HEAD, _P, *_TAIL]  # slots
 # indices, index stride, block table, its stride, max_blocks, seq_lens_k, cu_seqlens_q, B, block_size, num_blocks,
@@ -184,8 +183,9 @@ def _run(
     lse = torch.empty(tokens, heads, dtype=torch.float32)
     if lse.numel() == 0:
         return out, lse
-    packed = head_pairs(q)
-    args = (heads, dims, d_v, topk, packed.data_ptr(), rows.data_ptr(), rows.shape[0], rows.stride(0), *keys, scale)
+    q = q if q.stride(2) == 1 else q.contiguous()  # the kernel packs each token's heads from rows of contiguous dims
+    args = (heads, dims, d_v, topk, q.data_ptr(), q.stride(0), q.stride(1), rows.data_ptr(), rows.shape[0])
+    args += (rows.stride(0), *keys, scale)
     args += (out.data_ptr(), int(out_dtype == torch.float32), out.stride(0), out.stride(1), lse.data_ptr(), heads)
     flops = 2 * tokens * topk * heads * (dims + d_v)
     shares = threads_.split(tokens, threads_.thread_count(flops, threads))
