@@ -107,7 +107,7 @@ def test_long_rows_pick_the_lower_positions_of_a_tie():
 # ------------------------------------------------------------------------------------- backends.torch_eager.native.topk
 NATIVE_SETTINGS = settings(max_examples=80, deadline=None, derandomize=True)
 # fp32 bit patterns beyond ordinary numbers: NaNs of both signs with different payloads (quiet and signalling),
-# the infinities, both zeros, the smallest subnormals.
+# the infinities, both zeros, the smallest subnormals, the most negative finite value.
 SPECIAL_BITS = [
     0x7FC00000,
     -0x400000,
@@ -120,6 +120,7 @@ SPECIAL_BITS = [
     -(1 << 31),
     1,
     -(1 << 31) + 1,
+    -0x800001,  # -FLT_MAX, the most negative finite value: the key just above -inf's
 ]
 
 
@@ -157,6 +158,10 @@ def _assert_native_is_the_torch_path(scores: torch.Tensor, k: int) -> None:
     assert _same((got[0], got[1][visible]), (want_values, want_columns[visible]))
     rows = torch.arange(scores.shape[0])[:, None].expand(-1, k)
     assert _same((scores[rows, got[1]], got[1]), got)  # the row's own bits at the columns
+    # The indexer's form: the same values, the columns as int32 with -1 where the value is -inf (and only there)
+    values, positions = native_topk.positions(scores, k)
+    assert torch.equal(values.view(torch.int32), got[0].view(torch.int32)) and positions.dtype == torch.int32
+    assert torch.equal(positions, torch.where(got[0] == float("-inf"), -1, got[1]).to(torch.int32))
 
 
 def test_native_topk_is_the_torch_path_on_random_rows(native):

@@ -22,7 +22,7 @@ from backends.torch_eager.native import quantized_index_scores as native_quantiz
 from backends.torch_eager.paged import gather_rows
 from backends.torch_eager.primitives import COMPUTE_DTYPE, layer_norm, linear, rope_leading, rows_per_tile
 from backends.torch_eager.quantized_cache import row_reader, write_rows
-from backends.torch_eager.topk import topk as topk_lower_position_ties
+from backends.torch_eager.topk import topk_positions
 from glm5_hal.host_reads import host_reads_allowed
 from glm5_hal.kv_formats import AUTO
 from glm5_hal.paged import token_positions, token_sequences
@@ -238,8 +238,8 @@ def lightning_indexer(
     if ranked == topk and num_tokens <= batch.token_tile:  # one tile, no padding columns (decode): no fill, no copy
         logits = torch.empty(num_tokens, batch.width, dtype=COMPUTE_DTYPE, device=device)
         batch.row_logits(0, logits)
-        best, columns = topk_lower_position_ties(logits, topk)  # sorted as below
-        return torch.where(best == float("-inf"), -1, columns).to(torch.int32), best
+        best, positions = topk_positions(logits, topk)  # sorted as below
+        return positions, best
     indices = torch.full((num_tokens, topk), -1, dtype=torch.int32, device=device)
     scores = torch.full((num_tokens, topk), float("-inf"), dtype=COMPUTE_DTYPE, device=device)
     row_logits = torch.empty(min(batch.token_tile, num_tokens), batch.width, dtype=COMPUTE_DTYPE, device=device)
@@ -248,8 +248,8 @@ def lightning_indexer(
         batch.row_logits(start, tile)
         # Sorted: NaN scores first (ranked above every number, as the contract says), equal scores by the lower
         # position, invisible (-inf) keys last.
-        best, columns = topk_lower_position_ties(tile, ranked)
+        best, positions = topk_positions(tile, ranked)
         rows = slice(start, start + tile.shape[0])
         scores[rows, :ranked] = best
-        indices[rows, :ranked] = torch.where(best == float("-inf"), -1, columns).to(torch.int32)
+        indices[rows, :ranked] = positions
     return indices, scores

@@ -28,6 +28,15 @@ def topk(scores: Tensor, k: int) -> tuple[Tensor, Tensor]:
     return topk_lower_position_ties(scores, k)
 
 
+def topk_positions(scores: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """`topk`'s values, and its columns as int32 positions with -1 where the value is -inf (the indexer's indices:
+    a key no token sees is no key); one pass of the native kernel, or `topk` and two torch ops."""
+    if _takes_native(scores):
+        return native_topk.positions(scores, k)
+    values, columns = topk_lower_position_ties(scores, k)
+    return values, torch.where(values == float("-inf"), -1, columns).to(torch.int32)
+
+
 def _takes_native(scores: Tensor) -> bool:
     if scores.device.type != "cpu" or scores.dtype != torch.float32 or scores.dim() != 2:
         return False

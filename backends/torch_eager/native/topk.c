@@ -41,6 +41,8 @@ static inline uint32_t ordered_key(float score) {
     return bits ^ flip;
 }
 
+#define NEGATIVE_INFINITY_KEY 0x007FFFFFu /* ordered_key(-inf): 0xFF800000 with every bit flipped */
+
 /* The bin, counted from the top, in which the running count of hist[bins - 1], hist[bins - 2], ... reaches rank
    (1 <= rank <= the total); *above gets the count of the bins above it. */
 static inline uint32_t bin_of_rank(const uint32_t *hist, uint32_t bins, long rank, long *above) {
@@ -89,10 +91,11 @@ static void sort_descending(Entry *entries, Entry *scratch, long n, uint32_t *hi
 }
 
 /* scores: rows of `width` fp32, element [r][s] at scores[r * row_stride + s * column_stride]; values [N][k] fp32
-   and columns [N][k] int64, contiguous. Rows row_begin .. row_end - 1, 1 <= k <= width. Returns 0, or -1 if the
-   scratch could not be allocated. */
-int glm5_topk(long width, long k, const float *scores, long row_stride, long column_stride, float *values,
-              int64_t *columns, long row_begin, long row_end) {
+   and either columns [N][k] int64 or (columns NULL) positions [N][k] int32, the column or -1 where the value is
+   -inf (a key nothing may select: the indexer's rule, so that it needs no pass of its own), contiguous. Rows
+   row_begin .. row_end - 1, 1 <= k <= width. Returns 0, or -1 if the scratch could not be allocated. */
+static int topk_rows(long width, long k, const float *scores, long row_stride, long column_stride, float *values,
+                     int64_t *columns, int32_t *positions, long row_begin, long row_end) {
     uint32_t *keys = malloc(sizeof *keys * width);
     Entry *entries = malloc(sizeof *entries * width); /* the columns in the k-th key's top bin or above */
     Entry *scratch = malloc(sizeof *scratch * k);
@@ -152,11 +155,13 @@ int glm5_topk(long width, long k, const float *scores, long row_stride, long col
         /* 4. Best first; equal keys stay in column order. */
         sort_descending(entries, scratch, k, hist);
         float *row_values = values + r * k;
-        int64_t *row_columns = columns + r * k;
         for (long j = 0; j < k; j++) {
             /* Copied as bits: no float load or store between the row and the result (NaN payloads stay). */
             memcpy(row_values + j, row + (long)entries[j].column * column_stride, sizeof *row_values);
-            row_columns[j] = entries[j].column;
+            if (columns)
+                columns[r * k + j] = entries[j].column;
+            else /* the key's ordered form: -inf is the one key below every number's (NaN ranks above) */
+                positions[r * k + j] = entries[j].key == NEGATIVE_INFINITY_KEY ? -1 : (int32_t)entries[j].column;
         }
     }
     free(keys);
@@ -164,4 +169,15 @@ int glm5_topk(long width, long k, const float *scores, long row_stride, long col
     free(scratch);
     free(hist);
     return 0;
+}
+
+int glm5_topk(long width, long k, const float *scores, long row_stride, long column_stride, float *values,
+              int64_t *columns, long row_begin, long row_end) {
+    return topk_rows(width, k, scores, row_stride, column_stride, values, columns, NULL, row_begin, row_end);
+}
+
+/* glm5_topk with positions [N][k] int32 (-1 where the value is -inf) in place of the columns. */
+int glm5_topk_positions(long width, long k, const float *scores, long row_stride, long column_stride, float *values,
+                        int32_t *positions, long row_begin, long row_end) {
+    return topk_rows(width, k, scores, row_stride, column_stride, values, NULL, positions, row_begin, row_end);
 }
