@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
 HEAD_LANES = 16  # heads are the lanes of a 512-bit fp32 vector in the kernels that put heads in lanes
@@ -14,24 +13,8 @@ def head_pairs(q: Tensor) -> Tensor:
     HEAD_LANES."""
     tokens, heads, dims = q.shape
     padded_heads = -(-heads // HEAD_LANES) * HEAD_LANES
-    words = _dim_pairs_as_words(q)
-    if words is not None:  # one transposed copy of 32-bit words: half the cost of two strided bf16 copies
-        packed_words = torch.zeros(tokens, dims // 2, padded_heads, dtype=torch.int32, device=q.device)
-        packed_words[:, :, :heads] = words.transpose(1, 2)
-        return packed_words.view(q.dtype).view(tokens, dims // 2, padded_heads, 2)
     packed = q.new_zeros(tokens, (dims + 1) // 2, padded_heads, 2)
     for half in (0, 1):  # dims 2p and 2p + 1 (an odd D's last pair has no second one: it stays 0)
         source = q[:, :, half::2]  # [T, H, ceil((D - half) / 2)]
         packed[:, : source.shape[2], :heads, half].copy_(source.transpose(1, 2))
     return packed
-
-
-def _dim_pairs_as_words(q: Tensor) -> Tensor | None:
-    """q [T, H, D] (D even, a 16-bit dtype) as int32 [T, H, D / 2], each pair of dims one word; None where its
-    layout has no such view (D odd, dims not contiguous, an odd stride or offset)."""
-    if q.shape[2] % 2 or q.element_size() != 2:
-        return None
-    try:
-        return q.view(torch.int32)
-    except RuntimeError:
-        return None
