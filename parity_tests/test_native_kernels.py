@@ -286,13 +286,62 @@ def test_every_code_decodes_to_kv_formats_value_bit_for_bit(isa, kv_cache_dtype,
     limits = torch.full((128,), width)
     for sign in (1.0, -1.0):
         q = (sign * torch.eye(128, dtype=q_dtype))[:, None, :]  # token d: q = sign e_d
-        got = quantized_index_scores.scores(
-            q, torch.ones(128, 1), cache, table, limits, width, kv_cache_dtype, isa=isa, threads=1
-        )
         expected = (sign * want).T.clamp_min(0.0)  # [token d, row]
         nan_rows = want.isnan().any(dim=1)
-        assert got[:, nan_rows].isnan().all()
-        assert torch.equal(got[:, ~nan_rows], expected[:, ~nan_rows])  # equal values (a zero's sign aside)
+        for got in _together_and_alone(q, torch.ones(128, 1), cache, table, limits, width, kv_cache_dtype, isa):
+            assert got[:, nan_rows].isnan().all()
+            assert torch.equal(got[:, ~nan_rows], expected[:, ~nan_rows])  # equal values (a zero's sign aside)
+
+
+def _together_and_alone(q, weights, cache, tables, limits, width, kv_cache_dtype, isa):
+    """The scores of every token of one call (which decodes each chunk into the workspace once for the tokens that
+    share it), then each token's in a call of its own (a decode step's route: the codes decoded in the tiles)."""
+    together = quantized_index_scores.scores(
+        q, weights, cache, tables, limits, width, kv_cache_dtype, isa=isa, threads=1
+    )
+    alone = torch.cat(
+        [
+            quantized_index_scores.scores(
+                q[t : t + 1],
+                weights[t : t + 1],
+                cache,
+                tables[t : t + 1],
+                limits[t : t + 1],
+                width,
+                kv_cache_dtype,
+                isa=isa,
+                threads=1,
+            )
+            for t in range(q.shape[0])
+        ]
+    )
+    return together, alone
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16])
+def test_e4m3_codes_decode_bit_for_bit_at_scales_near_the_fp32_range_ends(isa, q_dtype):
+    """The fp32 route multiplies an e4m3 code's fp16-widened value by 256 x scale in one step where 256 x scale is
+    finite, and by 256 then by the scale where it is not (quantized_index_scores.c, row_scale). Scales on both sides
+    of FLT_MAX / 256 (with codes small enough that no key overflows) and scales that make keys subnormal or flush them
+    to zero: every token's score is kv_formats.decode_rows' value, in the workspace and in a lone token's tiles."""
+    _runs(quantized_index_scores, isa)
+    fmt = FORMATS["fp8_index"]
+    small = [c for c in range(256) if c & 0x7F <= 0x6F]  # |value| <= 120: x 2^121 stays below FLT_MAX
+    codes = torch.tensor(small + [0] * (-len(small) % 128), dtype=torch.uint8).view(-1, 128)
+    edge = torch.tensor(torch.finfo(torch.float32).max / 256)  # exact: a power of two below FLT_MAX
+    scales = [edge.item(), torch.nextafter(edge, torch.tensor(float("inf"))).item(), 2.0**121, 2.0**-140, 2.0**-149]
+    rows = [torch.cat([codes, torch.full((codes.shape[0], 1), s).view(torch.uint8)], dim=1) for s in scales]
+    cache = torch.cat(rows)[:, None, :]  # one row per block
+    width = cache.shape[0]
+    want = decode_rows(cache, fmt)[:, 0]
+    assert want.isfinite().all() and (want.abs() > 1e36).any() and ((want != 0) & (want.abs() < 1e-38)).any()
+    table = torch.arange(width, dtype=torch.int32).expand(128, width)
+    limits = torch.full((128,), width)
+    for sign in (1.0, -1.0):
+        q = (sign * torch.eye(128, dtype=q_dtype))[:, None, :]
+        for got in _together_and_alone(q, torch.ones(128, 1), cache, table, limits, width, "fp8_index", isa):
+            assert torch.equal(got, (sign * want).T.clamp_min(0.0))
 
 
 @pytest.mark.parametrize("isa", ISAS)
@@ -393,25 +442,28 @@ def test_bf16_queries_the_bf16_route_cannot_take_exactly_get_the_fp32_scores(isa
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("heads", [1, 4, 5])
 @pytest.mark.parametrize("block_size", [1, 16])
-def test_a_lone_tokens_scores_are_the_bits_it_gets_beside_a_token_of_its_sequence(isa, heads, block_size):
+@pytest.mark.parametrize("kv_cache_dtype", sorted(quantized_index_scores.CODES))
+def test_a_lone_tokens_scores_are_the_bits_it_gets_beside_a_token_of_its_sequence(
+    isa, heads, block_size, kv_cache_dtype
+):
     """A token alone with its keys (a decode step) and at most 4 heads has its tiles decode the codes on the way;
     beside a token of its own sequence (prefill) it reads the chunk that token decoded into the workspace. Both
     orders of the same products: each row the same bits either way (NaN where the other has NaN: the compiler may
     swap the operands of a sum in one copy of the tile, and x86 then keeps the other NaN's sign), over 3 chunks of
-    random codes (NaN codes and scales included) with bf16 queries (the bf16 route), fp32 ones (the fp32 route) and
-    a limit inside a chunk."""
+    random codes (NaN codes and scales included) with bf16 queries (the bf16 route over e4m3 codes), fp32 ones (the
+    fp32 route) and a limit inside a chunk, for both quantized formats."""
     _runs(quantized_index_scores, isa)
     gen = torch.Generator().manual_seed(heads * 31 + block_size)
     width = 600
     blocks = -(-width // block_size)
-    cache = _quantized_index_cache(gen, "fp8_index", blocks + 2, block_size, raw=True)
+    cache = _quantized_index_cache(gen, kv_cache_dtype, blocks + 2, block_size, raw=True)
     table = torch.randperm(blocks + 2, generator=gen)[:blocks].to(torch.int32).expand(2, blocks)
     limits = torch.tensor([width, 421])
     weights = torch.randn(2, heads, generator=gen)
     for q_dtype in (torch.bfloat16, torch.float32):
         q = torch.randn(2, heads, 128, generator=gen).to(q_dtype)
         together = quantized_index_scores.scores(
-            q, weights, cache, table, limits, width, "fp8_index", isa=isa, threads=1
+            q, weights, cache, table, limits, width, kv_cache_dtype, isa=isa, threads=1
         )
         for t in range(2):
             alone = quantized_index_scores.scores(
@@ -421,7 +473,7 @@ def test_a_lone_tokens_scores_are_the_bits_it_gets_beside_a_token_of_its_sequenc
                 table[t : t + 1],
                 limits[t : t + 1],
                 width,
-                "fp8_index",
+                kv_cache_dtype,
                 isa=isa,
                 threads=1,
             )

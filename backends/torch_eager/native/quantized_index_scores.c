@@ -34,9 +34,10 @@
  * them, is a multiple of 2^-126: a normal number), and a chunk only where every key's scale is finite and at most
  * FLT_MAX / 448 (value * scale cannot overflow, as the fp32 route's keys cannot). Other tokens and chunks take the
  * fp32 route. A token alone with its keys (a decode step: no other token of the share reads its blocks) with at
- * most 4 heads skips the workspace: its tiles decode each key's codes in registers on the way (lone_token_chunk;
- * the same values in the same order, so the same bits). The portable build runs the same route in scalar code
- * (lane sums in VDPBF16PS's order), so the choice between the routes is tested on every CPU.
+ * most 4 heads skips the workspace on either route: its tiles decode each key's codes in registers on the way
+ * (lone_token_chunk, lone_token_chunk_fp32; the same values in the same order, so the same bits) while the next
+ * chunk's rows are prefetched. The portable build runs the same routes in scalar code (lane sums in VDPBF16PS's
+ * order), so the choice between the routes is tested on every CPU.
  */
 #include <float.h>
 #include <math.h>
@@ -65,6 +66,7 @@
 #endif
 #define HEADS 4   /* heads per tile (q is padded to a multiple of it with zero heads, never added) */
 #define LANES 8   /* dims per accumulator */
+#define LONE_MAX_DIMS 1024 /* the widest rows a lone token's fp32 tiles decode on the way (wider: decoded per chunk) */
 
 enum { CODE_E4M3 = 0, CODE_INT8 = 1 };
 
@@ -81,6 +83,52 @@ static inline float e4m3_value(uint8_t code) {
     return code & 0x80 ? -value : value;
 }
 
+#if defined(VECTORS)
+/* A row's scale as decode16 multiplies by it. e4m3 values come out of fp16 as value / 256 (decode16), and value x
+   scale = (value / 256) x (256 scale) exactly: where 256 scale is finite (|scale| <= FLT_MAX / 256; a power of two
+   times a float is exact short of overflow) one multiply by it gives the same rounding of the same product as x 256
+   then x scale, so the row costs one multiply a lane instead of two. Where it would overflow, the two multiplies. */
+struct row_scale {
+    __m256 lanes; /* 256 scale where `folded`, else scale, in every lane */
+    int folded;
+};
+
+static inline struct row_scale row_scale_of(float scale, int code) {
+    struct row_scale s;
+    s.folded = code == CODE_E4M3 && fabsf(scale) <= FLT_MAX / 256.0f;
+    s.lanes = _mm256_set1_ps(s.folded ? scale * 256.0f : scale);
+    return s;
+}
+
+/* value(codes[i]) * scale for the 16 codes at `codes`: dims 0-7 in *low, 8-15 in *high, each value exact and then
+   rounded once by the scale. e4m3 through fp16: a code's magnitude bits shifted left by 7 are an fp16 of the same
+   exponent and mantissa bits, whose value is the code's / 256 for normal (e >= 1) and subnormal (e = 0) codes alike
+   (fp16's exponent bias is 8 more, its subnormals 2^-24 a step against e4m3's 2^-9 for 7 more mantissa bits);
+   magnitude 0x7F gets fp16's all-ones exponent (NaN). F16C widens fp16 exactly, subnormals included (its input is
+   not an fp32 operand, so DAZ does not apply), and x 256 is exact (row_scale). ~40% fewer operations per code than
+   the fp32 bit assembly in decode_row. */
+static inline void decode16(const uint8_t *codes, int code, const struct row_scale *scale, __m256 *low, __m256 *high) {
+    if (code == CODE_E4M3) {
+        const __m256i low7 = _mm256_set1_epi16(0x7F), sign = _mm256_set1_epi16((short)0x8000);
+        const __m256i nan = _mm256_set1_epi16(0x7C00);
+        const __m256 unscale = _mm256_set1_ps(256.0f);
+        __m256i x = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)codes));
+        __m256i magnitude = _mm256_and_si256(x, low7);
+        __m256i half = _mm256_or_si256(_mm256_slli_epi16(magnitude, 7), _mm256_and_si256(_mm256_slli_epi16(x, 8), sign));
+        half = _mm256_or_si256(half, _mm256_and_si256(_mm256_cmpeq_epi16(magnitude, low7), nan));
+        __m256 low_half = _mm256_cvtph_ps(_mm256_castsi256_si128(half));
+        __m256 high_half = _mm256_cvtph_ps(_mm256_extracti128_si256(half, 1));
+        if (!scale->folded) low_half = _mm256_mul_ps(low_half, unscale), high_half = _mm256_mul_ps(high_half, unscale);
+        *low = _mm256_mul_ps(low_half, scale->lanes);
+        *high = _mm256_mul_ps(high_half, scale->lanes);
+    } else {
+        __m128i x = _mm_loadu_si128((const __m128i *)codes);
+        *low = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(x)), scale->lanes);
+        *high = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(x, 8))), scale->lanes);
+    }
+}
+#endif
+
 /* out[d] = value(row[d]) * scale for d < dims, the scale stored right after the dims codes. */
 static void decode_row(const uint8_t *row, long dims, int code, float *out) {
     float scale;
@@ -88,32 +136,18 @@ static void decode_row(const uint8_t *row, long dims, int code, float *out) {
     long d = 0;
 #if defined(VECTORS)
     const __m256 scales = _mm256_set1_ps(scale);
+    const struct row_scale row_scale = row_scale_of(scale, code);
+    for (; d + 2 * LANES <= dims; d += 2 * LANES) {
+        __m256 low, high;
+        decode16(row + d, code, &row_scale, &low, &high);
+        _mm256_storeu_ps(out + d, low);
+        _mm256_storeu_ps(out + d + LANES, high);
+    }
     if (code == CODE_E4M3) {
         const __m256i low7 = _mm256_set1_epi32(0x7F), eight = _mm256_set1_epi32(8);
         const __m256i bias = _mm256_set1_epi32(120 << 23), sign = _mm256_set1_epi32((int)0x80000000u);
         const __m256 step = _mm256_set1_ps(0x1p-9f), nan = _mm256_set1_ps(NAN);
-        /* 16 codes at a time through fp16: a code's magnitude bits shifted left by 7 are an fp16 of the same
-           exponent and mantissa bits, whose value is the code's / 256 for normal (e >= 1) and subnormal (e = 0)
-           codes alike (fp16's exponent bias is 8 more, its subnormals 2^-24 a step against e4m3's 2^-9 for 7 more
-           mantissa bits); magnitude 0x7F gets fp16's all-ones exponent (NaN). F16C widens fp16 exactly, subnormals
-           included (its input is not an fp32 operand, so DAZ does not apply), and x 256 is exact: the fp32 value
-           of the code, then one rounding by the scale as before. ~40% fewer operations per code than the fp32
-           bit assembly below, which the last 8 codes of a row of 8 mod 16 still take. */
-        const __m256i low7_16 = _mm256_set1_epi16(0x7F), sign16 = _mm256_set1_epi16((short)0x8000);
-        const __m256i nan16 = _mm256_set1_epi16(0x7C00);
-        const __m256 unscale = _mm256_set1_ps(256.0f);
-        for (; d + 2 * LANES <= dims; d += 2 * LANES) {
-            __m256i x = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(row + d)));
-            __m256i magnitude = _mm256_and_si256(x, low7_16);
-            __m256i half = _mm256_or_si256(_mm256_slli_epi16(magnitude, 7),
-                                           _mm256_and_si256(_mm256_slli_epi16(x, 8), sign16));
-            half = _mm256_or_si256(half, _mm256_and_si256(_mm256_cmpeq_epi16(magnitude, low7_16), nan16));
-            __m256 low = _mm256_cvtph_ps(_mm256_castsi256_si128(half));
-            __m256 high = _mm256_cvtph_ps(_mm256_extracti128_si256(half, 1));
-            _mm256_storeu_ps(out + d, _mm256_mul_ps(_mm256_mul_ps(low, unscale), scales));
-            _mm256_storeu_ps(out + d + LANES, _mm256_mul_ps(_mm256_mul_ps(high, unscale), scales));
-        }
-        for (; d + LANES <= dims; d += LANES) {
+        for (; d + LANES <= dims; d += LANES) { /* the last 8 codes of a row of 8 mod 16 */
             __m256i x = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(row + d)));
             __m256i magnitude = _mm256_and_si256(x, low7);
             /* e >= 1: the code's exponent and mantissa bits moved into an fp32, the exponent rebased by 127 - 7;
@@ -136,31 +170,55 @@ static void decode_row(const uint8_t *row, long dims, int code, float *out) {
 }
 
 /* partial[4 j + i] += w[i] relu(q_i . key_j) for the two keys j and the heads h0 + i < heads (i < HEADS; live =
-   heads - h0); q: [HEADS][dims] fp32 from head h0, w: HEADS weights from head h0. Per lane l of a dot, the dims
-   d = l mod 8 in order; the 8 lanes summed as ((0 + 1) + (2 + 3)) + ((4 + 5) + (6 + 7)); dims past the last multiple
-   of 8 added after, in order. relu keeps NaN; a padding head's lane adds nothing, whatever its dot (0 x inf is
-   NaN). No branch on a dot's sign: with random signs a branch per dot cost more than the products. */
-static void tile(const float *key0, const float *key1, const float *q, const float *w, long dims, long live,
-                 float partial[2 * HEADS]) {
+   heads - h0); q: [HEADS][dims] fp32 from head h0, w: HEADS weights from head h0. The keys: key0, key1 [dims] fp32
+   (decoded), or, where `rows` is given, the quantized rows rows[0], rows[1] (their codes, then the scale) decoded in
+   registers on the way: the same values (decode_row's), so the same bits; dims then a multiple of 16 and at most
+   LONE_MAX_DIMS. Per lane l of a dot, the dims d = l mod 8 in order; the 8 lanes summed as ((0 + 1) + (2 + 3)) +
+   ((4 + 5) + (6 + 7)); dims past the last multiple of 8 added after, in order. relu keeps NaN; a padding head's lane
+   adds nothing, whatever its dot (0 x inf is NaN). No branch on a dot's sign: with random signs a branch per dot
+   cost more than the products. Inlined, so each call site compiles the loop for its kind of keys. */
+static inline __attribute__((always_inline)) void tile(const float *key0, const float *key1,
+                                                       const uint8_t *const *rows, int code, const float *q,
+                                                       const float *w, long dims, long live, float partial[2 * HEADS]) {
     long vector_dims = dims / LANES * LANES;
     float dots[2 * HEADS];
 #if defined(VECTORS)
     __m256 acc[2][HEADS];
     for (int j = 0; j < 2; j++)
         for (int h = 0; h < HEADS; h++) acc[j][h] = _mm256_setzero_ps();
-    for (long d = 0; d < vector_dims; d += LANES) {
-        __m256 k0 = _mm256_loadu_ps(key0 + d), k1 = _mm256_loadu_ps(key1 + d);
-        for (int h = 0; h < HEADS; h++) {
-            __m256 qh = _mm256_loadu_ps(q + h * dims + d);
-            acc[0][h] = _mm256_fmadd_ps(qh, k0, acc[0][h]);
-            acc[1][h] = _mm256_fmadd_ps(qh, k1, acc[1][h]);
+    if (rows) {
+        struct row_scale scale[2];
+        for (int j = 0; j < 2; j++) {
+            float value;
+            memcpy(&value, rows[j] + dims, sizeof value);
+            scale[j] = row_scale_of(value, code);
+        }
+        for (long d = 0; d < dims; d += 2 * LANES) {
+            __m256 k0[2], k1[2];
+            decode16(rows[0] + d, code, &scale[0], &k0[0], &k0[1]);
+            decode16(rows[1] + d, code, &scale[1], &k1[0], &k1[1]);
+            for (int half = 0; half < 2; half++)
+                for (int h = 0; h < HEADS; h++) {
+                    __m256 qh = _mm256_loadu_ps(q + h * dims + d + half * LANES);
+                    acc[0][h] = _mm256_fmadd_ps(qh, k0[half], acc[0][h]);
+                    acc[1][h] = _mm256_fmadd_ps(qh, k1[half], acc[1][h]);
+                }
+        }
+    } else {
+        for (long d = 0; d < vector_dims; d += LANES) {
+            __m256 k0 = _mm256_loadu_ps(key0 + d), k1 = _mm256_loadu_ps(key1 + d);
+            for (int h = 0; h < HEADS; h++) {
+                __m256 qh = _mm256_loadu_ps(q + h * dims + d);
+                acc[0][h] = _mm256_fmadd_ps(qh, k0, acc[0][h]);
+                acc[1][h] = _mm256_fmadd_ps(qh, k1, acc[1][h]);
+            }
         }
     }
     /* the 8 dots' lane sums at once: lane 4 j + h of `both` is dot (j, h) */
     __m256 pairs0 = _mm256_hadd_ps(_mm256_hadd_ps(acc[0][0], acc[0][1]), _mm256_hadd_ps(acc[0][2], acc[0][3]));
     __m256 pairs1 = _mm256_hadd_ps(_mm256_hadd_ps(acc[1][0], acc[1][1]), _mm256_hadd_ps(acc[1][2], acc[1][3]));
     __m256 both = _mm256_add_ps(_mm256_permute2f128_ps(pairs0, pairs1, 0x20), _mm256_permute2f128_ps(pairs0, pairs1, 0x31));
-    if (vector_dims < dims) { /* D not a multiple of 8 (never at D = 128) */
+    if (vector_dims < dims) { /* D not a multiple of 8 (never at D = 128; never with rows) */
         _mm256_storeu_ps(dots, both);
         for (int i = 0; i < 2 * HEADS; i++)
             for (long d = vector_dims; d < dims; d++) dots[i] += q[(i % HEADS) * dims + d] * (i < HEADS ? key0 : key1)[d];
@@ -173,6 +231,12 @@ static void tile(const float *key0, const float *key1, const float *q, const flo
     __m256 terms = _mm256_mul_ps(weights, _mm256_max_ps(_mm256_setzero_ps(), both)); /* max(0, NaN) is NaN */
     _mm256_storeu_ps(partial, _mm256_add_ps(_mm256_loadu_ps(partial), _mm256_and_ps(alive, terms)));
 #else
+    float decoded[2 * LONE_MAX_DIMS];
+    if (rows) { /* the rows decoded first: the same values */
+        decode_row(rows[0], dims, code, decoded);
+        decode_row(rows[1], dims, code, decoded + dims);
+        key0 = decoded, key1 = decoded + dims;
+    }
     for (int i = 0; i < 2 * HEADS; i++) {
         const float *key = i < HEADS ? key0 : key1, *qh = q + (i % HEADS) * dims;
         float lanes[LANES] = {0};
@@ -352,11 +416,13 @@ static inline const uint8_t *next_row(struct row_cursor *c, const uint8_t *cache
     return row;
 }
 
-#if defined(BF16_DOTS)
-/* The bf16 route asks for the next chunk's rows to be brought into L2 while this chunk's dots run: a chunk's decode
-   reads its rows from memory and the dots that follow leave memory idle. A cursor walks the next chunk's positions,
-   4 rows a tile. In the fp32 route (AVX2 build) the same measured 1.1x out of the LLC but 4-7% slower in cache: not
-   used there. A prefetch never faults, so a table entry that names no block costs nothing. */
+/* The bf16 route and a lone token's fp32 tiles ask for the next chunk's rows to be brought into L2 while this chunk's
+   dots run: a chunk's decode reads its rows from memory and the dots that follow leave memory idle. A cursor walks
+   the next chunk's positions, a row per key of a tile. A lone fp32 token (AVX2 build, one token, 4 heads, in-process
+   A/B, Zen 4): 16K keys 0.66 -> 0.57 ms and 32K 1.54 -> 1.39 ms out of the LLC, 0.43 -> 0.44 and 1.17 -> 1.24 ms in
+   cache; a decode reads its keys from memory inside an engine, so it prefetches. The fp32 route through the
+   workspace (prefill) measured 1.1x out of the LLC but 4-7% slower in cache, and does not. A prefetch never faults,
+   so a table entry that names no block costs nothing. */
 static inline void prefetch_rows(struct row_cursor *c, long rows, long end, const uint8_t *cache, long block_stride,
                                  long row_stride, long row_bytes, long block_size, const int32_t *tt) {
     for (long i = 0; i < rows && c->position < end; i++) {
@@ -365,7 +431,6 @@ static inline void prefetch_rows(struct row_cursor *c, long rows, long end, cons
         __builtin_prefetch(row + row_bytes - 1, 0, 1); /* a row's last line, where it starts mid-line */
     }
 }
-#endif
 
 /* Blocks of the table that key positions c0 .. c0 + n - 1 lie in. */
 static inline long blocks_spanned(long c0, long n, long block_size) {
@@ -419,6 +484,33 @@ static int lone_token_chunk(long dims, const uint16_t *qb, const float *wt, long
 }
 #endif
 
+/* The fp32 route for one token over keys c0 .. c0 + n - 1 (a chunk) when no other token reads them, with one tile of
+   heads (qt [HEADS][dims], wt [HEADS]; dims a multiple of 16, at most LONE_MAX_DIMS): the tiles decode each key pair's
+   codes on the way instead of the chunk being decoded into the workspace first and read back, and the rows of keys
+   from c0 + n on are prefetched up to next_end. The same values in the same order (an odd last key paired with
+   itself, as in the workspace's tiles): the same bits. The decode step of a CPU without AVX-512 BF16 (AVX2 EPYCs) or
+   of fp32 queries. In-process A/B against the workspace, one token, 4 heads, AVX2 build, Zen 4: fp8_index 16K keys
+   0.70 -> 0.59 ms in cache, 0.96 -> 0.73 ms out of the LLC; 32K 1.43 -> 1.23 and 1.84 -> 1.40 ms; int8_index 32K
+   0.99 -> 0.82 and 1.76 -> 1.15 ms (with row_scale's one multiply a code, here and in decode_row). The rest as
+   score_tokens. */
+static void lone_token_chunk_fp32(long dims, int code, const float *qt, const float *wt, long heads,
+                                  const uint8_t *cache, long block_stride, long row_stride, long block_size,
+                                  const int32_t *tt, long c0, long n, long next_end, float *st) {
+    struct row_cursor at = cursor_at(c0, block_size), next = cursor_at(c0 + n, block_size);
+    for (long k = 0; k < n; k += 2) {
+        prefetch_rows(&next, 2, next_end, cache, block_stride, row_stride, dims + 4, block_size, tt);
+        const uint8_t *rows[2];
+        rows[0] = next_row(&at, cache, block_stride, row_stride, block_size, tt);
+        rows[1] = k + 1 < n ? next_row(&at, cache, block_stride, row_stride, block_size, tt) : rows[0];
+        float partial[2 * HEADS] = {0.0f};
+        tile(NULL, NULL, rows, code, qt, wt, dims, heads, partial);
+        for (int j = 0; j < 2 && k + j < n; j++) {
+            const float *p = partial + HEADS * j;
+            st[c0 + k + j] = (p[0] + p[1]) + (p[2] + p[3]);
+        }
+    }
+}
+
 /* Scores of tokens [t_begin, t_end) at key positions [s_begin, s_end): one thread's share.
  * q: [T][hp][dims] fp32 (hp: H rounded up to HEADS, zero heads past H); w: [T][hp] fp32; cache rows of row_stride
  * bytes, blocks of block_stride bytes (dims codes then an fp32 scale); code: CODE_E4M3 or CODE_INT8; tables[t -
@@ -466,19 +558,24 @@ static int score_tokens(long heads, long dims, int code, const float *q, const f
             long shared = decoded < needed ? decoded : needed;
             if (memcmp(tt + first_block, decoded_blocks, sizeof *tt * blocks_spanned(c0, shared, block_size)))
                 decoded = 0; /* another sequence's blocks: decode again */
+            /* A token alone with its keys (decode: the workspace holds nothing of its route it can use, and the
+               next token reads other blocks), with one tile of heads: its tiles decode the codes on the way. */
+            int next_elsewhere = t + 1 == t_end || memcmp(tables[t + 1 - t_begin] + first_block, tt + first_block,
+                                                          sizeof *tt * blocks_spanned(c0, needed, block_size));
 #if defined(BF16_DOTS)
-            /* A token alone with its keys (decode: nothing decoded it can use, and the next token reads other
-               blocks), with one tile of heads: its tiles decode the codes on the way. */
-            int alone = (decoded == 0 || !decoded_bf16) &&
-                        (t + 1 == t_end || memcmp(tables[t + 1 - t_begin] + first_block, tt + first_block,
-                                                  sizeof *tt * blocks_spanned(c0, needed, block_size)));
-            if (bf16 && alone && hp == HEADS && dims <= BF16_MAX_DIMS &&
+            if (bf16 && next_elsewhere && (decoded == 0 || !decoded_bf16) && hp == HEADS && dims <= BF16_MAX_DIMS &&
                 lone_token_chunk(dims, qb, wt, heads, table, cache, block_stride, row_stride, block_size, tt, c0,
                                  needed, limit < s_end ? limit : s_end, key_scales, st)) {
                 decoded = 0; /* key_scales now holds this token's */
                 continue;
             }
 #endif
+            if (!bf16 && next_elsewhere && (decoded == 0 || decoded_bf16) && hp == HEADS &&
+                dims % (2 * LANES) == 0 && dims <= LONE_MAX_DIMS) {
+                lone_token_chunk_fp32(dims, code, qt, wt, heads, cache, block_stride, row_stride, block_size, tt, c0,
+                                      needed, limit < s_end ? limit : s_end, st); /* the workspace is left as it was */
+                continue;
+            }
             if (decoded_bf16 && !bf16) decoded = 0; /* this token needs fp32 keys */
             if (decoded == 0) decoded_bf16 = bf16;
             if (decoded < needed) {
@@ -511,7 +608,7 @@ static int score_tokens(long heads, long dims, int code, const float *q, const f
                 const float *key0 = keys + k * dims, *key1 = k + 1 < needed ? key0 + dims : key0;
                 float partial[2 * HEADS] = {0.0f};
                 for (long h0 = 0; h0 < heads; h0 += HEADS)
-                    tile(key0, key1, qt + h0 * dims, wt + h0, dims, heads - h0, partial);
+                    tile(key0, key1, NULL, code, qt + h0 * dims, wt + h0, dims, heads - h0, partial);
                 for (int j = 0; j < 2 && k + j < needed; j++) {
                     const float *p = partial + HEADS * j;
                     st[c0 + k + j] = (p[0] + p[1]) + (p[2] + p[3]);
