@@ -462,24 +462,11 @@ def test_a_lone_tokens_scores_are_the_bits_it_gets_beside_a_token_of_its_sequenc
     weights = torch.randn(2, heads, generator=gen)
     for q_dtype in (torch.bfloat16, torch.float32):
         q = torch.randn(2, heads, 128, generator=gen).to(q_dtype)
-        together = quantized_index_scores.scores(
-            q, weights, cache, table, limits, width, kv_cache_dtype, isa=isa, threads=1
-        )
+        together, alone = _together_and_alone(q, weights, cache, table, limits, width, kv_cache_dtype, isa)
         for t in range(2):
-            alone = quantized_index_scores.scores(
-                q[t : t + 1],
-                weights[t : t + 1],
-                cache,
-                table[t : t + 1],
-                limits[t : t + 1],
-                width,
-                kv_cache_dtype,
-                isa=isa,
-                threads=1,
-            )
             nan = together[t].isnan()
-            assert torch.equal(alone[0].isnan(), nan), (q_dtype, t)
-            assert _same_bits(alone[0][~nan], together[t][~nan]), (q_dtype, t)
+            assert torch.equal(alone[t].isnan(), nan), (q_dtype, t)
+            assert _same_bits(alone[t][~nan], together[t][~nan]), (q_dtype, t)
 
 
 def test_quantized_index_scores_reject_bad_arguments():
