@@ -52,24 +52,25 @@ def cpu_name() -> str:
     return f"{model}, {os.cpu_count()} CPUs, {' '.join(units) or 'no AVX2'}"
 
 
-def write_checkpoints(root: Path) -> dict[str, Path]:
-    """The DSA checkpoint and its dense relabelling (no indexer tensors, model_type deepseek_v3)."""
+def write_checkpoints(root: Path, config: ModelConfig = BENCH_CONFIG) -> dict[str, Path]:
+    """The DSA checkpoint of `config` (random bf16 weights) and its dense relabelling (no indexer tensors, model_type
+    deepseek_v3), in root / "dsa" and root / "dense"."""
     import safetensors.torch
     import torch
 
     from glm5_hal.model import config_to_hf, random_state_dict
 
-    state = random_state_dict(BENCH_CONFIG, seed=0, dtype=torch.bfloat16)
-    config = config_to_hf(BENCH_CONFIG)
-    config["max_position_embeddings"] = 65536
+    state = random_state_dict(config, seed=0, dtype=torch.bfloat16)
+    hf = config_to_hf(config)
+    hf["max_position_embeddings"] = 65536
     paths = {"dsa": root / "dsa", "dense": root / "dense"}
     for path in paths.values():
         path.mkdir(parents=True)
     safetensors.torch.save_file(state, str(paths["dsa"] / "model.safetensors"))
-    (paths["dsa"] / "config.json").write_text(json.dumps(config))
+    (paths["dsa"] / "config.json").write_text(json.dumps(hf))
     dense_state = {k: v for k, v in state.items() if ".indexer." not in k}
     safetensors.torch.save_file(dense_state, str(paths["dense"] / "model.safetensors"))
-    dense = {k: v for k, v in config.items() if not k.startswith("index") and k != "indexer_rope_interleave"}
+    dense = {k: v for k, v in hf.items() if not k.startswith("index") and k != "indexer_rope_interleave"}
     dense.update(model_type="deepseek_v3", architectures=["DeepseekV3ForCausalLM"])
     (paths["dense"] / "config.json").write_text(json.dumps(dense))
     return paths

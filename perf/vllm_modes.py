@@ -2,6 +2,7 @@
 
     .venv-vllm/bin/python -m perf.vllm_modes --context 4096 --windows 10 --rounds 2
     .venv-vllm/bin/python -m perf.vllm_modes --context 16384 --modes compiled,dense --windows 8 --rounds 2
+    .venv-vllm/bin/python -m perf.vllm_modes --context 16384 --modes compiled,dense --heads 16 --index-heads 16
 
 Why at the same time: on a shared machine the same engine's decode speed moves by a third between minutes, so two
 modes timed one after the other cannot be told apart at a 20% difference. Here two engines (one per mode, each in its
@@ -16,7 +17,8 @@ Dynamo traced once, Inductor); `breakable` is vLLM's own default for these archi
 key, its default mode, the prompt prefilled in chunks and cached as the plugin's is: `prefill_dense_in_chunks`), so
 `compiled,dense` is that bench's plugin / dense ratio with both sides on the machine at once; `4k-pages` is
 `compiled` with GLM5_HAL_VLLM_HUGE_PAGES=0 (the KV caches on vLLM's own pages). Checkpoints and dims as
-perf/vllm_bench.py (glm5-mini dims, index_topk 2048, bf16).
+perf/vllm_bench.py (glm5-mini dims, index_topk 2048, bf16); --heads / --index-heads change the attention and indexer
+head counts of both checkpoints (the dense per-key work grows with the first, the indexer's with the second).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from perf.vllm_bench import NEW_TOKENS, cpu_name, prefill_dense_in_chunks, prompt, write_checkpoints
+from perf.vllm_bench import BENCH_CONFIG, NEW_TOKENS, cpu_name, prefill_dense_in_chunks, prompt, write_checkpoints
 
 MODES: dict[str, tuple[dict[str, str], dict[str, object], str]] = {
     # name: (environment, LLM settings, checkpoint: vllm_bench.write_checkpoints' key)
@@ -108,6 +110,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--modes", default="compiled,breakable", help=f"two of {tuple(MODES)}, comma-separated")
     parser.add_argument("--windows", type=int, default=10, help="timed requests per engine and round")
     parser.add_argument("--rounds", type=int, default=2, help="rounds, the cores swapped each time")
+    parser.add_argument("--heads", type=int, default=BENCH_CONFIG.num_attention_heads, help="attention heads")
+    parser.add_argument("--index-heads", type=int, default=BENCH_CONFIG.index_n_heads, help="indexer heads")
     parser.add_argument("--worker", nargs=6, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
@@ -118,12 +122,22 @@ def main(argv: list[str] | None = None) -> None:
     modes = [m.strip() for m in args.modes.split(",")]
     if len(modes) != 2 or not set(modes) <= set(MODES) or modes[0] == modes[1]:
         parser.error(f"--modes: expected two different names from {tuple(MODES)}, got {args.modes!r}")
+    if args.heads < 1 or args.index_heads < 1:
+        parser.error(f"--heads / --index-heads: expected positive counts, got {args.heads} / {args.index_heads}")
     cores = sorted(os.sched_getaffinity(0))[:2]
     if len(cores) < 2:
         parser.error("needs two CPUs: the engines run at the same time, one core each")
-    print(f"{cpu_name()}; context {args.context}, {args.windows} windows of {NEW_TOKENS - 1} decode steps", flush=True)
+    config = BENCH_CONFIG.with_overrides(
+        name=f"{BENCH_CONFIG.name}-{args.heads}h-{args.index_heads}ih",
+        num_attention_heads=args.heads,
+        index_n_heads=args.index_heads,
+    )
+    print(
+        f"{cpu_name()}; {config.name}; context {args.context}, {args.windows} windows of {NEW_TOKENS - 1} decode steps",
+        flush=True,
+    )
     with tempfile.TemporaryDirectory() as tmp:
-        models = write_checkpoints(Path(tmp))
+        models = write_checkpoints(Path(tmp), config)
         for r in range(args.rounds):
             placed = cores if r % 2 == 0 else cores[::-1]
             rates = _round(modes, placed, models, args.context, args.windows)

@@ -1,0 +1,36 @@
+"""The vLLM benches' checkpoints (perf/vllm_bench.py write_checkpoints) and perf/vllm_modes.py's head options; runs
+without vLLM (the engines themselves run only in the benches)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import safetensors.torch
+
+from perf import vllm_modes
+from perf.vllm_bench import BENCH_CONFIG, write_checkpoints
+
+
+def test_write_checkpoints_writes_the_given_config_and_its_dense_relabelling(tmp_path):
+    config = BENCH_CONFIG.with_overrides(name="tiny-8h-2ih", num_attention_heads=8, index_n_heads=2, vocab_size=64)
+    paths = write_checkpoints(tmp_path, config)
+    dsa = json.loads((paths["dsa"] / "config.json").read_text())
+    dense = json.loads((paths["dense"] / "config.json").read_text())
+    assert (dsa["num_attention_heads"], dsa["num_key_value_heads"], dsa["index_n_heads"]) == (8, 8, 2)
+    assert dsa["index_topk"] == BENCH_CONFIG.index_topk and dsa["model_type"] == "glm_moe_dsa"
+    assert dense["model_type"] == "deepseek_v3" and dense["num_attention_heads"] == 8
+    assert not any(key.startswith("index") for key in dense)
+    dsa_state = safetensors.torch.load_file(str(paths["dsa"] / "model.safetensors"))
+    dense_state = safetensors.torch.load_file(str(paths["dense"] / "model.safetensors"))
+    indexer = {k for k in dsa_state if ".indexer." in k}
+    assert indexer and set(dense_state) == set(dsa_state) - indexer
+    q_b = next(v for k, v in dsa_state.items() if k.endswith("self_attn.q_b_proj.weight"))
+    assert q_b.shape[0] == 8 * (config.qk_nope_head_dim + config.qk_rope_head_dim)  # the heads are in the weights
+
+
+@pytest.mark.parametrize("option", ["--heads", "--index-heads"])
+def test_vllm_modes_refuses_a_head_count_below_one(option, capsys):
+    with pytest.raises(SystemExit):
+        vllm_modes.main(["--modes", "compiled,dense", option, "0"])
+    assert "--heads / --index-heads: expected positive counts" in capsys.readouterr().err
