@@ -1,6 +1,5 @@
 """The out-of-tree MLA layer: vLLM's MultiHeadLatentAttentionWrapper, plus glm5-hal's indexer where glm5-hal's
-sparse MLA backend was chosen for the layer, and its absorbed up-projections in the layout torch's CPU bmm is fast
-over (contract_along_contiguous_dims).
+sparse MLA backend was chosen for the layer, and the route of its absorbed up-projections (up_projections.py).
 
 vLLM builds a DSA layer's Indexer before the MLA wrapper and hands it over; the wrapper's constructor chooses the
 attention backend. So the wrapper is where the plugin learns whether the layer is glm5-hal's (the platform had no
@@ -12,7 +11,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 from vllm.config import get_current_vllm_config
 from vllm.logger import init_logger
 from vllm.model_executor.custom_op import PluggableLayer, op_registry_oot
@@ -23,6 +21,7 @@ from glm5_hal.model.hf_config import config_from_hf
 from glm5_hal.vllm.indexer import bind_indexer
 from glm5_hal.vllm.settings import LOGGER
 from glm5_hal.vllm.sparse_mla import Glm5HalSparseMLAImpl
+from glm5_hal.vllm.up_projections import route_after_loading
 
 logger = init_logger(LOGGER)
 
@@ -39,42 +38,6 @@ def model_config_of(hf_config: Any) -> ModelConfig:
         rope["rope_type"] = _VLLM_ROPE_TYPES[rope["rope_type"]]
         hf["rope_parameters"] = rope
     return config_from_hf(hf, source="vLLM's model config")
-
-
-# The absorbed up-projections vLLM's MLA layer multiplies with torch.bmm at every decode step (q_nope @ W_UK_T and the
-# attention output @ W_UV, both [heads, reduction, out]).
-UP_PROJECTIONS = ("W_UK_T", "W_UV")
-HALF_DTYPES = (torch.bfloat16, torch.float16)
-
-
-def contract_along_contiguous_dims(attn: Any) -> None:
-    """Store attn's half-precision up-projections on the CPU as compact [heads, out, reduction] tensors viewed as
-    [heads, reduction, out]: the dim torch.bmm contracts (-2) contiguous and each head's matrix right after the
-    previous one. The same values in another layout. vLLM copies W_UK_T into a contiguous [heads, qk_nope, kv_lora]
-    parameter, whose contracted dim is strided: torch's CPU bf16 bmm took ~5x longer over it at one decode token
-    (0.59 against 0.11 ms for 4 heads x 192 x 512 on an AVX2 Zen 3). W_UV is a view into kv_b_proj's rows, contracted
-    dim contiguous but heads 448 rows apart instead of 256: the bmm took 10x longer over it (0.55 against 0.054 ms
-    for 4 heads x 512 x 256, Zen 4; docs/vllm.md#speed). fp32 weights keep vLLM's layout (fp32 tokens are compared
-    bit for bit with glm5-hal's, and a new layout may change the order of a GEMM's sums)."""
-    for name in UP_PROJECTIONS:
-        weight = getattr(attn, name, None)
-        if not isinstance(weight, torch.Tensor) or weight.dim() != 3 or weight.dtype not in HALF_DTYPES:
-            continue
-        if weight.device.type != "cpu" or weight.mT.is_contiguous():
-            continue
-        # A reload copies into the parameter in place (vLLM's replace_parameter with prefer_copy), whatever its layout.
-        setattr(attn, name, torch.nn.Parameter(weight.detach().mT.contiguous().mT, requires_grad=False))
-
-
-def _relayout_after_loading(attn: Any) -> None:
-    """Run contract_along_contiguous_dims after attn's own process_weights_after_loading (which sets W_UK_T / W_UV)."""
-    own = attn.process_weights_after_loading
-
-    def process_weights_after_loading(act_dtype: torch.dtype) -> None:
-        own(act_dtype)
-        contract_along_contiguous_dims(attn)
-
-    attn.process_weights_after_loading = process_weights_after_loading
 
 
 class Glm5HalMLAWrapper(MultiHeadLatentAttentionWrapper):
@@ -97,7 +60,7 @@ class Glm5HalMLAWrapper(MultiHeadLatentAttentionWrapper):
         if self.indexer is not None:
             cfg = model_config_of(get_current_vllm_config().model_config.hf_config)
             bind_indexer(self.indexer, cfg)
-        _relayout_after_loading(self.mla_attn)
+        route_after_loading(self.mla_attn)
 
 
 def register_mla_layer() -> None:

@@ -89,8 +89,11 @@ def activate() -> bool:
     from glm5_hal.vllm.mla_layer import register_mla_layer
     from glm5_hal.vllm.moe import register_moe
     from glm5_hal.vllm.quant_linear import register_quant_linear
+    from glm5_hal.vllm.up_projections import packed_setting
 
-    switch(HUGE_PAGES_ENV, default=True)  # read where the ops run; a bad value fails here, at start, not in a step
+    # read where the weights and the ops are processed; a bad value fails here, at start, not in a step
+    switch(HUGE_PAGES_ENV, default=True)
+    packed_setting()
     _install_platform_hooks(type(current_platform), mode)
     _install_compiled_default(VllmConfig, mode)
     register_mla_layer()

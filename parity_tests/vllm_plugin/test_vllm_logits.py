@@ -53,20 +53,47 @@ def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm()).item()
 
 
+COMPACT = ["W_UK_T bfloat16 1 compact", "W_UV bfloat16 1 compact"]
+PACKED = ["packed bfloat16"]
+
+
+def packed_route_runs_here(model: Path) -> bool:
+    """Whether vLLM's packed kernels take this checkpoint's bf16 up-projections on this machine (the check the
+    plugin makes before it uses them)."""
+    import vllm._custom_ops  # noqa: F401  (loads vLLM's CPU kernels)
+
+    from glm5_hal.vllm import up_projections as up
+
+    config = json.loads((model / "config.json").read_text())
+    shape = up.UpProjectionShape(
+        config["num_attention_heads"],
+        config["qk_nope_head_dim"],
+        config["kv_lora_rank"],
+        config["v_head_dim"],
+        torch.bfloat16,
+    )
+    kernels = up.vllm_packed_kernels()
+    return kernels is not None and up.packed_product_error(kernels, shape) == ""
+
+
 def test_bf16_logits_match_glm5_hal(checkpoints: dict[str, Path], vllm) -> None:
     """vLLM + the plugin in bf16 is as accurate as glm5-hal's own bf16 model, both measured against glm5-hal's fp32
-    model, and picks the same top-5 tokens as glm5-hal's bf16 model.
+    model, and picks the same top-5 tokens as glm5-hal's bf16 model. One checkpoint multiplies by the absorbed
+    up-projections through vLLM's packed bmm_cpu where it runs here (GLM5_HAL_VLLM_PACKED_UP_PROJ=1), the other
+    through torch.bmm (=0).
 
     DESIGN.md's bf16 tolerance (1.6e-2) is per op against float64; a whole model's bf16 error adds up over its ops
     (the tiny deepseek_v32's own bf16 model is 2.0e-2 from its fp32 model), so the bound here is glm5-hal's own bf16
     error (1.25x: the two engines round different intermediates), not the per-op figure."""
+    routes = {"glm_moe_dsa": "1", "deepseek_v32": "0"}
     for model_type, model in checkpoints.items():
         prompt = prompts((PROMPT_LENGTH,), seed=3)[0]
-        answer = teacher_forced(vllm, model, prompt, dtype="bfloat16")
-        # the plugin's layers hold their bf16 up-projections with bmm's contracted dim contiguous, each head's matrix
-        # after the previous one (mla_layer.py)
-        want = ["W_UK_T bfloat16 1 compact", "W_UV bfloat16 1 compact"]
-        assert answer["layers"]["up_projections"] == want, answer["layers"]
+        setting = routes[model_type]
+        answer = teacher_forced(vllm, model, prompt, env={"GLM5_HAL_VLLM_PACKED_UP_PROJ": setting}, dtype="bfloat16")
+        # on torch.bmm, the plugin's layers hold their bf16 up-projections with bmm's contracted dim contiguous, each
+        # head's matrix after the previous one; on bmm_cpu, only the packed copies (up_projections.py)
+        want = PACKED if setting == "1" and packed_route_runs_here(model) else COMPACT
+        assert answer["layers"]["up_projections"] == want, (model_type, answer["layers"])
         # both KV caches the plugin's ops read were asked onto huge pages (glm5_hal.vllm.caches); collapsed now
         # where the kernel can (Linux 6.1+), which this test does not require of CI's machine
         pages = answer["layers"]["kv_cache_pages"]
@@ -106,9 +133,12 @@ def test_sparse_selection_is_exercised(checkpoints: dict[str, Path], vllm, tmp_p
     packs its weights for AMX where the CPU has it, and refuses fp32 there."""
     model = checkpoints["glm_moe_dsa"]
     prompt = prompts((PROMPT_LENGTH,), seed=3)[0]
-    sparse = served_logprobs(teacher_forced(vllm, model, prompt, dtype="bfloat16"))
+    sparse_served = teacher_forced(vllm, model, prompt, dtype="bfloat16")
+    sparse = served_logprobs(sparse_served)
     dense_model = relabel_dense(model, tmp_path / "dense")
     dense_served = teacher_forced(vllm, dense_model, prompt, dtype="bfloat16")
+    # left to the plugin (GLM5_HAL_VLLM_PACKED_UP_PROJ unset), the faster of the two routes measured in the engine
+    assert sparse_served["layers"]["up_projections"] in (COMPACT, PACKED), sparse_served["layers"]
     assert "GLM5_HAL_SPARSE_MLA" not in dense_served["layers"]["attention"], dense_served["layers"]
     # a layer that is not glm5-hal's keeps vLLM's layout (its CPU MLA stores W_UK_T with the contracted dim strided)
     assert not any(p.startswith("W_UK_T bfloat16 1 ") for p in dense_served["layers"]["up_projections"]), dense_served

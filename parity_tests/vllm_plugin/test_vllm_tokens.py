@@ -76,8 +76,8 @@ def test_fp32_tokens_equal_glm5_hal(case: str, checkpoints: dict[str, Path], vll
     assert layers["attention"] == ["GLM5_HAL_SPARSE_MLA"], layers
     assert layers["indexer_cache"] == ["GLM5_HAL_INDEXER"], layers
     # fp32 up-projections keep vLLM's layout (a new one could change a GEMM's order of sums, and these tokens must
-    # equal glm5-hal's): only half-precision ones are laid out for bmm (mla_layer.py)
-    assert not any(p.startswith("W_UK_T float32 1 ") for p in layers["up_projections"]), layers
+    # equal glm5-hal's): only half-precision ones are laid out or packed for their product (up_projections.py)
+    assert not any(p.startswith(("W_UK_T float32 1 ", "packed")) for p in layers["up_projections"]), layers
     expected_moe = "Glm5HalUnquantizedMoEMethod" if env.get("GLM5_HAL_VLLM_MOE") == "1" else "UnquantizedFusedMoEMethod"
     assert layers["moe"] == [expected_moe], layers
     # the second request reused the first one's cached blocks (whole blocks of its shared 400 tokens)

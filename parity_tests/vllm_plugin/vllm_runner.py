@@ -22,12 +22,16 @@ def describe_model(model: Any) -> dict[str, list[str]]:
     """What serves each layer: attention backend names, index-cache backend names, MoE method classes, the layout
     of the MLA layers' up-projections, and the pages of the KV caches the plugin's ops read."""
     seen: dict[str, list[str]] = {"attention": [], "indexer_cache": [], "moe": [], "linear_schemes": []}
-    # name, dtype, the stride of the dim torch.bmm contracts, and whether the heads' matrices lie end to end
+    # name, dtype, the stride of the dim torch.bmm contracts, and whether the heads' matrices lie end to end; or
+    # "packed" and the dtype where the layer multiplies by vLLM's bmm_cpu (glm5_hal/vllm/up_projections.py)
     seen["up_projections"] = []
     for _, module in model.named_modules():
         kind = type(module).__name__
         if kind == "MLAAttention":
             seen["attention"].append(module.attn_backend.get_name())
+            if getattr(module, "is_amx_bmm_enabled", False):  # vLLM's bmm_cpu over weights packed for it
+                packed = module.impl._w_uk_packed
+                seen["up_projections"].append(f"packed {str(packed.dtype).removeprefix('torch.')}")
             for name in ("W_UK_T", "W_UV"):
                 w = getattr(module, name, None)
                 if w is not None:
