@@ -1,9 +1,11 @@
-"""The vLLM benches' checkpoints (perf/vllm_bench.py write_checkpoints) and perf/vllm_modes.py's head options; runs
-without vLLM (the engines themselves run only in the benches)."""
+"""The vLLM benches' checkpoints (perf/vllm_bench.py write_checkpoints), perf/vllm_modes.py's head options and its
+turn-taking; runs without vLLM (the engines themselves run only in the benches)."""
 
 from __future__ import annotations
 
 import json
+import threading
+import time
 
 import pytest
 import safetensors.torch
@@ -34,3 +36,31 @@ def test_vllm_modes_refuses_a_head_count_below_one(option, capsys):
     with pytest.raises(SystemExit):
         vllm_modes.main(["--modes", "compiled,dense", option, "0"])
     assert "--heads / --index-heads: expected positive counts" in capsys.readouterr().err
+
+
+def test_alternating_engines_decode_strictly_in_turns(tmp_path):
+    """take_turns: the first mode of the order goes first, then each window of one engine is followed by one of the
+    other, never two at once, whichever process reaches its loop first."""
+    order, windows = ["compiled", "dense"], 5
+    log, running = [], []
+
+    def engine(mode: str, delay_s: float) -> None:
+        def window() -> float:
+            running.append(mode)
+            assert len(running) == 1, running  # the other engine is waiting
+            log.append(mode)
+            time.sleep(0.01)
+            running.remove(mode)
+            return float(len(log))
+
+        time.sleep(delay_s)  # the second mode reaches its loop first
+        results[mode] = vllm_modes.take_turns(mode, order, tmp_path, window, windows, poll_s=0.001)
+
+    results: dict[str, list[float]] = {}
+    threads = [threading.Thread(target=engine, args=(m, d)) for m, d in (("compiled", 0.05), ("dense", 0.0))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert log == order * windows
+    assert results == {"compiled": [1.0, 3.0, 5.0, 7.0, 9.0], "dense": [2.0, 4.0, 6.0, 8.0, 10.0]}

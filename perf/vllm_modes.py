@@ -3,6 +3,7 @@
     .venv-vllm/bin/python -m perf.vllm_modes --context 4096 --windows 10 --rounds 2
     .venv-vllm/bin/python -m perf.vllm_modes --context 16384 --modes compiled,dense --windows 8 --rounds 2
     .venv-vllm/bin/python -m perf.vllm_modes --context 16384 --modes compiled,dense --heads 16 --index-heads 16
+    .venv-vllm/bin/python -m perf.vllm_modes --context 32768 --modes compiled,dense --windows 8 --alternate
 
 Why at the same time: on a shared machine the same engine's decode speed moves by a third between minutes, so two
 modes timed one after the other cannot be told apart at a 20% difference. Here two engines (one per mode, each in its
@@ -10,15 +11,22 @@ own process, one torch thread, pinned to its own core) prefill the same prompt, 
 decodes --windows requests of NEW_TOKENS tokens (prefix caching on: a window is the decode, not the prefill). Both
 see the same machine at the same time; each round swaps the cores. Needs at least two CPUs.
 
+At once, the two engines also share the L3 and the memory bus, and dense streams its whole latent cache every step,
+which slows the plugin's scattered reads (at 32K on a Zen 4 the plugin decoded ~120 tok/s beside dense and ~165 alone,
+docs/vllm.md). With --alternate they take turns instead, one window each while the other waits (`take_turns`): each
+engine decodes alone, as a sequential bench times it, and the two still sample the same minutes of the machine.
+
 Modes (`MODES`): `compiled` is the plugin's default for the DSA models it serves on a CPU (vLLM's compiled CPU mode,
 Dynamo traced once, Inductor); `breakable` is vLLM's own default for these architectures
 (VLLM_USE_BREAKABLE_CUDAGRAPH=1: breakable CUDA graphs, no torch.compile on a CPU); `eager` is --enforce-eager;
 `dense` is perf/vllm_bench.py's `vllm dense` way (the same weights relabelled deepseek_v3, vLLM's own MLA over every
 key, its default mode, the prompt prefilled in chunks and cached as the plugin's is: `prefill_dense_in_chunks`), so
 `compiled,dense` is that bench's plugin / dense ratio with both sides on the machine at once; `4k-pages` is
-`compiled` with GLM5_HAL_VLLM_HUGE_PAGES=0 (the KV caches on vLLM's own pages). Checkpoints and dims as
-perf/vllm_bench.py (glm5-mini dims, index_topk 2048, bf16); --heads / --index-heads change the attention and indexer
-head counts of both checkpoints (the dense per-key work grows with the first, the indexer's with the second).
+`compiled` with GLM5_HAL_VLLM_HUGE_PAGES=0 (the KV caches on vLLM's own pages); `bmm-up-proj` is `compiled` with
+GLM5_HAL_VLLM_PACKED_UP_PROJ=0 (the absorbed up-projections through torch.bmm, not vLLM's packed bmm_cpu).
+Checkpoints and dims as perf/vllm_bench.py (glm5-mini dims, index_topk 2048, bf16); --heads / --index-heads change the
+attention and indexer head counts of both checkpoints (the dense per-key work grows with the first, the indexer's
+with the second).
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from perf.vllm_bench import BENCH_CONFIG, NEW_TOKENS, cpu_name, prefill_dense_in_chunks, prompt, write_checkpoints
@@ -42,11 +51,14 @@ MODES: dict[str, tuple[dict[str, str], dict[str, object], str]] = {
     "eager": ({}, {"enforce_eager": True}, "dsa"),
     "dense": ({}, {}, "dense"),
     "4k-pages": ({"GLM5_HAL_VLLM_HUGE_PAGES": "0"}, {}, "dsa"),  # compiled, the KV caches left on vLLM's pages
+    "bmm-up-proj": ({"GLM5_HAL_VLLM_PACKED_UP_PROJ": "0"}, {}, "dsa"),  # compiled, the up-projections on torch.bmm
 }
 BARRIER_TIMEOUT_S = 1800  # the other engine's start and prefill
 
 
-def _worker(mode: str, model: str, context: int, windows: int, barrier: Path) -> list[float]:
+def _worker(mode: str, model: str, context: int, windows: int, barrier: Path, order: list[str]) -> list[float]:
+    """Decode rates of `windows` requests of one engine (mode), after both engines prefilled; order: the two modes
+    in turn order when they alternate (take_turns), empty when they decode at once."""
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -66,22 +78,50 @@ def _worker(mode: str, model: str, context: int, windows: int, barrier: Path) ->
     llm.generate(request, params)  # prefill, and every first-call cost
     (barrier / mode).touch()
     deadline = time.monotonic() + BARRIER_TIMEOUT_S
-    while len(list(barrier.iterdir())) < 2:
+    while sum(1 for entry in barrier.iterdir() if entry.name in MODES) < 2:
         if time.monotonic() > deadline:
             raise TimeoutError(f"{mode}: the other engine was not ready within {BARRIER_TIMEOUT_S} s")
         time.sleep(0.2)
-    rates = []
-    for _ in range(windows):
+
+    def window() -> float:
         out = llm.generate(request, params)[0]
         stats = out.metrics
-        rates.append((len(out.outputs[0].token_ids) - 1) / (stats.last_token_ts - stats.first_token_ts))
+        return (len(out.outputs[0].token_ids) - 1) / (stats.last_token_ts - stats.first_token_ts)
+
+    if not order:
+        return [window() for _ in range(windows)]
+    return take_turns(mode, order, barrier, window, windows)
+
+
+TURN_FILE = "turn"
+
+
+def take_turns(
+    mode: str, order: list[str], folder: Path, window: Callable[[], float], windows: int, poll_s: float = 0.01
+) -> list[float]:
+    """`windows` calls of `window`, each made while the other engine waits: mode waits until folder/TURN_FILE names
+    it (order[0] goes first; the file is written whole by a rename), runs one window, then hands the turn to the
+    other mode. Returns the windows' results."""
+    other = order[1] if mode == order[0] else order[0]
+    turn = folder / TURN_FILE
+    rates = []
+    for _ in range(windows):
+        deadline = time.monotonic() + BARRIER_TIMEOUT_S
+        while (turn.read_text() if turn.exists() else order[0]) != mode:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{mode}: {other} did not hand over the turn within {BARRIER_TIMEOUT_S} s")
+            time.sleep(poll_s)
+        rates.append(window())
+        handover = folder / f"{TURN_FILE}.{mode}"
+        handover.write_text(other)
+        handover.replace(turn)
     return rates
 
 
 def _round(
-    modes: list[str], cores: list[int], models: dict[str, Path], context: int, windows: int
+    modes: list[str], cores: list[int], models: dict[str, Path], context: int, windows: int, alternate: bool
 ) -> dict[str, list[float]]:
-    """One round: the two modes' engines at once, mode i on core cores[i]."""
+    """One round: the two modes' engines, mode i on core cores[i], decoding at once or (alternate) in turns."""
     with tempfile.TemporaryDirectory() as barrier:
         workers = {}
         for mode, core in zip(modes, cores, strict=True):
@@ -89,7 +129,7 @@ def _round(
             env.update({"OMP_NUM_THREADS": "1", **MODES[mode][0]})
             model = models[MODES[mode][2]]
             command = [sys.executable, "-m", "perf.vllm_modes", "--worker", mode, str(model), str(context)]
-            command += [str(windows), barrier, str(core)]
+            command += [str(windows), barrier, str(core), ",".join(modes) if alternate else "-"]
             workers[mode] = subprocess.Popen(
                 command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
             )
@@ -112,12 +152,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=2, help="rounds, the cores swapped each time")
     parser.add_argument("--heads", type=int, default=BENCH_CONFIG.num_attention_heads, help="attention heads")
     parser.add_argument("--index-heads", type=int, default=BENCH_CONFIG.index_n_heads, help="indexer heads")
-    parser.add_argument("--worker", nargs=6, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--alternate",
+        action="store_true",
+        help="the engines take turns, one window each while the other waits (each decodes alone, in the same minutes)",
+    )
+    parser.add_argument("--worker", nargs=7, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
-        mode, model, context, windows, barrier, core = args.worker
+        mode, model, context, windows, barrier, core, order = args.worker
         os.sched_setaffinity(0, {int(core)})
-        print(json.dumps(_worker(mode, model, int(context), int(windows), Path(barrier))))
+        turns = [] if order == "-" else order.split(",")
+        print(json.dumps(_worker(mode, model, int(context), int(windows), Path(barrier), turns)))
         return
     modes = [m.strip() for m in args.modes.split(",")]
     if len(modes) != 2 or not set(modes) <= set(MODES) or modes[0] == modes[1]:
@@ -132,15 +178,17 @@ def main(argv: list[str] | None = None) -> None:
         num_attention_heads=args.heads,
         index_n_heads=args.index_heads,
     )
+    timing = "in turns, one engine decoding at a time" if args.alternate else "both engines decoding at once"
     print(
-        f"{cpu_name()}; {config.name}; context {args.context}, {args.windows} windows of {NEW_TOKENS - 1} decode steps",
+        f"{cpu_name()}; {config.name}; context {args.context}, {args.windows} windows of {NEW_TOKENS - 1} decode "
+        f"steps, {timing}",
         flush=True,
     )
     with tempfile.TemporaryDirectory() as tmp:
         models = write_checkpoints(Path(tmp), config)
         for r in range(args.rounds):
             placed = cores if r % 2 == 0 else cores[::-1]
-            rates = _round(modes, placed, models, args.context, args.windows)
+            rates = _round(modes, placed, models, args.context, args.windows, args.alternate)
             medians = {m: statistics.median(rates[m]) for m in modes}
             where = ", ".join(f"{m} on CPU {c}" for m, c in zip(modes, placed, strict=True))
             print(
