@@ -79,10 +79,9 @@ def test_auto_takes_the_faster_route(monkeypatch: pytest.MonkeyPatch) -> None:
     ],
 )
 def test_packed_kernels_that_are_missing_refuse_or_disagree_leave_torch_bmm(
-    kernels: up.PackedKernels | None, reason: str, monkeypatch: pytest.MonkeyPatch
+    kernels: up.PackedKernels | None, reason: str
 ) -> None:
-    monkeypatch.setenv(up.PACKED_ENV, "1")  # not even where asked for
-    choice = up._decide("1", SHAPE, kernels)
+    choice = up._decide("1", SHAPE, kernels)  # not even where the setting asks for them
     assert choice.route == up.BMM and reason in choice.reason, choice
 
 
