@@ -160,9 +160,13 @@ def test_vllms_kernels_where_this_build_has_them() -> None:
     error = up.packed_product_error(kernels, SHAPE)
     choice = up._decide("1", SHAPE, kernels)
     assert (choice.route == up.PACKED) == (error == ""), (choice, error)
-    # dims the kernels refuse (not multiples of 32) leave torch.bmm, with vLLM's reason
+    assert error == "" or error in choice.reason
+    # dims that are not multiples of 32: this vLLM's kernels refuse them on this project's Zen 4 ("invalid weight
+    # input features 40", logged); whatever a build does, the route follows the check
     odd = up.UpProjectionShape(heads=2, qk_nope=40, kv_lora=512, v_head=24, dtype=torch.bfloat16)
-    assert "refused" in up._decide("1", odd, kernels).reason
+    odd_error, odd_choice = up.packed_product_error(kernels, odd), up._decide("1", odd, kernels)
+    assert (odd_choice.route == up.PACKED) == (odd_error == ""), (odd_choice, odd_error)
+    assert odd_error == "" or odd_error in odd_choice.reason
 
 
 def test_a_bad_packed_setting_stops_the_plugin_at_start() -> None:
