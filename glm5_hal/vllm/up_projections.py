@@ -125,7 +125,7 @@ def packed_product_error(kernels: PackedKernels, shape: UpProjectionShape, seed:
                 exact, magnitude = _fp64_product(x, w)
                 bound = 2.0**-8 * exact.abs() + in_dim * 2.0**-23 * magnitude
                 if not bool(((out.transpose(0, 1).double() - exact).abs() <= bound).all()):
-                    return f"vLLM's bmm_cpu disagreed with an fp64 {name} product at {tokens} tokens"
+                    return f"vLLM's bmm_cpu disagreed with an fp64 {name} product (token count {tokens})"
         except (RuntimeError, ValueError, TypeError) as exc:
             said = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             return f"vLLM's packed kernels refused {name}: {said}"

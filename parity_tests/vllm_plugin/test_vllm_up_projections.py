@@ -75,7 +75,7 @@ def test_auto_takes_the_faster_route(monkeypatch: pytest.MonkeyPatch) -> None:
     [
         (None, "this vLLM build has no bmm_cpu"),
         (exact_kernels(raises="invalid weight input features 16"), "refused W_UK: invalid weight input features 16"),
-        (exact_kernels(drop_last_input=True), "disagreed with an fp64 W_UK product at 1 tokens"),
+        (exact_kernels(drop_last_input=True), "disagreed with an fp64 W_UK product (token count 1)"),
     ],
 )
 def test_packed_kernels_that_are_missing_refuse_or_disagree_leave_torch_bmm(
