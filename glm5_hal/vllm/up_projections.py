@@ -102,16 +102,19 @@ def vllm_packed_kernels() -> PackedKernels | None:
         return None
 
 
-def _fp64_product(x: Tensor, w: Tensor) -> tuple[Tensor, Tensor]:
-    """x [b, m, in] @ w[b]^T in fp64, and the same over |x| and |w| (the scale of the sums' rounding)."""
+def within_rounding(out: Tensor, x: Tensor, w: Tensor) -> bool:
+    """Whether out [b, m, out_dim] is x [b, m, in] @ w[b]^T (w [b, out_dim, in]) up to the output's rounding to
+    bf16 / fp16 and an fp32 sum of `in` products: |out - exact| <= 2^-8 |exact| + in x 2^-23 (|x| @ |w|), exact in
+    fp64 (NaN anywhere in out fails)."""
     x64, w64 = x.double(), w.double()
-    return torch.bmm(x64, w64.mT), torch.bmm(x64.abs(), w64.abs().mT)
+    exact, magnitude = torch.bmm(x64, w64.mT), torch.bmm(x64.abs(), w64.abs().mT)
+    bound = 2.0**-8 * exact.abs() + x.shape[-1] * 2.0**-23 * magnitude
+    return bool(((out.double() - exact).abs() <= bound).all())
 
 
 def packed_product_error(kernels: PackedKernels, shape: UpProjectionShape, seed: int = 0) -> str:
     """Why the packed kernels cannot take these up-projections ("" if they can): an error they raise, or a product
-    outside the rounding bound, |out - exact| <= 2^-8 |exact| + in x 2^-23 (|x| @ |w|) (the output's rounding to
-    bf16 / fp16 and an fp32 sum of `in` products), at each of PROBE_TOKENS on random operands."""
+    outside `within_rounding`'s bound, at each of PROBE_TOKENS on random operands."""
     generator = torch.Generator().manual_seed(seed)
     # W_UK as the kernel takes it ([heads, kv_lora, qk_nope]: out x in) and W_UV ([heads, v_head, kv_lora])
     for name, (out_dim, in_dim) in (("W_UK", (shape.kv_lora, shape.qk_nope)), ("W_UV", (shape.v_head, shape.kv_lora))):
@@ -122,9 +125,7 @@ def packed_product_error(kernels: PackedKernels, shape: UpProjectionShape, seed:
                 x = torch.randn(tokens, shape.heads, in_dim, generator=generator).to(shape.dtype).transpose(0, 1)
                 out = torch.full((tokens, shape.heads, out_dim), float("nan"), dtype=shape.dtype)
                 kernels.bmm(out.transpose(0, 1), x, packed, True, None)
-                exact, magnitude = _fp64_product(x, w)
-                bound = 2.0**-8 * exact.abs() + in_dim * 2.0**-23 * magnitude
-                if not bool(((out.transpose(0, 1).double() - exact).abs() <= bound).all()):
+                if not within_rounding(out.transpose(0, 1), x, w):
                     return f"vLLM's bmm_cpu disagreed with an fp64 {name} product (token count {tokens})"
         except (RuntimeError, ValueError, TypeError) as exc:
             said = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
@@ -202,8 +203,7 @@ def layer_shape(attn: Any) -> UpProjectionShape | None:
     """The up-projections' shape of vLLM's MLA layer `attn` after its own weight processing (None where it holds no
     3-D CPU W_UK_T / W_UV, e.g. a platform whose MLA layer keeps other weights)."""
     w_uk, w_uv = (getattr(attn, name, None) for name in UP_PROJECTIONS)
-    tensors = (w_uk, w_uv)
-    if not all(isinstance(w, Tensor) and w.dim() == 3 and w.device.type == "cpu" for w in tensors):
+    if not all(isinstance(w, Tensor) and w.dim() == 3 and w.device.type == "cpu" for w in (w_uk, w_uv)):
         return None
     heads, qk_nope, kv_lora = w_uk.shape
     return UpProjectionShape(heads, qk_nope, kv_lora, w_uv.shape[-1], w_uk.dtype)
