@@ -19,6 +19,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import glm5_hal
 from backends.torch_eager.native import bf16_gemm, build, indexer_scores, quantized_index_scores
 from backends.torch_eager.native import indexer_prolog as native_prolog
 from backends.torch_eager.native import sparse_attention as native_attention
@@ -741,8 +742,10 @@ def test_the_torch_backend_runs_decode_prologs_on_the_fused_kernel(monkeypatch: 
     monkeypatch.setenv("GLM5_HAL_FAST_PATHS", "1")
     monkeypatch.setenv(build.ENV_NATIVE, native)
     calls = []
-    real = native_prolog.prolog
-    monkeypatch.setattr(native_prolog, "prolog", lambda x, *a, **kw: calls.append(x.shape[0]) or real(x, *a, **kw))
+    real = native_prolog.prolog_checked  # what the backend calls, behind the op's checks
+    monkeypatch.setattr(
+        native_prolog, "prolog_checked", lambda x, *a, **kw: calls.append(x.shape[0]) or real(x, *a, **kw)
+    )
     fused = set()
     for case in cases_for("indexer_prolog", quick=True):
         inputs = case.build(case_generator(case, torch.bfloat16, seed=7), torch.bfloat16)
@@ -754,6 +757,36 @@ def test_the_torch_backend_runs_decode_prologs_on_the_fused_kernel(monkeypatch: 
         if calls:
             fused.add(inputs.get("kv_cache_dtype", "auto"))
     assert fused == set(native_prolog.CODES), f"decode-sized cases only for {fused}: the test checks too little"
+
+
+def test_indexer_prolog_bounds_its_slots_with_value_checks_off(monkeypatch):
+    """The backend calls prolog_checked, behind the op's checks; the op's slot range check is a value check that
+    GLM5_HAL_CHECK_VALUES=0 turns off, so the native path must still refuse a slot past the cache before its kernel
+    writes there."""
+    from glm5_hal.parity.cases import cases_for
+    from glm5_hal.parity.runner import case_generator
+
+    native = "1" if native_prolog.availability()[0] else build.PORTABLE_ONLY
+    monkeypatch.setenv("GLM5_HAL_FAST_PATHS", "1")
+    monkeypatch.setenv(build.ENV_NATIVE, native)
+    monkeypatch.setenv("GLM5_HAL_CHECK_VALUES", "0")
+    calls = []
+    real = native_prolog.prolog_checked
+    monkeypatch.setattr(native_prolog, "prolog_checked", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    case = next(
+        c
+        for c in cases_for("indexer_prolog", quick=True)
+        if c.build(case_generator(c, torch.bfloat16, seed=3), torch.bfloat16)["x"].shape[0] <= native_prolog.MAX_TOKENS
+    )
+    inputs = case.build(case_generator(case, torch.bfloat16, seed=3), torch.bfloat16)
+    cache = inputs["index_k_cache"]
+    before = cache.clone()
+    inputs["slot_mapping"] = inputs["slot_mapping"].clone()
+    inputs["slot_mapping"][0] = cache.shape[0] * cache.shape[1]  # one past the last slot
+    with pytest.raises(ValueError, match=r"slot_mapping: expected -1 or a slot of the \d+-slot cache"):
+        glm5_hal.indexer_prolog(**inputs)
+    assert calls == [1], "the call did not reach the native prolog: the test checks nothing"
+    assert torch.equal(cache, before), "the refused call wrote into the cache"
 
 
 def test_indexer_prolog_rejects_what_it_does_not_take():

@@ -62,10 +62,11 @@ def indexer_prolog(
     gemm = gemm_for(x.dtype, x.device)
     route = gemm.for_rows(x, x.shape[0])
     # A decode step on the native route: the whole prolog in two native calls (the same fp32 arithmetic), where
-    # the ops below would cost a few dozen dispatches for a few microseconds of arithmetic.
+    # the ops below would cost a few dozen dispatches for a few microseconds of arithmetic. The op validated the
+    # shapes and `takes` the rest of what the kernel's wrapper would check again.
     if route.fused and native_prolog.takes(x, q_norm, (w_iq, w_ik, w_iw), index_k_cache, kv_cache_dtype):
         if native_prolog.availability(route.native_isa)[0]:
-            return native_prolog.prolog(
+            return native_prolog.prolog_checked(
                 x, q_norm, w_iq, w_ik, k_norm_weight, k_norm_bias, w_iw, cos, sin, index_k_cache, slot_mapping,
                 interleaved=rope_interleaved, eps=eps, kv_cache_dtype=kv_cache_dtype, isa=route.native_isa,
             )  # fmt: skip
@@ -138,9 +139,11 @@ class _ScoringBatch:
         """Fill out [tile, width] fp32 with the logits of tokens start : start + tile (-inf where not visible)."""
         tokens = slice(start, start + out.shape[0])
         if self.paged:
-            q, weights, isa = self.q[tokens], self.weights[tokens], self.gemm.native_isa
-            args = (q, weights, self.cache, self.block_table, self.seq_lens_k, self.cu_seqlens_q, self.width)
-            native_quantized_scores.paged_scores(*args, self.kv_cache_dtype, first_token=start, out=out, isa=isa)
+            # The op validated every argument and the route's conditions hold (__init__): the kernel's wrapper would
+            # only check them again. out is this tile's [tile, width] rows of a contiguous fp32 buffer.
+            q, weights = self.q[tokens], self.weights[tokens]
+            args = (q, weights, self.cache, self.block_table, self.seq_lens_k, self.cu_seqlens_q, out)
+            native_quantized_scores.paged_scores_checked(*args, self.kv_cache_dtype, start, self.gemm.native_isa)
             return
         seqs, positions = self.seqs[tokens], self.positions[tokens]
         last_block = self.cache.shape[0] - 1

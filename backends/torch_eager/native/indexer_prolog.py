@@ -27,7 +27,7 @@ from torch import Tensor
 
 from backends.torch_eager.native import build
 from backends.torch_eager.native import threads as threads_
-from glm5_hal.checks import check
+from glm5_hal.checks import check, value_range
 from glm5_hal.kv_formats import AUTO, FORMATS
 from glm5_hal.ops.common import plain_eager
 
@@ -162,6 +162,79 @@ def prolog(
 ) -> tuple[Tensor, Tensor]:
     """(q_idx, weights) as described in the module docstring; the key rows are written into `cache`. isa: the build
     (backends.torch_eager.native.build.ISAS). threads: default torch's."""
+    _check_arguments(x, q_norm, w_iq, w_ik, norm_weight, norm_bias, w_iw, cos, sin, cache, slot_mapping, kv_cache_dtype)
+    return prolog_checked(
+        x, q_norm, w_iq, w_ik, norm_weight, norm_bias, w_iw, cos, sin, cache, slot_mapping,
+        interleaved=interleaved, eps=eps, kv_cache_dtype=kv_cache_dtype, isa=isa, threads=threads,
+    )  # fmt: skip
+
+
+def prolog_checked(
+    x: Tensor,
+    q_norm: Tensor,
+    w_iq: Tensor,
+    w_ik: Tensor,
+    norm_weight: Tensor,
+    norm_bias: Tensor,
+    w_iw: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    cache: Tensor,
+    slot_mapping: Tensor,
+    *,
+    interleaved: bool,
+    eps: float,
+    kv_cache_dtype: str,
+    isa: str,
+    threads: int | None = None,
+) -> tuple[Tensor, Tensor]:
+    """`prolog` for a caller that has established what it checks of the arguments' kinds and shapes: the torch
+    backend, behind glm5_hal.indexer_prolog's validation and `takes` (a decode step runs every check twice
+    otherwise, ~0.03 ms a layer inside an engine). The slots are still bounded: the kernel writes at them, and the
+    op's own range check is a value check that can be turned off."""
+    tokens = x.shape[0]
+    heads, dims = w_iw.shape[0], w_ik.shape[0]
+    if tokens:  # the kernel writes at these slots: one out of the cache would write past it
+        lowest, highest = value_range(slot_mapping)
+        slots = cache.shape[0] * cache.shape[1]
+        check(
+            lowest >= -1 and highest < slots,
+            ValueError,
+            lambda: f"slot_mapping: expected -1 or a slot of the {slots}-slot cache, got {slot_mapping.tolist()}",
+        )
+    q_out = torch.empty(tokens, heads, dims, dtype=torch.bfloat16)
+    weights_out = torch.empty(tokens, heads, dtype=torch.float32)
+    weight_scale = heads**-0.5 * dims**-0.5
+    # The build is an argument of the op: torch.compile and FakeTensor see every build. In plain eager mode nothing
+    # would see the op: its implementation runs directly (torch's dispatch costs more than a decode step's prolog).
+    if threads is None and not plain_eager((x, q_norm, w_iq, cache)):
+        torch.ops.glm5_hal.native_indexer_prolog(
+            x, q_norm, w_iq, w_ik, norm_weight, norm_bias, w_iw, cos, sin, cache, slot_mapping, q_out, weights_out,
+            eps, weight_scale, interleaved, kv_cache_dtype, isa,
+        )  # fmt: skip
+    else:
+        _run(
+            x, q_norm, w_iq, w_ik, norm_weight, norm_bias, w_iw, cos, sin, cache, slot_mapping, q_out, weights_out,
+            eps, weight_scale, interleaved, kv_cache_dtype, isa, threads,
+        )  # fmt: skip
+    return q_out, weights_out
+
+
+def _check_arguments(
+    x: Tensor,
+    q_norm: Tensor,
+    w_iq: Tensor,
+    w_ik: Tensor,
+    norm_weight: Tensor,
+    norm_bias: Tensor,
+    w_iw: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    cache: Tensor,
+    slot_mapping: Tensor,
+    kv_cache_dtype: str,
+) -> None:
+    """What `prolog` takes: `takes`, and the shapes the kernel reads."""
     tokens, hidden = x.shape
     heads, dims = w_iw.shape[0], w_ik.shape[0]
     check(
@@ -199,30 +272,6 @@ def prolog(
         ValueError,
         lambda: f"cache: expected [num_blocks, block_size, {row_width}], got {tuple(cache.shape)}",
     )
-    if tokens:  # the kernel writes at these slots: one out of the cache would write past it
-        lowest, highest = slot_mapping.aminmax()
-        slots = cache.shape[0] * cache.shape[1]
-        check(
-            int(lowest) >= -1 and int(highest) < slots,
-            ValueError,
-            lambda: f"slot_mapping: expected -1 or a slot of the {slots}-slot cache, got {slot_mapping.tolist()}",
-        )
-    q_out = torch.empty(tokens, heads, dims, dtype=torch.bfloat16)
-    weights_out = torch.empty(tokens, heads, dtype=torch.float32)
-    weight_scale = heads**-0.5 * dims**-0.5
-    # The build is an argument of the op: torch.compile and FakeTensor see every build. In plain eager mode nothing
-    # would see the op: its implementation runs directly (torch's dispatch costs more than a decode step's prolog).
-    if threads is None and not plain_eager((x, q_norm, w_iq, cache)):
-        torch.ops.glm5_hal.native_indexer_prolog(
-            x, q_norm, w_iq, w_ik, norm_weight, norm_bias, w_iw, cos, sin, cache, slot_mapping, q_out, weights_out,
-            eps, weight_scale, interleaved, kv_cache_dtype, isa,
-        )  # fmt: skip
-    else:
-        _run(
-            x, q_norm, w_iq, w_ik, norm_weight, norm_bias, w_iw, cos, sin, cache, slot_mapping, q_out, weights_out,
-            eps, weight_scale, interleaved, kv_cache_dtype, isa, threads,
-        )  # fmt: skip
-    return q_out, weights_out
 
 
 _LIBRARY = torch.library.Library("glm5_hal", "FRAGMENT")

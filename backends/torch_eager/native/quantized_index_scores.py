@@ -212,6 +212,28 @@ def paged_scores(
     for name, t in (("block_table", block_table), ("seq_lens_k", seq_lens_k), ("cu_seqlens_q", cu_seqlens_q)):
         check(t.device.type == "cpu", ValueError, lambda t=t, n=name: f"{n}: expected a CPU tensor, got {t.device}")
     out = check_score_operands(q, weights, cache, width, out)
+    return paged_scores_checked(
+        q, weights, cache, block_table, seq_lens_k, cu_seqlens_q, out, kv_cache_dtype, first_token, isa, threads
+    )
+
+
+def paged_scores_checked(
+    q: Tensor,
+    weights: Tensor,
+    cache: Tensor,
+    block_table: Tensor,
+    seq_lens_k: Tensor,
+    cu_seqlens_q: Tensor,
+    out: Tensor,
+    kv_cache_dtype: str,
+    first_token: int,
+    isa: str,
+    threads: int | None = None,
+) -> Tensor:
+    """`paged_scores` into `out` for a caller that has established what it checks (the kinds and shapes of every
+    argument, CPU tensors, the cache's rows contiguous): the torch backend, behind glm5_hal.lightning_indexer's
+    validation and its native route's conditions (a decode step otherwise runs every check twice, ~0.03 ms a
+    layer inside an engine). The kernel itself bounds every block id by the cache and every key by the table."""
     if threads is None and not plain_eager((q, weights, cache, out)):
         torch.ops.glm5_hal.native_quantized_index_scores_paged(
             q, weights, cache, block_table, seq_lens_k, cu_seqlens_q, out, kv_cache_dtype, first_token, isa
