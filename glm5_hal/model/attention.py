@@ -44,6 +44,39 @@ class Indexer(nn.Module):
         self.k_norm = k_norm
         self.fused = True  # False forces the decomposed prolog (tests compare the two)
 
+    def fused_weights(self) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor] | None:
+        """(w_iq, w_ik, k_norm weight, k_norm bias, w_iw): what the fused `indexer_prolog` op takes of this indexer,
+        where that op runs its prolog (dense projections and `fused` on); None where the decomposed prolog runs."""
+        if not (self.fused and _all_dense(self.wq_b, self.wk, self.weights_proj)):
+            return None
+        return self.wq_b.weight, self.wk.weight, self.k_norm.weight, self.k_norm.bias, self.weights_proj.weight
+
+    def fused_prolog(
+        self,
+        weights: tuple[Tensor, Tensor, Tensor, Tensor, Tensor],
+        x: Tensor,
+        q_norm: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        cache: Tensor,
+        slot_mapping: Tensor,
+        kv_cache_dtype: str = AUTO,
+    ) -> tuple[Tensor, Tensor]:
+        """`prolog` through the fused op, with weights = fused_weights() (which a caller running every decode step
+        may hold: the vLLM plugin) and the new tokens' cache slots slot_mapping [T] int64."""
+        return indexer_prolog(
+            x,
+            q_norm,
+            *weights,
+            cos,
+            sin,
+            cache,
+            slot_mapping,
+            rope_interleaved=self.cfg.indexer_rope_interleaved,
+            eps=self.k_norm.eps,
+            kv_cache_dtype=kv_cache_dtype,
+        )
+
     def prolog(
         self,
         x: Tensor,
@@ -57,23 +90,9 @@ class Indexer(nn.Module):
         """(q_idx [T, HI, DI], weights [T, HI] fp32); writes the new index keys into cache [nb, bs, DI] (uint8 rows
         of an index format when kv_cache_dtype names one)."""
         cfg = self.cfg
-        if self.fused and _all_dense(self.wq_b, self.wk, self.weights_proj):
-            return indexer_prolog(
-                x,
-                q_norm,
-                self.wq_b.weight,
-                self.wk.weight,
-                self.k_norm.weight,
-                self.k_norm.bias,
-                self.weights_proj.weight,
-                cos,
-                sin,
-                cache,
-                step.slot_mapping,
-                rope_interleaved=cfg.indexer_rope_interleaved,
-                eps=self.k_norm.eps,
-                kv_cache_dtype=kv_cache_dtype,
-            )
+        weights = self.fused_weights()
+        if weights is not None:
+            return self.fused_prolog(weights, x, q_norm, cos, sin, cache, step.slot_mapping, kv_cache_dtype)
         rope = cfg.qk_rope_head_dim
         q = self.wq_b(q_norm).view(x.shape[0], cfg.index_n_heads, cfg.index_head_dim)
         k = self.k_norm(self.wk(x))

@@ -85,20 +85,33 @@ class VllmLinear(nn.Module):
 @dataclass
 class IndexerBinding:
     """What select_keys needs of one layer: vLLM's Indexer (weights, cache, top-k buffer), the model config in
-    glm5-hal's terms, and the glm5-hal Indexer over vLLM's tensors (made at the first call, after weight loading)."""
+    glm5-hal's terms, and the glm5-hal Indexer over vLLM's tensors (made at the first call, after weight loading).
+
+    A decode step calls select_keys once per layer, and each attribute read through an nn.Module costs a Python
+    call: what does not change between steps is read once (cache_layer, index_cache, prolog_weights)."""
 
     vllm_indexer: nn.Module
     cfg: ModelConfig
+    cache_layer: str  # the index-key cache's layer name: its metadata's and slot mapping's key
+    index_cache: nn.Module  # vLLM's DeepseekV32IndexerCache: its kv_cache tensor is bound after the model is built
     glm5_hal_indexer: Indexer | None = field(default=None)
-
-    @property
-    def cache_layer(self) -> str:
-        return self.vllm_indexer.k_cache.prefix
+    # The fused indexer_prolog op's weights (Indexer.fused_weights), or None where the decomposed prolog runs.
+    prolog_weights: tuple[Tensor, ...] | None = field(default=None)
+    huge_pages_asked: Tensor | None = field(default=None)  # the cache tensor last given to on_huge_pages
 
     def indexer(self) -> Indexer:
         if self.glm5_hal_indexer is None:
             self.glm5_hal_indexer = _glm5_hal_indexer(self.vllm_indexer, self.cfg)
+            self.prolog_weights = self.glm5_hal_indexer.fused_weights()
         return self.glm5_hal_indexer
+
+    def cache(self) -> Tensor:
+        """The layer's index-key cache [num_blocks, block_size, 132] uint8, backed by huge pages once."""
+        cache = self.index_cache.kv_cache
+        if cache is not self.huge_pages_asked:
+            on_huge_pages(cache, "index")
+            self.huge_pages_asked = cache
+        return cache
 
 
 _BINDINGS: dict[str, IndexerBinding] = {}  # layer name -> binding, in the process that runs the model
@@ -167,23 +180,27 @@ def _select_keys(
         return  # the profiling run: no cache yet
     tokens = metadata.num_actual_tokens
     cfg = binding.cfg
-    cache = binding.vllm_indexer.k_cache.kv_cache  # [num_blocks, block_size, 132] uint8
-    on_huge_pages(cache, "index")
+    cache = binding.cache()
     slots = context.slot_mapping[binding.cache_layer][:tokens]
-    # vLLM's block table is as wide as max_model_len, and the indexer scores and ranks every position its table
-    # addresses: only the blocks the batch's longest sequence uses
-    table = blocks_in_use(metadata.block_table, metadata.max_seq_len, cache.shape[1])
-    step = StepMetadata(positions[:tokens], slots, table, metadata.seq_lens, metadata.query_start_loc)
-    x = hidden_states[:tokens]
-    cos, sin = _step_rope(context, cfg, step.positions, compute_dtype(x))
-    q_idx, weights = binding.indexer().prolog(x, q_c[:tokens], cos, sin, cache, step, INDEX_CACHE_FORMAT)
+    x, q = hidden_states[:tokens], q_c[:tokens]
+    cos, sin = _step_rope(context, cfg, positions[:tokens], compute_dtype(x))
+    indexer = binding.indexer()
+    if binding.prolog_weights is not None:
+        q_idx, weights = indexer.fused_prolog(binding.prolog_weights, x, q, cos, sin, cache, slots, INDEX_CACHE_FORMAT)
+    else:
+        step = StepMetadata(
+            positions[:tokens], slots, metadata.block_table, metadata.seq_lens, metadata.query_start_loc
+        )
+        q_idx, weights = indexer.prolog(x, q, cos, sin, cache, step, INDEX_CACHE_FORMAT)
     topk = lightning_indexer(
         q_idx,
         weights,
         cache,
-        step.block_table,
-        step.seq_lens_k,
-        step.cu_seqlens_q,
+        # vLLM's block table is as wide as max_model_len, and the indexer scores and ranks every position its table
+        # addresses: only the blocks the batch's longest sequence uses
+        blocks_in_use(metadata.block_table, metadata.max_seq_len, cache.shape[1]),
+        metadata.seq_lens,
+        metadata.query_start_loc,
         cfg.index_topk,
         kv_cache_dtype=INDEX_CACHE_FORMAT,
     )
@@ -226,7 +243,7 @@ def bind_indexer(vllm_indexer: nn.Module, cfg: ModelConfig) -> None:
         if _is_unquantized(dense):
             dense._cpu_skip_gemm_dispatch = True
     layer = vllm_indexer.prefix
-    _BINDINGS[layer] = IndexerBinding(vllm_indexer, cfg)
+    _BINDINGS[layer] = IndexerBinding(vllm_indexer, cfg, cache.prefix, cache)
     vllm_indexer._glm5_hal_layer = layer
     vllm_indexer.forward = types.MethodType(_indexer_forward, vllm_indexer)
     cache.get_attn_backend = lambda: Glm5HalIndexerBackend

@@ -195,6 +195,7 @@ class Glm5HalSparseMLAImpl(MLAAttentionImpl[Glm5HalMetadata]):
         self.cache_format = LATENT_CACHE_FORMATS[kv_cache_dtype]
         self.kv_lora_rank: int = mla_args["kv_lora_rank"]
         self.topk_indices_buffer = topk_indices_buffer
+        self.huge_pages_asked: Tensor | None = None  # the latent cache last given to on_huge_pages
 
     def record_logical_topk_ready(self) -> None:
         """vLLM's MLA layer signals here that the indexer has written the top-k buffer; the ops run in order on
@@ -213,7 +214,9 @@ class Glm5HalSparseMLAImpl(MLAAttentionImpl[Glm5HalMetadata]):
         slot_mapping [T'] (T' <= T, -1 = padding); kv_cache [num_blocks, block_size, 576 or 656]."""
         if kv_cache.numel() == 0:
             return  # the profiling run before the cache exists
-        on_huge_pages(kv_cache, "latent")
+        if kv_cache is not self.huge_pages_asked:  # a decode step comes here once per layer: ask once per cache
+            on_huge_pages(kv_cache, "latent")
+            self.huge_pages_asked = kv_cache
         slots = slot_mapping.flatten()
         n = slots.shape[0]
         rows = torch.cat([kv_c_normed[:n], k_pe[:n].reshape(n, -1)], dim=-1)
