@@ -416,19 +416,23 @@ static inline const uint8_t *next_row(struct row_cursor *c, const uint8_t *cache
     return row;
 }
 
-/* The bf16 route and a lone token's fp32 tiles ask for the next chunk's rows to be brought into L2 while this chunk's
+/* The bf16 route and a lone token's fp32 tiles ask for the next chunk's rows to be brought in while this chunk's
    dots run: a chunk's decode reads its rows from memory and the dots that follow leave memory idle. A cursor walks
    the next chunk's positions, a row per key of a tile. A lone fp32 token (AVX2 build, one token, 4 heads, in-process
    A/B, Zen 4): 16K keys 0.66 -> 0.57 ms and 32K 1.54 -> 1.39 ms out of the LLC, 0.43 -> 0.44 and 1.17 -> 1.24 ms in
    cache; a decode reads its keys from memory inside an engine, so it prefetches. The fp32 route through the
    workspace (prefill) measured 1.1x out of the LLC but 4-7% slower in cache, and does not. A prefetch never faults,
-   so a table entry that names no block costs nothing. */
+   so a table entry that names no block costs nothing. The hint is non-temporal (PREFETCHNTA): each row is read
+   once per call, and a call at 32K keys streams 4.3 MB of them, which with the T2 hint may displace what the rest
+   of the decode step reads again (the engine's Python, the weights: a likely reason, not measured). Measured inside vLLM (glm5-mini dims,
+   32K context, Zen 4, in turns with the T2 build): 1.02-1.08x the decode rate in 4 rounds of 5 (0.97x in one);
+   the kernel alone took the same time with its rows out of the cache (0.56 ms). */
 static inline void prefetch_rows(struct row_cursor *c, long rows, long end, const uint8_t *cache, long block_stride,
                                  long row_stride, long row_bytes, long block_size, const int32_t *tt) {
     for (long i = 0; i < rows && c->position < end; i++) {
         const uint8_t *row = next_row(c, cache, block_stride, row_stride, block_size, tt);
-        for (long b = 0; b < row_bytes; b += 64) __builtin_prefetch(row + b, 0, 1);
-        __builtin_prefetch(row + row_bytes - 1, 0, 1); /* a row's last line, where it starts mid-line */
+        for (long b = 0; b < row_bytes; b += 64) __builtin_prefetch(row + b, 0, 0);
+        __builtin_prefetch(row + row_bytes - 1, 0, 0); /* a row's last line, where it starts mid-line */
     }
 }
 
@@ -440,8 +444,8 @@ static inline long blocks_spanned(long c0, long n, long block_size) {
 #if defined(BF16_DOTS)
 /* st[c0 + k] for k < n: the bf16 route's scores of one token over keys c0 .. c0 + n - 1 (a chunk), from their
    decoded values (values [n][dims]) or, with values NULL, from their codes (codes[k], decoded in the tiles), every
-   head tile of q (qb [hp][dims]) added; scales [n]. The rows of keys from c0 + n on are prefetched into L2 as the
-   tiles run, up to next_end. Inlined, so each call site compiles the loop for its kind of keys. */
+   head tile of q (qb [hp][dims]) added; scales [n]. The rows of keys from c0 + n on are prefetched (non-temporal) as
+   the tiles run, up to next_end. Inlined, so each call site compiles the loop for its kind of keys. */
 static inline __attribute__((always_inline)) void bf16_chunk_scores(
     const uint16_t *values, const uint8_t *const *codes, const uint16_t table[128], long n, const float *scales,
     const uint16_t *qb, const float *wt, long heads, long dims, long c0, long next_end, const uint8_t *cache,
