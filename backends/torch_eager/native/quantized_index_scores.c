@@ -422,17 +422,28 @@ static inline const uint8_t *next_row(struct row_cursor *c, const uint8_t *cache
    A/B, Zen 4): 16K keys 0.66 -> 0.57 ms and 32K 1.54 -> 1.39 ms out of the LLC, 0.43 -> 0.44 and 1.17 -> 1.24 ms in
    cache; a decode reads its keys from memory inside an engine, so it prefetches. The fp32 route through the
    workspace (prefill) measured 1.1x out of the LLC but 4-7% slower in cache, and does not. A prefetch never faults,
-   so a table entry that names no block costs nothing. The hint is non-temporal (PREFETCHNTA): each row is read
-   once per call, and a call at 32K keys streams 4.3 MB of them, which with the T2 hint may displace what the rest
-   of the decode step reads again (the engine's Python, the weights: a likely reason, not measured). Measured inside vLLM (glm5-mini dims,
-   32K context, Zen 4, in turns with the T2 build): 1.02-1.08x the decode rate in 4 rounds of 5 (0.97x in one);
-   the kernel alone took the same time with its rows out of the cache (0.56 ms). */
-static inline void prefetch_rows(struct row_cursor *c, long rows, long end, const uint8_t *cache, long block_stride,
-                                 long row_stride, long row_bytes, long block_size, const int32_t *tt) {
+   so a table entry that names no block costs nothing. The bf16 route's hint is non-temporal (PREFETCHNTA, `nta`):
+   each row is read once per call, and a call at 32K keys streams 4.3 MB of them, which with the T2 hint may displace
+   what the rest of the decode step reads again (the engine's Python, the weights: a likely reason, not measured).
+   Measured inside vLLM (glm5-mini dims, 32K context, Zen 4, in turns with the T2 build): 1.02-1.08x the decode rate
+   in 4 rounds of 5 (0.97x in one); the kernel alone, its rows out of the cache, within 2% either way (0.56-0.60 ms).
+   Not measured on an AVX-512 BF16 Xeon, whose caches treat the hint otherwise. The fp32 route (the AVX2 build's, on
+   CPUs without AVX-512 BF16) keeps T2, measured as above: NTA was not measured there. */
+static inline __attribute__((always_inline)) void prefetch_line(const uint8_t *line, int nta) {
+    if (nta) /* a constant at every call site once inlined: one prefetch instruction */
+        __builtin_prefetch(line, 0, 0);
+    else
+        __builtin_prefetch(line, 0, 1);
+}
+
+static inline __attribute__((always_inline)) void prefetch_rows(struct row_cursor *c, long rows, long end,
+                                                                 const uint8_t *cache, long block_stride,
+                                                                 long row_stride, long row_bytes, long block_size,
+                                                                 const int32_t *tt, int nta) {
     for (long i = 0; i < rows && c->position < end; i++) {
         const uint8_t *row = next_row(c, cache, block_stride, row_stride, block_size, tt);
-        for (long b = 0; b < row_bytes; b += 64) __builtin_prefetch(row + b, 0, 0);
-        __builtin_prefetch(row + row_bytes - 1, 0, 0); /* a row's last line, where it starts mid-line */
+        for (long b = 0; b < row_bytes; b += 64) prefetch_line(row + b, nta);
+        prefetch_line(row + row_bytes - 1, nta); /* a row's last line, where it starts mid-line */
     }
 }
 
@@ -453,7 +464,7 @@ static inline __attribute__((always_inline)) void bf16_chunk_scores(
     struct row_cursor next = cursor_at(c0 + n, block_size);
     for (long k = 0; k < n; k += BF16_KEYS) {
         int n_keys = n - k < BF16_KEYS ? (int)(n - k) : BF16_KEYS;
-        prefetch_rows(&next, BF16_KEYS, next_end, cache, block_stride, row_stride, dims + 4, block_size, tt);
+        prefetch_rows(&next, BF16_KEYS, next_end, cache, block_stride, row_stride, dims + 4, block_size, tt, 1);
         float partial[BF16_KEYS * HEADS] = {0.0f};
         for (long h0 = 0; h0 < heads; h0 += HEADS)
             bf16_tile(values ? values + k * dims : NULL, codes ? codes + k : NULL, table, n_keys, scales + k,
@@ -502,7 +513,7 @@ static void lone_token_chunk_fp32(long dims, int code, const float *qt, const fl
                                   const int32_t *tt, long c0, long n, long next_end, float *st) {
     struct row_cursor at = cursor_at(c0, block_size), next = cursor_at(c0 + n, block_size);
     for (long k = 0; k < n; k += 2) {
-        prefetch_rows(&next, 2, next_end, cache, block_stride, row_stride, dims + 4, block_size, tt);
+        prefetch_rows(&next, 2, next_end, cache, block_stride, row_stride, dims + 4, block_size, tt, 0);
         const uint8_t *rows[2];
         rows[0] = next_row(&at, cache, block_stride, row_stride, block_size, tt);
         rows[1] = k + 1 < n ? next_row(&at, cache, block_stride, row_stride, block_size, tt) : rows[0];
