@@ -64,3 +64,19 @@ def test_alternating_engines_decode_strictly_in_turns(tmp_path):
         t.join(timeout=60)
     assert log == order * windows
     assert results == {"compiled": [1.0, 3.0, 5.0, 7.0, 9.0], "dense": [2.0, 4.0, 6.0, 8.0, 10.0]}
+
+
+def test_vllm_modes_trees_name_two_source_trees(tmp_path, capsys):
+    """--trees: two glm5-hal source trees; the engines are then <mode>-A / <mode>-B and may run the same mode."""
+    repo = vllm_modes.Path(vllm_modes.__file__).resolve().parents[1]
+    assert vllm_modes.parse_trees(f"{repo}, {repo}") == [repo, repo]
+    assert vllm_modes.engine_labels(["compiled", "compiled"], [repo, repo]) == ["compiled-A", "compiled-B"]
+    assert vllm_modes.engine_labels(["compiled", "dense"], None) == ["compiled", "dense"]
+    with pytest.raises(vllm_modes.argparse.ArgumentTypeError, match="expected two source trees"):
+        vllm_modes.parse_trees(str(repo))
+    with pytest.raises(vllm_modes.argparse.ArgumentTypeError, match="expected a glm5-hal source tree"):
+        vllm_modes.parse_trees(f"{repo},{tmp_path}")
+    # the same mode twice is refused without --trees (one engine would be timed against itself)
+    with pytest.raises(SystemExit):
+        vllm_modes.main(["--modes", "compiled,compiled"])
+    assert "different unless --trees" in capsys.readouterr().err

@@ -4,6 +4,8 @@
     .venv-vllm/bin/python -m perf.vllm_modes --context 16384 --modes compiled,dense --windows 8 --rounds 2
     .venv-vllm/bin/python -m perf.vllm_modes --context 16384 --modes compiled,dense --heads 16 --index-heads 16
     .venv-vllm/bin/python -m perf.vllm_modes --context 32768 --modes compiled,dense --windows 8 --alternate
+    .venv-vllm/bin/python -m perf.vllm_modes --context 32768 --modes compiled,compiled --trees .,../other \
+        --windows 10 --rounds 3 --alternate        # two source trees of the plugin, the same mode
 
 Why at the same time: on a shared machine the same engine's decode speed moves by a third between minutes, so two
 modes timed one after the other cannot be told apart at a 20% difference. Here two engines (one per mode, each in its
@@ -27,6 +29,11 @@ GLM5_HAL_VLLM_PACKED_UP_PROJ=0 (the absorbed up-projections through torch.bmm, n
 Checkpoints and dims as perf/vllm_bench.py (glm5-mini dims, index_topk 2048, bf16); --heads / --index-heads change the
 attention and indexer head counts of both checkpoints (the dense per-key work grows with the first, the indexer's
 with the second).
+
+--trees A,B runs the first engine on the glm5-hal source tree A and the second on B (each worker's working directory
+and the head of its PYTHONPATH; this file's worker code either way), so that a change is timed against the code before
+it in the same minutes: e.g. a `git worktree` of the commit before beside this one, `--modes compiled,compiled`. The
+engines are then named `<mode>-A` and `<mode>-B`. Each round prints the glm5_hal each engine imported.
 """
 
 from __future__ import annotations
@@ -56,9 +63,12 @@ MODES: dict[str, tuple[dict[str, str], dict[str, object], str]] = {
 BARRIER_TIMEOUT_S = 1800  # the other engine's start and prefill
 
 
-def _worker(mode: str, model: str, context: int, windows: int, barrier: Path, order: list[str]) -> list[float]:
-    """Decode rates of `windows` requests of one engine (mode), after both engines prefilled; order: the two modes
-    in turn order when they alternate (take_turns), empty when they decode at once."""
+def _worker(
+    label: str, mode: str, model: str, context: int, windows: int, barrier: Path, order: list[str]
+) -> list[float]:
+    """Decode rates of `windows` requests of one engine (mode, named `label`: the mode, or the mode and its tree),
+    after both engines prefilled; order: the two labels in turn order when they alternate (take_turns), empty when
+    they decode at once."""
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -76,11 +86,11 @@ def _worker(mode: str, model: str, context: int, windows: int, barrier: Path, or
     request = [TokensPrompt(prompt_token_ids=prompt(context, seed=1))]
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, detokenize=False)
     llm.generate(request, params)  # prefill, and every first-call cost
-    (barrier / mode).touch()
+    (barrier / f"{READY}{label}").touch()
     deadline = time.monotonic() + BARRIER_TIMEOUT_S
-    while sum(1 for entry in barrier.iterdir() if entry.name in MODES) < 2:
+    while sum(1 for entry in barrier.iterdir() if entry.name.startswith(READY)) < 2:
         if time.monotonic() > deadline:
-            raise TimeoutError(f"{mode}: the other engine was not ready within {BARRIER_TIMEOUT_S} s")
+            raise TimeoutError(f"{label}: the other engine was not ready within {BARRIER_TIMEOUT_S} s")
         time.sleep(0.2)
 
     def window() -> float:
@@ -90,10 +100,11 @@ def _worker(mode: str, model: str, context: int, windows: int, barrier: Path, or
 
     if not order:
         return [window() for _ in range(windows)]
-    return take_turns(mode, order, barrier, window, windows)
+    return take_turns(label, order, barrier, window, windows)
 
 
 TURN_FILE = "turn"
+READY = "ready."  # barrier files: READY + the engine's label, once it has prefilled
 
 
 def take_turns(
@@ -119,29 +130,62 @@ def take_turns(
 
 
 def _round(
-    modes: list[str], cores: list[int], models: dict[str, Path], context: int, windows: int, alternate: bool
+    modes: list[str],
+    cores: list[int],
+    models: dict[str, Path],
+    context: int,
+    windows: int,
+    alternate: bool,
+    trees: list[Path] | None = None,
 ) -> dict[str, list[float]]:
-    """One round: the two modes' engines, mode i on core cores[i], decoding at once or (alternate) in turns."""
+    """One round: the two modes' engines, mode i on core cores[i] (and on source tree trees[i] where given),
+    decoding at once or (alternate) in turns. Returns each engine's rates by its label (`engine_labels`)."""
+    labels = engine_labels(modes, trees)
     with tempfile.TemporaryDirectory() as barrier:
         workers = {}
-        for mode, core in zip(modes, cores, strict=True):
+        for i, (label, mode, core) in enumerate(zip(labels, modes, cores, strict=True)):
             env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "4"}
             env.update({"OMP_NUM_THREADS": "1", **MODES[mode][0]})
+            cwd = None
+            if trees is not None:  # that tree's packages first; this file's worker
+                cwd = str(trees[i])
+                env["PYTHONPATH"] = os.pathsep.join(filter(None, [cwd, env.get("PYTHONPATH", "")]))
             model = models[MODES[mode][2]]
-            command = [sys.executable, "-m", "perf.vllm_modes", "--worker", mode, str(model), str(context)]
-            command += [str(windows), barrier, str(core), ",".join(modes) if alternate else "-"]
-            workers[mode] = subprocess.Popen(
-                command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            # With trees, this file by its path (a tree's own copy may predate --trees); else as a module, as ever.
+            runner = ["-m", "perf.vllm_modes"] if trees is None else [str(Path(__file__).resolve())]
+            command = [sys.executable, *runner, "--worker", label, mode, str(model)]
+            command += [str(context), str(windows), barrier, str(core), ",".join(labels) if alternate else "-"]
+            workers[label] = subprocess.Popen(
+                command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
             )
         rates = {}
-        for mode, worker in workers.items():
+        for label, worker in workers.items():
             out, err = worker.communicate(timeout=2 * BARRIER_TIMEOUT_S)
             if worker.returncode != 0:
                 for other in workers.values():
                     other.kill()
-                raise RuntimeError(f"{mode}: exit {worker.returncode}\n{err[-3000:]}")
-            rates[mode] = json.loads(out.strip().splitlines()[-1])
+                raise RuntimeError(f"{label}: exit {worker.returncode}\n{err[-3000:]}")
+            result = json.loads(out.strip().splitlines()[-1])
+            rates[label] = result["rates"]
+            if trees is not None:
+                print(f"  {label}: glm5_hal from {result['glm5_hal']}", flush=True)
         return rates
+
+
+def engine_labels(modes: list[str], trees: list[Path] | None) -> list[str]:
+    """The two engines' names: their modes, or with --trees `<mode>-A` and `<mode>-B` (the modes may then be equal)."""
+    return list(modes) if trees is None else [f"{mode}-{tree}" for mode, tree in zip(modes, "AB", strict=True)]
+
+
+def parse_trees(value: str) -> list[Path]:
+    """--trees: two glm5-hal source trees (directories holding glm5_hal/ and perf/), comma-separated."""
+    trees = [Path(part.strip()).resolve() for part in value.split(",")]
+    if len(trees) != 2:
+        raise argparse.ArgumentTypeError(f"expected two source trees, comma-separated, got {value!r}")
+    for tree in trees:
+        if not (tree / "glm5_hal" / "__init__.py").is_file() or not (tree / "perf" / "vllm_bench.py").is_file():
+            raise argparse.ArgumentTypeError(f"{tree}: expected a glm5-hal source tree (glm5_hal/, perf/vllm_bench.py)")
+    return trees
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -157,17 +201,26 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="the engines take turns, one window each while the other waits (each decodes alone, in the same minutes)",
     )
-    parser.add_argument("--worker", nargs=7, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--trees",
+        type=parse_trees,
+        help="two glm5-hal source trees A,B: the first engine runs A's code, the second B's (module docstring)",
+    )
+    parser.add_argument("--worker", nargs=8, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
-        mode, model, context, windows, barrier, core, order = args.worker
+        label, mode, model, context, windows, barrier, core, order = args.worker
         os.sched_setaffinity(0, {int(core)})
         turns = [] if order == "-" else order.split(",")
-        print(json.dumps(_worker(mode, model, int(context), int(windows), Path(barrier), turns)))
+        rates = _worker(label, mode, model, int(context), int(windows), Path(barrier), turns)
+        import glm5_hal
+
+        print(json.dumps({"rates": rates, "glm5_hal": str(Path(glm5_hal.__file__).parent)}))
         return
     modes = [m.strip() for m in args.modes.split(",")]
-    if len(modes) != 2 or not set(modes) <= set(MODES) or modes[0] == modes[1]:
-        parser.error(f"--modes: expected two different names from {tuple(MODES)}, got {args.modes!r}")
+    same_allowed = args.trees is not None  # two trees: the same mode on both is the point
+    if len(modes) != 2 or not set(modes) <= set(MODES) or (modes[0] == modes[1] and not same_allowed):
+        parser.error(f"--modes: expected two names from {tuple(MODES)} (different unless --trees), got {args.modes!r}")
     if args.heads < 1 or args.index_heads < 1:
         parser.error(f"--heads / --index-heads: expected positive counts, got {args.heads} / {args.index_heads}")
     cores = sorted(os.sched_getaffinity(0))[:2]
@@ -186,18 +239,19 @@ def main(argv: list[str] | None = None) -> None:
     )
     with tempfile.TemporaryDirectory() as tmp:
         models = write_checkpoints(Path(tmp), config)
+        labels = engine_labels(modes, args.trees)
         for r in range(args.rounds):
             placed = cores if r % 2 == 0 else cores[::-1]
-            rates = _round(modes, placed, models, args.context, args.windows, args.alternate)
-            medians = {m: statistics.median(rates[m]) for m in modes}
-            where = ", ".join(f"{m} on CPU {c}" for m, c in zip(modes, placed, strict=True))
+            rates = _round(modes, placed, models, args.context, args.windows, args.alternate, args.trees)
+            medians = {m: statistics.median(rates[m]) for m in labels}
+            where = ", ".join(f"{m} on CPU {c}" for m, c in zip(labels, placed, strict=True))
             print(
                 f"round {r + 1} ({where}): "
-                + ", ".join(f"{m} median {medians[m]:.1f} tok/s" for m in modes)
-                + f"; {modes[0]} / {modes[1]} = {medians[modes[0]] / medians[modes[1]]:.2f}x",
+                + ", ".join(f"{m} median {medians[m]:.1f} tok/s" for m in labels)
+                + f"; {labels[0]} / {labels[1]} = {medians[labels[0]] / medians[labels[1]]:.2f}x",
                 flush=True,
             )
-            print("  " + json.dumps({m: [round(x, 1) for x in rates[m]] for m in modes}), flush=True)
+            print("  " + json.dumps({m: [round(x, 1) for x in rates[m]] for m in labels}), flush=True)
 
 
 if __name__ == "__main__":
