@@ -54,31 +54,12 @@ def main(argv: list[str] | None = None) -> None:
     os.environ.update({"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "4", "OMP_NUM_THREADS": "1"})
     os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})
     import torch
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
 
-    from perf.vllm_bench import NEW_TOKENS, cpu_name, prompt, write_checkpoints
+    from perf.vllm_bench import NEW_TOKENS, cpu_name, decode_windows, write_checkpoints
 
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
-        model = write_checkpoints(Path(tmp))["dsa"]
-        llm = LLM(
-            model=str(model),
-            dtype="bfloat16",
-            skip_tokenizer_init=True,
-            max_model_len=args.context + NEW_TOKENS + 16,
-            enable_prefix_caching=True,  # every window after the first decodes over the cached prompt
-            disable_log_stats=False,  # the per-request token timestamps
-        )
-        request = [TokensPrompt(prompt_token_ids=prompt(args.context, seed=1))]
-        params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, detokenize=False)
-        llm.generate(request, params)  # prefill, and every first-call cost
-
-        def window() -> float:
-            out = llm.generate(request, params)[0]
-            stats = out.metrics
-            return (len(out.outputs[0].token_ids) - 1) / (stats.last_token_ts - stats.first_token_ts)
-
+        window = decode_windows(write_checkpoints(Path(tmp))["dsa"], args.context)
         rates: dict[str, list[float]] = {way: [] for way in WAYS}
         for _ in range(args.windows):
             rates[WAYS[0]].append(window())

@@ -31,7 +31,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from glm5_hal.config import GLM5_MINI, ModelConfig
 
@@ -108,6 +110,36 @@ def prompt(length: int, seed: int) -> list[int]:
     return torch.randint(0, BENCH_CONFIG.vocab_size, (length,), generator=generator).tolist()
 
 
+def decode_rate(output: Any) -> float:
+    """Decode tokens per second of one finished request (a vLLM RequestOutput): (generated - 1) / (time of the last
+    token - time of the first), so the prompt's prefill is not in it."""
+    stats = output.metrics
+    return (len(output.outputs[0].token_ids) - 1) / (stats.last_token_ts - stats.first_token_ts)
+
+
+def decode_windows(model: str | Path, context: int, **llm_settings: Any) -> Callable[[], float]:
+    """An engine over `model` (bf16, prefix caching on) with one prompt of `context` random tokens prefilled and
+    cached, and the function that decodes one window over it: NEW_TOKENS greedy tokens after the cached prompt,
+    returning decode_rate. llm_settings: further vllm.LLM arguments (a mode's). The benches that time windows of one
+    engine (perf/vllm_modes.py, perf/vllm_calls.py, perf/vllm_ablation.py) start theirs here."""
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm = LLM(
+        model=str(model),
+        dtype="bfloat16",
+        skip_tokenizer_init=True,
+        max_model_len=context + NEW_TOKENS + 16,
+        enable_prefix_caching=True,  # every window after the first request decodes over the cached prompt
+        disable_log_stats=False,  # the per-request token timestamps
+        **llm_settings,
+    )
+    request = [TokensPrompt(prompt_token_ids=prompt(context, seed=1))]
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, detokenize=False)
+    llm.generate(request, params)  # prefill, and every first-call cost
+    return lambda: decode_rate(llm.generate(request, params)[0])
+
+
 def _vllm_worker(model: str, context: int, repeats: int) -> list[float]:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -126,10 +158,7 @@ def _vllm_worker(model: str, context: int, repeats: int) -> list[float]:
     llm.generate([TokensPrompt(prompt_token_ids=prompt(64, seed=0))], params)  # warm-up
     rates = []
     for r in range(repeats):
-        out = llm.generate([TokensPrompt(prompt_token_ids=prompt(context, seed=1 + r))], params)[0]
-        stats = out.metrics
-        generated = len(out.outputs[0].token_ids)
-        rates.append((generated - 1) / (stats.last_token_ts - stats.first_token_ts))
+        rates.append(decode_rate(llm.generate([TokensPrompt(prompt_token_ids=prompt(context, seed=1 + r))], params)[0]))
     return rates
 
 

@@ -129,33 +129,15 @@ def main(argv: list[str] | None = None) -> None:
     times: dict[str, list[float]] = defaultdict(list)
     instrument(times)
 
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    from perf.vllm_bench import NEW_TOKENS, cpu_name, prompt, write_checkpoints
+    from perf.vllm_bench import NEW_TOKENS, cpu_name, decode_windows, write_checkpoints
 
     print(f"{cpu_name()}; context {args.context}, {args.windows} windows of {NEW_TOKENS - 1} decode steps", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
-        model = write_checkpoints(Path(tmp))["dsa"]
-        llm = LLM(
-            model=str(model),
-            dtype="bfloat16",
-            skip_tokenizer_init=True,
-            max_model_len=args.context + NEW_TOKENS + 16,
-            enable_prefix_caching=True,  # every window after the first request decodes over the cached prompt
-            disable_log_stats=False,  # the per-request token timestamps
-        )
-        request = [TokensPrompt(prompt_token_ids=prompt(args.context, seed=1))]
-        params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, detokenize=False)
-        llm.generate(request, params)  # prefill, and every first-call cost
+        window = decode_windows(write_checkpoints(Path(tmp))["dsa"], args.context)
         per_window: dict[str, list[float]] = defaultdict(list)
         for _ in range(args.windows):
             times.clear()
-            out = llm.generate(request, params)[0]
-            stats = out.metrics
-            per_window["tok/s"].append(
-                (len(out.outputs[0].token_ids) - 1) / (stats.last_token_ts - stats.first_token_ts)
-            )
+            per_window["tok/s"].append(window())
             for key, value in window_means(times).items():
                 per_window[key].append(value)
     medians = {key: statistics.median(values) for key, values in per_window.items()}

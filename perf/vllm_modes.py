@@ -31,7 +31,8 @@ attention and indexer head counts of both checkpoints (the dense per-key work gr
 with the second).
 
 --trees A,B runs the first engine on the glm5-hal source tree A and the second on B (each worker's working directory
-and the head of its PYTHONPATH; this file's worker code either way), so that a change is timed against the code before
+and the head of its PYTHONPATH: the tree's glm5_hal, backends, ops_reference and quantization; this repository's
+perf/ either way, so a tree from before --trees works), so that a change is timed against the code before
 it in the same minutes: e.g. a `git worktree` of the commit before beside this one, `--modes compiled,compiled`. The
 engines are then named `<mode>-A` and `<mode>-B`. Each round prints the glm5_hal each engine imported.
 """
@@ -49,7 +50,14 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from perf.vllm_bench import BENCH_CONFIG, NEW_TOKENS, cpu_name, prefill_dense_in_chunks, prompt, write_checkpoints
+from perf.vllm_bench import (
+    BENCH_CONFIG,
+    NEW_TOKENS,
+    cpu_name,
+    decode_windows,
+    prefill_dense_in_chunks,
+    write_checkpoints,
+)
 
 MODES: dict[str, tuple[dict[str, str], dict[str, object], str]] = {
     # name: (environment, LLM settings, checkpoint: vllm_bench.write_checkpoints' key)
@@ -69,23 +77,9 @@ def _worker(
     """Decode rates of `windows` requests of one engine (mode, named `label`: the mode, or the mode and its tree),
     after both engines prefilled; order: the two labels in turn order when they alternate (take_turns), empty when
     they decode at once."""
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
-
     if MODES[mode][2] == "dense":
         prefill_dense_in_chunks()  # and prefix caching on: its windows decode, as the plugin's do
-    llm = LLM(
-        model=model,
-        dtype="bfloat16",
-        skip_tokenizer_init=True,
-        max_model_len=context + NEW_TOKENS + 16,
-        enable_prefix_caching=True,  # every window after the first request decodes over the cached prompt
-        disable_log_stats=False,  # the per-request token timestamps
-        **MODES[mode][1],
-    )
-    request = [TokensPrompt(prompt_token_ids=prompt(context, seed=1))]
-    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, detokenize=False)
-    llm.generate(request, params)  # prefill, and every first-call cost
+    window = decode_windows(model, context, **MODES[mode][1])
     (barrier / f"{READY}{label}").touch()
     deadline = time.monotonic() + BARRIER_TIMEOUT_S
     while sum(1 for entry in barrier.iterdir() if entry.name.startswith(READY)) < 2:
@@ -93,17 +87,23 @@ def _worker(
             raise TimeoutError(f"{label}: the other engine was not ready within {BARRIER_TIMEOUT_S} s")
         time.sleep(0.2)
 
-    def window() -> float:
-        out = llm.generate(request, params)[0]
-        stats = out.metrics
-        return (len(out.outputs[0].token_ids) - 1) / (stats.last_token_ts - stats.first_token_ts)
-
     if not order:
         return [window() for _ in range(windows)]
     return take_turns(label, order, barrier, window, windows)
 
 
 TURN_FILE = "turn"
+REPOSITORY = Path(__file__).resolve().parents[1]
+# A --trees worker: started in its tree, it imports the tree's packages first (their submodules then load from the
+# tree too), then runs this repository's perf.vllm_modes as the worker (argv[1]: this repository; the rest: --worker's).
+TREE_WORKER = """
+import importlib, runpy, sys
+for package in ("glm5_hal", "backends", "ops_reference", "quantization"):
+    importlib.import_module(package)
+sys.path.insert(0, sys.argv[1])
+sys.argv = ["perf.vllm_modes", *sys.argv[2:]]
+runpy.run_module("perf.vllm_modes", run_name="__main__", alter_sys=True)
+"""
 READY = "ready."  # barrier files: READY + the engine's label, once it has prefilled
 
 
@@ -151,8 +151,8 @@ def _round(
                 cwd = str(trees[i])
                 env["PYTHONPATH"] = os.pathsep.join(filter(None, [cwd, env.get("PYTHONPATH", "")]))
             model = models[MODES[mode][2]]
-            # With trees, this file by its path (a tree's own copy may predate --trees); else as a module, as ever.
-            runner = ["-m", "perf.vllm_modes"] if trees is None else [str(Path(__file__).resolve())]
+            # With trees: the tree's packages, then this repository's perf/ (a tree's own may predate --trees).
+            runner = ["-m", "perf.vllm_modes"] if trees is None else ["-c", TREE_WORKER, str(REPOSITORY)]
             command = [sys.executable, *runner, "--worker", label, mode, str(model)]
             command += [str(context), str(windows), barrier, str(core), ",".join(labels) if alternate else "-"]
             workers[label] = subprocess.Popen(
