@@ -742,10 +742,8 @@ def test_the_torch_backend_runs_decode_prologs_on_the_fused_kernel(monkeypatch: 
     monkeypatch.setenv("GLM5_HAL_FAST_PATHS", "1")
     monkeypatch.setenv(build.ENV_NATIVE, native)
     calls = []
-    real = native_prolog.prolog_checked  # what the backend calls, behind the op's checks
-    monkeypatch.setattr(
-        native_prolog, "prolog_checked", lambda x, *a, **kw: calls.append(x.shape[0]) or real(x, *a, **kw)
-    )
+    real = native_prolog.prolog
+    monkeypatch.setattr(native_prolog, "prolog", lambda x, *a, **kw: calls.append(x.shape[0]) or real(x, *a, **kw))
     fused = set()
     for case in cases_for("indexer_prolog", quick=True):
         inputs = case.build(case_generator(case, torch.bfloat16, seed=7), torch.bfloat16)
@@ -760,9 +758,9 @@ def test_the_torch_backend_runs_decode_prologs_on_the_fused_kernel(monkeypatch: 
 
 
 def test_indexer_prolog_bounds_its_slots_with_value_checks_off(monkeypatch):
-    """The backend calls prolog_checked, behind the op's checks; the op's slot range check is a value check that
-    GLM5_HAL_CHECK_VALUES=0 turns off, so the native path must still refuse a slot past the cache before its kernel
-    writes there."""
+    """The backend calls the native prolog with validated=True, behind the op's checks; the op's slot range check is a
+    value check that GLM5_HAL_CHECK_VALUES=0 turns off, so the native path must still refuse a slot past the cache
+    before its kernel writes there."""
     from glm5_hal.parity.cases import cases_for
     from glm5_hal.parity.runner import case_generator
 
@@ -771,8 +769,8 @@ def test_indexer_prolog_bounds_its_slots_with_value_checks_off(monkeypatch):
     monkeypatch.setenv(build.ENV_NATIVE, native)
     monkeypatch.setenv("GLM5_HAL_CHECK_VALUES", "0")
     calls = []
-    real = native_prolog.prolog_checked
-    monkeypatch.setattr(native_prolog, "prolog_checked", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    real = native_prolog.prolog
+    monkeypatch.setattr(native_prolog, "prolog", lambda *a, **kw: calls.append(kw["validated"]) or real(*a, **kw))
     case = next(
         c
         for c in cases_for("indexer_prolog", quick=True)
@@ -785,7 +783,7 @@ def test_indexer_prolog_bounds_its_slots_with_value_checks_off(monkeypatch):
     inputs["slot_mapping"][0] = cache.shape[0] * cache.shape[1]  # one past the last slot
     with pytest.raises(ValueError, match=r"slot_mapping: expected -1 or a slot of the \d+-slot cache"):
         glm5_hal.indexer_prolog(**inputs)
-    assert calls == [1], "the call did not reach the native prolog: the test checks nothing"
+    assert calls == [True], "the call did not reach the native prolog validated: the test checks nothing"
     assert torch.equal(cache, before), "the refused call wrote into the cache"
 
 

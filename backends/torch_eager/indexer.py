@@ -66,9 +66,10 @@ def indexer_prolog(
     # shapes and `takes` the rest of what the kernel's wrapper would check again.
     if route.fused and native_prolog.takes(x, q_norm, (w_iq, w_ik, w_iw), index_k_cache, kv_cache_dtype):
         if native_prolog.availability(route.native_isa)[0]:
-            return native_prolog.prolog_checked(
+            return native_prolog.prolog(
                 x, q_norm, w_iq, w_ik, k_norm_weight, k_norm_bias, w_iw, cos, sin, index_k_cache, slot_mapping,
                 interleaved=rope_interleaved, eps=eps, kv_cache_dtype=kv_cache_dtype, isa=route.native_isa,
+                validated=True,
             )  # fmt: skip
     q = gemm.linear(q_norm, w_iq).view(x.shape[0], num_heads, head_dim)  # [T, HI, DI]
     k = layer_norm(gemm.linear(x, w_ik), k_norm_weight, k_norm_bias, eps)  # [T, DI]
@@ -142,8 +143,10 @@ class _ScoringBatch:
             # The op validated every argument and the route's conditions hold (__init__): the kernel's wrapper would
             # only check them again. out is this tile's [tile, width] rows of a contiguous fp32 buffer.
             q, weights = self.q[tokens], self.weights[tokens]
-            args = (q, weights, self.cache, self.block_table, self.seq_lens_k, self.cu_seqlens_q, out)
-            native_quantized_scores.paged_scores_checked(*args, self.kv_cache_dtype, start, self.gemm.native_isa)
+            args = (q, weights, self.cache, self.block_table, self.seq_lens_k, self.cu_seqlens_q, self.width)
+            native_quantized_scores.paged_scores(
+                *args, self.kv_cache_dtype, first_token=start, out=out, isa=self.gemm.native_isa, validated=True
+            )
             return
         seqs, positions = self.seqs[tokens], self.positions[tokens]
         last_block = self.cache.shape[0] - 1

@@ -60,9 +60,10 @@ def sparse_flash_attention(
     ):
         # One kernel over the batch as the op takes it: it finds each key's row and drops the keys that are none
         # (the tests of key_slots below), so no slot tensor and no mask is made in torch. The op validated every
-        # argument and the conditions above are the rest of what the kernel's wrapper would check again.
-        return native_attention.paged_attention_checked(
-            q, kv_cache, indices, block_table, seq_lens_k, cu_seqlens_q, sm_scale, d_v, isa=gemm.native_isa
+        # argument and the conditions above are the rest of what the kernel's wrapper would check again (validated).
+        batch = (block_table, seq_lens_k, cu_seqlens_q)
+        return native_attention.paged_attention(
+            q, kv_cache, indices, *batch, sm_scale, d_v, isa=gemm.native_isa, validated=True
         )
     view = slot_rows(kv_cache)  # the cache read in place as rows [R, D] (or [R, row_bytes] uint8)
     rows = view.rows

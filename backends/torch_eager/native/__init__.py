@@ -4,9 +4,9 @@ instructions, the GEMM is exact and faster there; GLM5_HAL_NATIVE=0 turns them o
 
 One module per kernel, each a C source beside it and a Python wrapper that checks its arguments. Where the torch
 backend calls a kernel behind a public op that has already validated the same arguments (a decode step's indexer
-prolog, indexer scores and sparse attention), it calls the wrapper's `*_checked` entry, which skips the repeated
-checks of kinds and shapes but keeps every check of values the kernel's memory safety rests on (slots it writes at);
-the paged kernels bound every block id and key position themselves:
+prolog, indexer scores and sparse attention), it passes `validated=True`, which skips the repeated checks of kinds
+and shapes but keeps every check of values the kernel's memory safety rests on (slots it writes at); the paged
+kernels bound every block id and key position themselves:
 - bf16_gemm: bf16 x bf16 -> fp32 GEMM (what backends/torch_eager/gemm.py takes for products that must stay fp32);
 - indexer_scores: the lightning indexer's scores from the paged key cache, keys read in place;
 - indexer_prolog: the indexer prolog of a decode step (projections, LayerNorm, RoPE, head weights, the key row

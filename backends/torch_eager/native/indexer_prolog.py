@@ -159,39 +159,54 @@ def prolog(
     kv_cache_dtype: str = AUTO,
     isa: str = AVX2,
     threads: int | None = None,
+    validated: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """(q_idx, weights) as described in the module docstring; the key rows are written into `cache`. isa: the build
-    (backends.torch_eager.native.build.ISAS). threads: default torch's."""
-    _check_arguments(x, q_norm, w_iq, w_ik, norm_weight, norm_bias, w_iw, cos, sin, cache, slot_mapping, kv_cache_dtype)
-    return prolog_checked(
-        x, q_norm, w_iq, w_ik, norm_weight, norm_bias, w_iw, cos, sin, cache, slot_mapping,
-        interleaved=interleaved, eps=eps, kv_cache_dtype=kv_cache_dtype, isa=isa, threads=threads,
-    )  # fmt: skip
-
-
-def prolog_checked(
-    x: Tensor,
-    q_norm: Tensor,
-    w_iq: Tensor,
-    w_ik: Tensor,
-    norm_weight: Tensor,
-    norm_bias: Tensor,
-    w_iw: Tensor,
-    cos: Tensor,
-    sin: Tensor,
-    cache: Tensor,
-    slot_mapping: Tensor,
-    *,
-    interleaved: bool,
-    eps: float,
-    kv_cache_dtype: str,
-    isa: str,
-    threads: int | None = None,
-) -> tuple[Tensor, Tensor]:
-    """`prolog` for a caller that has established what it checks of the arguments' kinds and shapes: the torch
-    backend, behind glm5_hal.indexer_prolog's validation and `takes` (a decode step runs every check twice
-    otherwise, ~0.03 ms a layer inside an engine). The slots are still bounded: the kernel writes at them, and the
-    op's own range check is a value check that can be turned off."""
+    (backends.torch_eager.native.build.ISAS). threads: default torch's. validated: the caller has established what
+    this would check of the arguments' kinds and shapes: the torch backend, behind glm5_hal.indexer_prolog's
+    validation and `takes` (a decode step otherwise runs every check twice, ~0.03 ms a layer inside an engine). The
+    slots are bounded either way: the kernel writes at them, and the op's own range check is a value check that can be
+    turned off."""
+    if not validated:  # what the kernel takes: `takes`, and the shapes it reads
+        tokens, hidden = x.shape
+        heads, dims = w_iw.shape[0], w_ik.shape[0]
+        check(
+            takes(x, q_norm, (w_iq, w_ik, w_iw), cache, kv_cache_dtype),
+            TypeError,
+            lambda: (
+                f"native indexer prolog: expected at most {MAX_TOKENS} tokens, bf16 CPU activations and weights (their "
+                f"rows contiguous) and a bf16 or {tuple(CODES)[1:]} cache with contiguous rows, got {tokens} tokens, "
+                f"x {x.dtype}, cache {cache.dtype} ({kv_cache_dtype})"
+            ),
+        )
+        shapes = {
+            "q_norm": (q_norm, (tokens, q_norm.shape[1])),
+            "w_iq": (w_iq, (heads * dims, q_norm.shape[1])),
+            "w_ik": (w_ik, (dims, hidden)),
+            "w_iw": (w_iw, (heads, hidden)),
+            "norm_weight": (norm_weight, (dims,)),
+            "norm_bias": (norm_bias, (dims,)),
+            "cos": (cos, (tokens, cos.shape[-1])),
+            "sin": (sin, (tokens, cos.shape[-1])),
+            "slot_mapping": (slot_mapping, (tokens,)),
+        }
+        for name, (t, shape) in shapes.items():
+            check(
+                tuple(t.shape) == shape,
+                ValueError,
+                lambda n=name, t=t, s=shape: f"{n}: expected {s}, got {tuple(t.shape)}",
+            )
+        check(
+            2 * cos.shape[-1] <= dims,
+            ValueError,
+            lambda: f"cos, sin: expected [{tokens}, at most {dims // 2}], got {tuple(cos.shape)}",
+        )
+        row_width = dims if kv_cache_dtype == AUTO else FORMATS[kv_cache_dtype].row_bytes
+        check(
+            cache.dim() == 3 and cache.shape[2] == row_width,
+            ValueError,
+            lambda: f"cache: expected [num_blocks, block_size, {row_width}], got {tuple(cache.shape)}",
+        )
     tokens = x.shape[0]
     heads, dims = w_iw.shape[0], w_ik.shape[0]
     if tokens:  # the kernel writes at these slots: one out of the cache would write past it
@@ -218,60 +233,6 @@ def prolog_checked(
             eps, weight_scale, interleaved, kv_cache_dtype, isa, threads,
         )  # fmt: skip
     return q_out, weights_out
-
-
-def _check_arguments(
-    x: Tensor,
-    q_norm: Tensor,
-    w_iq: Tensor,
-    w_ik: Tensor,
-    norm_weight: Tensor,
-    norm_bias: Tensor,
-    w_iw: Tensor,
-    cos: Tensor,
-    sin: Tensor,
-    cache: Tensor,
-    slot_mapping: Tensor,
-    kv_cache_dtype: str,
-) -> None:
-    """What `prolog` takes: `takes`, and the shapes the kernel reads."""
-    tokens, hidden = x.shape
-    heads, dims = w_iw.shape[0], w_ik.shape[0]
-    check(
-        takes(x, q_norm, (w_iq, w_ik, w_iw), cache, kv_cache_dtype),
-        TypeError,
-        lambda: (
-            f"native indexer prolog: expected at most {MAX_TOKENS} tokens, bf16 CPU activations and weights (their "
-            f"rows contiguous) and a bf16 or {tuple(CODES)[1:]} cache with contiguous rows, got {tokens} tokens, "
-            f"x {x.dtype}, cache {cache.dtype} ({kv_cache_dtype})"
-        ),
-    )
-    shapes = {
-        "q_norm": (q_norm, (tokens, q_norm.shape[1])),
-        "w_iq": (w_iq, (heads * dims, q_norm.shape[1])),
-        "w_ik": (w_ik, (dims, hidden)),
-        "w_iw": (w_iw, (heads, hidden)),
-        "norm_weight": (norm_weight, (dims,)),
-        "norm_bias": (norm_bias, (dims,)),
-        "cos": (cos, (tokens, cos.shape[-1])),
-        "sin": (sin, (tokens, cos.shape[-1])),
-        "slot_mapping": (slot_mapping, (tokens,)),
-    }
-    for name, (t, shape) in shapes.items():
-        check(
-            tuple(t.shape) == shape, ValueError, lambda n=name, t=t, s=shape: f"{n}: expected {s}, got {tuple(t.shape)}"
-        )
-    check(
-        2 * cos.shape[-1] <= dims,
-        ValueError,
-        lambda: f"cos, sin: expected [{tokens}, at most {dims // 2}], got {tuple(cos.shape)}",
-    )
-    row_width = dims if kv_cache_dtype == AUTO else FORMATS[kv_cache_dtype].row_bytes
-    check(
-        cache.dim() == 3 and cache.shape[2] == row_width,
-        ValueError,
-        lambda: f"cache: expected [num_blocks, block_size, {row_width}], got {tuple(cache.shape)}",
-    )
 
 
 _LIBRARY = torch.library.Library("glm5_hal", "FRAGMENT")

@@ -188,52 +188,40 @@ def paged_scores(
     out: Tensor | None = None,
     isa: str = AVX2,
     threads: int | None = None,
+    validated: bool = False,
 ) -> Tensor:
     """The paged form of `scores` (module docstring), written into `out` ([T, width] fp32, rows contiguous) if
     given: block_table [B, max_blocks] int32 (max_blocks * block_size >= width), seq_lens_k [B] and cu_seqlens_q
-    [B + 1] int32, as the op takes them. isa: the build. threads: default torch's."""
-    _check_format(q, cache, kv_cache_dtype)
-    batch = block_table.shape[0] if block_table.dim() == 2 else -1
-    check(
-        block_table.dim() == 2 and block_table.dtype == torch.int32 and block_table.shape[1] * cache.shape[1] >= width,
-        ValueError,
-        lambda: (
-            f"block_table: expected [B, >= {width} / {cache.shape[1]}] int32, got {tuple(block_table.shape)} "
-            f"{block_table.dtype}"
-        ),
-    )
-    for name, t, size in (("seq_lens_k", seq_lens_k, batch), ("cu_seqlens_q", cu_seqlens_q, batch + 1)):
+    [B + 1] int32, as the op takes them. isa: the build. threads: default torch's. validated: the caller has
+    established what this would check (the kinds and shapes of every argument, CPU tensors, the cache's rows
+    contiguous, out as above): the torch backend, behind glm5_hal.lightning_indexer's validation and its native
+    route's conditions (a decode step otherwise runs every check twice, ~0.03 ms a layer inside an engine). The
+    kernel itself bounds every block id by the cache and every key by the table."""
+    if validated:
+        out = torch.empty(q.shape[0], width, dtype=torch.float32) if out is None else out
+    else:
+        _check_format(q, cache, kv_cache_dtype)
+        batch = block_table.shape[0] if block_table.dim() == 2 else -1
         check(
-            tuple(t.shape) == (size,) and t.dtype == torch.int32,
+            block_table.dim() == 2
+            and block_table.dtype == torch.int32
+            and block_table.shape[1] * cache.shape[1] >= width,
             ValueError,
-            lambda t=t, n=name, size=size: f"{n}: expected [{size}] int32, got {tuple(t.shape)} {t.dtype}",
+            lambda: (
+                f"block_table: expected [B, >= {width} / {cache.shape[1]}] int32, got {tuple(block_table.shape)} "
+                f"{block_table.dtype}"
+            ),
         )
-    check(first_token >= 0, ValueError, lambda: f"first_token: expected >= 0, got {first_token}")
-    for name, t in (("block_table", block_table), ("seq_lens_k", seq_lens_k), ("cu_seqlens_q", cu_seqlens_q)):
-        check(t.device.type == "cpu", ValueError, lambda t=t, n=name: f"{n}: expected a CPU tensor, got {t.device}")
-    out = check_score_operands(q, weights, cache, width, out)
-    return paged_scores_checked(
-        q, weights, cache, block_table, seq_lens_k, cu_seqlens_q, out, kv_cache_dtype, first_token, isa, threads
-    )
-
-
-def paged_scores_checked(
-    q: Tensor,
-    weights: Tensor,
-    cache: Tensor,
-    block_table: Tensor,
-    seq_lens_k: Tensor,
-    cu_seqlens_q: Tensor,
-    out: Tensor,
-    kv_cache_dtype: str,
-    first_token: int,
-    isa: str,
-    threads: int | None = None,
-) -> Tensor:
-    """`paged_scores` into `out` for a caller that has established what it checks (the kinds and shapes of every
-    argument, CPU tensors, the cache's rows contiguous): the torch backend, behind glm5_hal.lightning_indexer's
-    validation and its native route's conditions (a decode step otherwise runs every check twice, ~0.03 ms a
-    layer inside an engine). The kernel itself bounds every block id by the cache and every key by the table."""
+        for name, t, size in (("seq_lens_k", seq_lens_k, batch), ("cu_seqlens_q", cu_seqlens_q, batch + 1)):
+            check(
+                tuple(t.shape) == (size,) and t.dtype == torch.int32,
+                ValueError,
+                lambda t=t, n=name, size=size: f"{n}: expected [{size}] int32, got {tuple(t.shape)} {t.dtype}",
+            )
+        check(first_token >= 0, ValueError, lambda: f"first_token: expected >= 0, got {first_token}")
+        for name, t in (("block_table", block_table), ("seq_lens_k", seq_lens_k), ("cu_seqlens_q", cu_seqlens_q)):
+            check(t.device.type == "cpu", ValueError, lambda t=t, n=name: f"{n}: expected a CPU tensor, got {t.device}")
+        out = check_score_operands(q, weights, cache, width, out)
     if threads is None and not plain_eager((q, weights, cache, out)):
         torch.ops.glm5_hal.native_quantized_index_scores_paged(
             q, weights, cache, block_table, seq_lens_k, cu_seqlens_q, out, kv_cache_dtype, first_token, isa

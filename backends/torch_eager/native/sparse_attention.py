@@ -249,43 +249,15 @@ def paged_attention(
     out_dtype: torch.dtype = torch.bfloat16,
     isa: str = FAST,
     threads: int | None = None,
+    validated: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """(out, lse) as `attention`, over the op's paged batch (module docstring). isa, threads, out_dtype: as
-    `attention`."""
-    _check_paged_arguments(q, cache, indices, block_table, seq_lens_k, cu_seqlens_q, d_v, out_dtype)
-    return paged_attention_checked(
-        q,
-        cache,
-        indices,
-        block_table,
-        seq_lens_k,
-        cu_seqlens_q,
-        scale,
-        d_v,
-        out_dtype=out_dtype,
-        isa=isa,
-        threads=threads,
-    )
-
-
-def paged_attention_checked(
-    q: Tensor,
-    cache: Tensor,
-    indices: Tensor,
-    block_table: Tensor,
-    seq_lens_k: Tensor,
-    cu_seqlens_q: Tensor,
-    scale: float,
-    d_v: int,
-    *,
-    out_dtype: torch.dtype = torch.bfloat16,
-    isa: str = FAST,
-    threads: int | None = None,
-) -> tuple[Tensor, Tensor]:
-    """`paged_attention` for a caller that has established what it checks (the kinds and shapes of every argument,
+    `attention`. validated: the caller has established what this would check (the kinds and shapes of every argument,
     bf16 q and cache with contiguous rows, CPU tensors): the torch backend, behind glm5_hal.sparse_flash_attention's
     validation and its native route's conditions (a decode step otherwise runs every check twice, ~0.02 ms a layer
     inside an engine). The kernel itself drops keys whose block or position the table and cache do not hold."""
+    if not validated:
+        _check_paged_arguments(q, cache, indices, block_table, seq_lens_k, cu_seqlens_q, d_v, out_dtype)
     # The build is an argument of the op: compile sees each; in plain eager mode the implementation runs directly.
     if threads is None and out_dtype == torch.bfloat16 and not plain_eager((q, cache, indices)):
         return torch.ops.glm5_hal.native_paged_sparse_attention(
