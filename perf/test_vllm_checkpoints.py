@@ -74,7 +74,7 @@ def test_vllm_modes_trees_name_two_source_trees(tmp_path, capsys):
     assert vllm_modes.engine_labels(["compiled", "dense"], None) == ["compiled", "dense"]
     with pytest.raises(vllm_modes.argparse.ArgumentTypeError, match="expected two source trees"):
         vllm_modes.parse_trees(str(repo))
-    with pytest.raises(vllm_modes.argparse.ArgumentTypeError, match="expected a glm5-hal source tree"):
+    with pytest.raises(vllm_modes.argparse.ArgumentTypeError, match="expected a glm5-hal source tree, without"):
         vllm_modes.parse_trees(f"{repo},{tmp_path}")
     # the same mode twice is refused without --trees (one engine would be timed against itself)
     with pytest.raises(SystemExit):

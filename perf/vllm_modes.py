@@ -96,9 +96,10 @@ TURN_FILE = "turn"
 REPOSITORY = Path(__file__).resolve().parents[1]
 # A --trees worker: started in its tree, it imports the tree's packages first (their submodules then load from the
 # tree too), then runs this repository's perf.vllm_modes as the worker (argv[1]: this repository; the rest: --worker's).
-TREE_WORKER = """
+TREE_PACKAGES = ("glm5_hal", "backends", "ops_reference", "quantization")
+TREE_WORKER = f"""
 import importlib, runpy, sys
-for package in ("glm5_hal", "backends", "ops_reference", "quantization"):
+for package in {TREE_PACKAGES!r}:
     importlib.import_module(package)
 sys.path.insert(0, sys.argv[1])
 sys.argv = ["perf.vllm_modes", *sys.argv[2:]]
@@ -147,7 +148,7 @@ def _round(
             env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "4"}
             env.update({"OMP_NUM_THREADS": "1", **MODES[mode][0]})
             cwd = None
-            if trees is not None:  # that tree's packages first; this file's worker
+            if trees is not None:  # that tree's packages first (TREE_WORKER)
                 cwd = str(trees[i])
                 env["PYTHONPATH"] = os.pathsep.join(filter(None, [cwd, env.get("PYTHONPATH", "")]))
             model = models[MODES[mode][2]]
@@ -178,13 +179,14 @@ def engine_labels(modes: list[str], trees: list[Path] | None) -> list[str]:
 
 
 def parse_trees(value: str) -> list[Path]:
-    """--trees: two glm5-hal source trees (directories holding glm5_hal/ and perf/), comma-separated."""
+    """--trees: two glm5-hal source trees (directories holding the packages TREE_WORKER imports), comma-separated."""
     trees = [Path(part.strip()).resolve() for part in value.split(",")]
     if len(trees) != 2:
         raise argparse.ArgumentTypeError(f"expected two source trees, comma-separated, got {value!r}")
     for tree in trees:
-        if not (tree / "glm5_hal" / "__init__.py").is_file() or not (tree / "perf" / "vllm_bench.py").is_file():
-            raise argparse.ArgumentTypeError(f"{tree}: expected a glm5-hal source tree (glm5_hal/, perf/vllm_bench.py)")
+        missing = [package for package in TREE_PACKAGES if not (tree / package / "__init__.py").is_file()]
+        if missing:
+            raise argparse.ArgumentTypeError(f"{tree}: expected a glm5-hal source tree, without {missing}")
     return trees
 
 

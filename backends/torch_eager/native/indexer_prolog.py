@@ -167,9 +167,9 @@ def prolog(
     validation and `takes` (a decode step otherwise runs every check twice, ~0.03 ms a layer inside an engine). The
     slots are bounded either way: the kernel writes at them, and the op's own range check is a value check that can be
     turned off."""
+    heads, dims = w_iw.shape[0], w_ik.shape[0]
     if not validated:  # what the kernel takes: `takes`, and the shapes it reads
         tokens, hidden = x.shape
-        heads, dims = w_iw.shape[0], w_ik.shape[0]
         check(
             takes(x, q_norm, (w_iq, w_ik, w_iw), cache, kv_cache_dtype),
             TypeError,
@@ -208,7 +208,6 @@ def prolog(
             lambda: f"cache: expected [num_blocks, block_size, {row_width}], got {tuple(cache.shape)}",
         )
     tokens = x.shape[0]
-    heads, dims = w_iw.shape[0], w_ik.shape[0]
     if tokens:  # the kernel writes at these slots: one out of the cache would write past it
         lowest, highest = value_range(slot_mapping)
         slots = cache.shape[0] * cache.shape[1]
