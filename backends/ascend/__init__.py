@@ -31,8 +31,8 @@ NOTES = (
     "ep_dispatch / ep_combine use the MC2 kernels npu_moe_distribute_dispatch_v2 / combine_v2 on Atlas A3 within "
     "their documented limits (bf16/fp16, 2..384 ranks, H 1024..7168, 1..512 tokens per rank), the portable "
     "all_to_all_single exchange otherwise (A2 included)",
-    "fused_moe with fewer than 16 outputs per token runs the portable path: the fused kernels' bf16 intermediates "
-    "are not accurate enough there",
+    "fused_moe in fp16, or in bf16 with fewer than 16 outputs per token, runs the portable path: the fused kernels' "
+    "bf16 / fp16 intermediates are not accurate enough there",
     "a batch with a NaN router logit runs moe_gate's portable path while value checks are on (the kernel does not "
     "document how it ranks NaN)",
     "validated here only against a strict fake of torch_npu 2.14.0's schemas and docs, not on an NPU",

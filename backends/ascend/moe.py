@@ -11,7 +11,9 @@ grouped_matmul:  npu_grouped_matmul(x=[x_sorted], weight=[w^T as a transposed vi
 moe_combine:     npu_moe_token_unpermute(sorted_indices = inverse of src_index, probs = topk_weights): the only
                  place routing weights are applied, as the contract wants
 fused_moe:       the four kernels above with npu_swiglu between the GEMMs; dispatch asks for row_idx_type 0,
-                 whose index is exactly what npu_moe_token_unpermute takes.
+                 whose index is exactly what npu_moe_token_unpermute takes. The kernels keep bf16 / fp16
+                 intermediates, so fp16 and bf16 with fewer than 16 outputs per token run the portable path
+                 (glm5_hal.vendor_precision).
 """
 
 from __future__ import annotations
@@ -22,18 +24,13 @@ from torch import Tensor
 from backends.ascend.layouts import group_list, invert_permutation, offsets_from_counts
 from backends.ascend.runtime import npu, portable
 from glm5_hal.checks import value_checks_enabled
+from glm5_hal.vendor_precision import fused_moe_chain_unsupported
 
 MAX_EXPERTS_GATING = 2048  # npu_moe_gating_top_k: E <= 2048
 MAX_EXPERTS_ROUTING = 10240  # npu_moe_init_routing_v2: expert_num in (0, 10240]
 MAX_GROUPS = 1024  # npu_grouped_matmul: group_list holds at most 1024 groups
 INNER_LIMIT = 65536  # npu_grouped_matmul: K and N below 65536
 MAX_UNPERMUTE_TOPK = 512  # npu_moe_token_unpermute: topK <= 512
-# Narrowest output the fused pipeline serves. Its GEMM, swiglu and unpermute kernels keep the intermediates in
-# bf16 / fp16 (no documented fp32 output for those inputs); with few outputs per token that rounding is not
-# averaged out and cancellation in one output shows whole: on the strict fake, 120 random configs per width
-# came out up to 19% off the float64 reference at D = 1 and within 0.94% at D = 2 .. 64 (bf16 tolerance: 1.6%).
-# Real MoE layers have D >= 256; narrower ones take the portable path (fp32 intermediates).
-MIN_FUSED_MOE_WIDTH = 16
 
 
 def moe_gate_unsupported(num_experts: int, n_group: int, scoring: str, norm_topk_prob: bool) -> str | None:
@@ -185,8 +182,9 @@ def fused_moe(x, topk_weights, topk_ids, w13, w2):
     )
     if unsupported is None and topk_ids.shape[1] > MAX_UNPERMUTE_TOPK:
         unsupported = "npu_moe_token_unpermute takes at most 512 experts per token"
-    if unsupported is None and x.shape[1] < MIN_FUSED_MOE_WIDTH and x.dtype != torch.float32:
-        unsupported = f"outputs narrower than {MIN_FUSED_MOE_WIDTH}: the fused bf16 intermediates lose too much there"
+    # The chain's kernels keep the intermediates in bf16 / fp16: fp16, and bf16 with few outputs per token, miss the
+    # tolerance there (glm5_hal.vendor_precision, measured on the strict fake).
+    unsupported = unsupported or fused_moe_chain_unsupported(x.dtype, x.shape[1])
     if unsupported is not None:
         return portable("fused_moe", unsupported)(x, topk_weights, topk_ids, w13, w2)
     # row_idx_type 0: row_idx[assignment] = its row, the index npu_moe_token_unpermute gathers with.

@@ -13,7 +13,8 @@ moe_combine:     moe_post(y_sorted as [T, k, D], moe_index = inverse of src_inde
                  dequant_scale = 1): the only place routing weights are applied, as the contract wants
 fused_moe:       gen_block_statistic, moe_pre_sorted, moe_fc(w13), silu(gate) * up in fp32, moe_fc(w2), moe_post;
                  moe_pre_sorted's moe_index (row of each assignment) is what moe_post gathers with, whatever the
-                 order within an expert.
+                 order within an expert. Its kernels return bf16 / fp16 intermediates, so fp16 and bf16 with fewer
+                 than 16 outputs per token run the portable path (glm5_hal.vendor_precision).
 Every kernel here takes bf16/fp16 activations (what vllm-kunlun feeds them); fp32 runs the portable path.
 """
 
@@ -26,6 +27,7 @@ from torch import Tensor
 from backends.kunlun.runtime import kernel, portable, unavailable
 from glm5_hal.checks import value_checks_enabled
 from glm5_hal.vendor_conventions import invert_permutation
+from glm5_hal.vendor_precision import fused_moe_chain_unsupported
 
 ACTIVATIONS = (torch.bfloat16, torch.float16)
 STATISTIC_BLOCKS = 12  # rows of the block statistic, as every vllm-kunlun caller allocates it
@@ -138,6 +140,9 @@ def fused_moe(x, topk_weights, topk_ids, w13, w2):
     unsupported = _gemm_unsupported(x, w13) or _gemm_unsupported(x, w2)
     if unsupported is None and topk_ids.numel() == 0:
         unsupported = "no assignments"
+    # moe_fc and moe_post return bf16 / fp16: fp16, and bf16 with few outputs per token, miss the tolerance through
+    # the chain's roundings (glm5_hal.vendor_precision, measured on the strict fake).
+    unsupported = unsupported or fused_moe_chain_unsupported(x.dtype, x.shape[1])
     if unsupported is not None:
         return portable("fused_moe", unsupported)(x, topk_weights, topk_ids, w13, w2)
     tokens, top_k = topk_ids.shape

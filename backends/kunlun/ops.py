@@ -40,7 +40,10 @@ KERNELS: dict[str, tuple[str, str]] = {
     "moe_gate": ("moe_sigmoid_group_topk_norm", "portable for softmax scoring, norm_topk_prob=False, NaN logits"),
     "grouped_matmul": ("moe_fc", "bf16/fp16 only"),
     "moe_combine": ("moe_post", "bf16/fp16 only"),
-    "fused_moe": ("gen_block_statistic + moe_pre_sorted + moe_fc x2 + moe_post", "bf16/fp16 only"),
+    "fused_moe": (
+        "gen_block_statistic + moe_pre_sorted + moe_fc x2 + moe_post",
+        "bf16 from 16 outputs per token only (its bf16 / fp16 intermediates: glm5_hal.vendor_precision)",
+    ),
     "dynamic_quant": ("quant2d", "bf16/fp16 only"),
     "quant_matmul": ("cutlass_scaled_mm", "bf16/fp16 outputs only"),
 }
