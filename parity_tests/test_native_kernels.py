@@ -16,7 +16,7 @@ import multiprocessing
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import glm5_hal
@@ -232,13 +232,17 @@ def _quantized_index_cache(gen: torch.Generator, kv_cache_dtype: str, blocks: in
     raw=st.booleans(),
     seed=st.integers(0, 2**31 - 1),
 )
+# A bf16 token after an fp32 one of its sequence reused the fp32 keys (the fp32 route), alone it took the bf16 route:
+# its bits depended on the split over threads (found at 10x this test's examples).
+@example(kv_cache_dtype="fp8_index", q_dtype="mixed", tokens=4, heads=35, block_size=1, width=118, one_sequence=True,
+         raw=False, seed=0)  # fmt: skip
 def test_quantized_index_scores_are_the_fp32_scores_over_the_decoded_rows(
     isa, kv_cache_dtype, q_dtype, tokens, heads, block_size, width, one_sequence, raw, seed
 ):
     """Widths past the kernel's 256-key chunk, tokens sharing one block table (the decoded chunk is reused) or each
     their own (decoded again), rows of random bytes (NaN codes, any scale) or as the writer encodes them; bf16
     queries (the bf16 route over e4m3 codes), fp32 ones, or "mixed": fp32 queries of which every other token holds
-    bf16 values, so tokens sharing a decoded chunk alternate between the two routes."""
+    bf16 values, so tokens sharing a decoded chunk alternate between the two routes, each taking its own."""
     _runs(quantized_index_scores, isa)
     gen = torch.Generator().manual_seed(seed)
     blocks = -(-max(width, 1) // block_size)

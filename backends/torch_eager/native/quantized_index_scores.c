@@ -591,7 +591,12 @@ static int score_tokens(long heads, long dims, int code, const float *q, const f
                                       needed, limit < s_end ? limit : s_end, st); /* the workspace is left as it was */
                 continue;
             }
-            if (decoded_bf16 && !bf16) decoded = 0; /* this token needs fp32 keys */
+            /* A token takes its own route over the workspace, whatever the token before it left there: fp32 keys for
+               an fp32 token; bf16 values for a bf16 one unless a scale among its own keys rules them out (the decode
+               below turns to fp32 then). Reusing the other route's keys made a token's bits depend on how the
+               tokens were split over threads (a bf16 token after an fp32 one of its sequence took the fp32 route,
+               alone the bf16 one: found by the native tests at 10x their examples). */
+            if (decoded_bf16 != bf16) decoded = 0;
             if (decoded == 0) decoded_bf16 = bf16;
             if (decoded < needed) {
                 struct row_cursor at = cursor_at(c0 + decoded, block_size);
