@@ -25,7 +25,8 @@ NOTES = (
     "fused kernels take bf16/fp16: fp32 activations (and fp32 outputs of quant_matmul / w4a8_matmul) run the "
     "portable torch path on the npu",
     "mla_prolog uses npu_mla_prolog_v3 at DeepSeek-V3.2 dims (its documented shape range), the unfused "
-    "npu_kv_rmsnorm_rope_cache path otherwise (GLM-5: q_lora 2048, qk_nope 192)",
+    "npu_kv_rmsnorm_rope_cache path otherwise (GLM-5: q_lora 2048, qk_nope 192); below qk_nope 16 the portable path "
+    "(both keep q in bf16 / fp16, too coarse for a short absorption sum)",
     "shapes outside a kernel's documented range (block size not a multiple of 16, > 64 indexer heads, ...) run the "
     "portable torch path; see docs/ascend.md",
     "ep_dispatch / ep_combine use the MC2 kernels npu_moe_distribute_dispatch_v2 / combine_v2 on Atlas A3 within "

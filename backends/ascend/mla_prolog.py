@@ -11,6 +11,8 @@ Why scratch caches: both kernels write a split cache (512-wide latent + 64-wide 
 cannot alias the contract's combined [blocks, bs, 576] rows, so they write T rows into a small scratch cache (block
 size 16, cache_index 0..T-1) and the adapter copies those rows where slot_mapping says. The three projection
 weights of the fused path are transposed and cast to FRACTAL_NZ once per weight tensor (glm5_hal.weight_cache).
+Both paths keep q and its absorption in bf16 / fp16, so a qk_nope_head_dim below 16 runs the portable path
+(glm5_hal.vendor_precision).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from backends.ascend.layouts import interleave_rope_pairs, rope_table_halves
 from backends.ascend.quantized_cache import store_rows
 from backends.ascend.runtime import ACL_FORMAT_FRACTAL_NZ, half_or_bf16, npu, portable
 from glm5_hal.kv_formats import AUTO
+from glm5_hal.vendor_precision import mla_prolog_chain_unsupported
 from glm5_hal.weight_cache import derived
 
 # npu_mla_prolog_v3's documented shape ranges (torch_npu 2.14.0): He hidden, Hcq q_lora, D qk_nope, Dr rope,
@@ -152,7 +155,8 @@ def mla_prolog(
     """
     args = (x, w_dq, gamma_cq, w_uq_qr, w_uk, w_dkv_kr, gamma_ckv, cos, sin, kv_cache, slot_mapping, eps)
     rope = 2 * cos.shape[1]
-    unsupported = unfused_unsupported(x, w_uk, rope, kv_cache)
+    # q and its absorption stay in bf16 / fp16 on both NPU paths: a short qk_nope sum cannot hold the tolerance.
+    unsupported = unfused_unsupported(x, w_uk, rope, kv_cache) or mla_prolog_chain_unsupported(x.dtype, w_uk.shape[1])
     if unsupported is not None:
         return portable("mla_prolog", unsupported)(*args, kv_cache_dtype=kv_cache_dtype)
     inputs = (x, w_dq, gamma_cq, w_uq_qr, w_uk, w_dkv_kr, gamma_ckv, cos, sin, eps)
