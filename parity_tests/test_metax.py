@@ -183,6 +183,19 @@ def test_quant_kernels_at_aligned_shapes_and_nan_rows(fake_metax) -> None:
         assert fake_metax.calls["cutlass_scaled_mm"] == 1 and torch.isnan(y[2]).all() and (y[1] == 0).all()
 
 
+@pytest.mark.parametrize(("m", "n", "k"), [(3, 0, 16), (0, 16, 16)])
+def test_quant_matmul_with_an_empty_operand_runs_portable(fake_metax, m: int, n: int, k: int) -> None:
+    """N = 0 passed the kernel's alignment rule (0 is a multiple of 16) and reached cutlass_scaled_mm, which refuses a
+    0-wide operand (the strict fake: "16 byte alignment"; found by a sweep of the fuzz suite's configs)."""
+    x_q = torch.randint(-127, 128, (m, k), generator=_gen(8), dtype=torch.int8)
+    w_q = torch.randint(-127, 128, (n, k), generator=_gen(9), dtype=torch.int8)
+    x_scale, w_scale, bias = torch.rand(m) + 0.1, torch.rand(n) + 0.1, torch.randn(n, generator=_gen(10))
+    with use_backend("metax", strict=True):
+        y = glm5_hal.quant_matmul(x_q, x_scale, w_q, w_scale, bias, out_dtype=torch.bfloat16)
+    want = ((x_q.double() @ w_q.double().T) * x_scale.double()[:, None] * w_scale.double() + bias.double()).bfloat16()
+    assert y.shape == (m, n) and torch.equal(y, want) and not fake_metax.calls, dict(fake_metax.calls)
+
+
 # ----------------------------------------------------------------------------------- the fake is strict
 def test_pytorch_enforces_the_real_schemas(fake_metax) -> None:
     """A call the real schema refuses (misspelt keyword, missing argument, wrong type) fails before any kernel."""

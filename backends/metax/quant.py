@@ -44,8 +44,12 @@ def quant_matmul(x_q, x_scale, w_q, w_scale, bias=None, out_dtype=torch.bfloat16
     """glm5_hal.quant_matmul with cutlass_scaled_mm: x_q [M, K] int8, x_scale [M] fp32, w_q [N, K] int8,
     w_scale [N] fp32, bias [N] or None -> y [M, N] out_dtype = int32(x_q @ w_q^T) * x_scale * w_scale (+ bias)."""
     (m, k), n = x_q.shape, w_q.shape[0]
-    if out_dtype not in OUT_DTYPES or k % ALIGN or n % ALIGN or m == 0:
+    reason = None
+    if out_dtype not in OUT_DTYPES or k % ALIGN or n % ALIGN:
         reason = f"cutlass_scaled_mm outputs bf16/fp16 and takes K, N multiples of {ALIGN}"
+    elif m == 0 or n == 0:  # an empty operand: the kernel's alignment and layout checks refuse a 0-wide one (N = 0)
+        reason = "nothing to multiply"
+    if reason is not None:
         return portable("quant_matmul", reason)(x_q, x_scale, w_q, w_scale, bias, out_dtype)
     out = torch.empty(m, n, dtype=out_dtype, device=x_q.device)
     kernel(LIBRARY, "cutlass_scaled_mm")(
