@@ -154,3 +154,25 @@ def test_norm_rope_layer_norm_on_strided_rows(gen, interleaved):
     want = ref.layer_norm(to_numpy(x), to_numpy(weight), to_numpy(bias), 1e-6)
     want[:, 4:24] = ref.rope(want[:, 4:24], to_numpy(cos), to_numpy(sin), interleaved=interleaved)
     _assert_close("rows", out, want, torch.float32)
+
+
+@pytest.mark.parametrize("fmt", ["fp8_ds_mla", "int8_mla"])
+def test_quantized_cache_of_one_padded_slot_is_written_and_read(fmt):
+    """A cache of one block of one slot whose rows are padded (strides row_bytes + 1) is 'contiguous' to torch (size-1
+    dims' strides do not count), so .contiguous() returned it unchanged: the writer, copying until the rows were
+    aligned, recursed without end (the long fuzz profile). The rows now go through a fresh aligned copy both ways."""
+    from backends.triton.quantized_cache import aligned_cache, quantize_into_cache  # noqa: PLC0415
+    from glm5_hal.kv_formats import FORMATS  # noqa: PLC0415
+
+    row_bytes = FORMATS[fmt].row_bytes
+    storage = torch.full((row_bytes + 1,), 7, dtype=torch.uint8)
+    cache = storage.as_strided((1, 1, row_bytes), (row_bytes + 1, row_bytes + 1, 1))
+    assert cache.is_contiguous() and cache.contiguous() is cache
+    rows = torch.randn(1, 576, generator=torch.Generator().manual_seed(3))
+    quantize_into_cache(rows, cache, torch.tensor([0]), FORMATS[fmt])
+    assert storage[-1] == 7  # the padding byte untouched
+    plain = torch.zeros(1, 1, row_bytes, dtype=torch.uint8)  # the same row written into an ordinary cache
+    quantize_into_cache(rows, plain, torch.tensor([0]), FORMATS[fmt])
+    assert torch.equal(cache, plain)
+    dense = aligned_cache(cache, fmt)  # what the readers take
+    assert dense is not cache and torch.equal(dense, plain) and dense.stride() == plain.stride()

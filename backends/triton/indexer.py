@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from backends.triton.quantized_cache import code_of, index_key_scale, layout_of, load_index_codes, needs_copy
+from backends.triton.quantized_cache import aligned_cache, code_of, index_key_scale, layout_of, load_index_codes
 from backends.triton.runtime import DOT_UPCAST, interpreting, unit_stride_arguments
 from backends.triton.sparse_attention import key_rows, token_sequence
 from glm5_hal.kv_formats import AUTO
@@ -184,7 +184,7 @@ def _fill_logits(
 
 def _readable_cache(index_k_cache: Tensor, kv_cache_dtype: str) -> Tensor:
     """The cache as the kernel reads it: in place, or a copy where a quantized row's scale is misaligned."""
-    return index_k_cache.contiguous() if needs_copy(index_k_cache, kv_cache_dtype) else index_k_cache
+    return aligned_cache(index_k_cache, kv_cache_dtype)
 
 
 @unit_stride_arguments()

@@ -197,7 +197,7 @@ def quantize_into_cache(rows: Tensor, cache: Tensor, slot_mapping: Tensor, fmt: 
     if num_rows == 0:
         return
     if needs_copy(cache, fmt.name):
-        dense = cache.contiguous()
+        dense = aligned_cache(cache, fmt.name)
         quantize_into_cache(rows, dense, slot_mapping, fmt)
         cache.copy_(dense)
         return
@@ -238,6 +238,14 @@ def finish_write(scratch: Tensor, cache: Tensor, slot_mapping: Tensor, kv_cache_
     """Quantize a prolog's scratch rows into a quantized cache (nothing for a float cache, written directly)."""
     if kv_cache_dtype != AUTO:
         quantize_into_cache(scratch, cache, slot_mapping, FORMATS[kv_cache_dtype])
+
+
+def aligned_cache(cache: Tensor, kv_cache_dtype: str) -> Tensor:
+    """`cache`, or a fresh copy with contiguous strides where `needs_copy` says its rows cannot be used in place. A
+    clone, not .contiguous(): torch counts a view as contiguous whatever the strides of its size-1 dims, so a cache of
+    one block of one slot with padded rows stayed misaligned through .contiguous() (which returns such a view
+    itself), and the writer, copying until aligned, recursed without end (found by the long fuzz profile)."""
+    return cache.clone(memory_format=torch.contiguous_format) if needs_copy(cache, kv_cache_dtype) else cache
 
 
 def needs_copy(cache: Tensor, kv_cache_dtype: str) -> bool:

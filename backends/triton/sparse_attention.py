@@ -28,7 +28,7 @@ import triton.language as tl
 from torch import Tensor
 
 from backends.triton.quant import cast_for_store
-from backends.triton.quantized_cache import code_of, layout_of, load_cache_values, needs_copy
+from backends.triton.quantized_cache import aligned_cache, code_of, layout_of, load_cache_values
 from backends.triton.runtime import DOT_UPCAST, interpreting, unit_stride_arguments
 from glm5_hal.kv_formats import AUTO
 
@@ -253,8 +253,7 @@ def sparse_flash_attention(
     lse = torch.empty((num_tokens, num_heads), dtype=torch.float32, device=q.device)
     if num_tokens == 0 or num_heads == 0:
         return out, lse
-    if needs_copy(kv_cache, kv_cache_dtype):
-        kv_cache = kv_cache.contiguous()  # a quantized row's scales / RoPE values need aligned addresses
+    kv_cache = aligned_cache(kv_cache, kv_cache_dtype)  # a quantized row's scales / RoPE values need aligned addresses
     config = _launch_config(num_heads, q.dtype)
     kernel = _sparse_attention_kernel if config is not None else _tuned_kernel()
     config = config or {}
