@@ -74,17 +74,25 @@ def indexer_prolog_inputs(
 def cancelling_indexer_projections(build: Build) -> Build:
     """`build`'s indexer_prolog inputs with w_iq's and w_iw's rows made orthogonal to the first token's q_norm and x
     (in float64, then rounded to the case's dtype): every q_idx and head weight of that token is a sum whose terms
-    cancel to rounding noise. An fp32 result of such a sum is accurate relative to its terms' magnitudes, not to
-    itself (glm5_hal/parity/specs.py's scales); the long fuzz profile found a weight of 3.9e-4 from terms of 4.3."""
+    cancel to rounding noise. An fp32 result of such a sum is accurate relative to its terms (their root-sum-square),
+    not to itself (glm5_hal/parity/specs.py's scales); the long fuzz profile found a weight of 3.9e-4 from terms of
+    4.3."""
 
     def build_cancelling(gen: torch.Generator, dtype: torch.dtype) -> dict:
         inputs = build(gen, dtype)
         for weight, activation in (("w_iq", "q_norm"), ("w_iw", "x")):
-            v, w = inputs[activation][0].double(), inputs[weight].double()
-            inputs[weight] = (w - (w @ v)[:, None] * v[None, :] / (v @ v)).to(inputs[weight].dtype)
+            inputs[weight] = rows_orthogonal_to(inputs[weight], inputs[activation][0])
         return inputs
 
     return build_cancelling
+
+
+def rows_orthogonal_to(w: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """w [N, K] with every row's component in the span of v ([K], or [R, K] with R < K) removed (in float64, then
+    rounded to w's dtype): each product of a row of w with a row of v is a sum whose terms cancel to rounding noise."""
+    basis, _ = torch.linalg.qr(v.double().reshape(-1, v.shape[-1]).T)  # [K, R], orthonormal columns
+    w64 = w.double()
+    return (w64 - (w64 @ basis) @ basis.T).to(w.dtype)
 
 
 # ---------------------------------------------------------------------------------------------------- indexer
@@ -194,6 +202,22 @@ def grouped_matmul_inputs(group_sizes: list[int], n: int, k: int) -> Build:
     return build
 
 
+def cancelling_grouped_products(build: Build) -> Build:
+    """`build`'s grouped_matmul inputs with each expert's weight rows made orthogonal to that expert's rows of x
+    (fewer rows than K per expert): every output cancels to rounding noise, and is judged against its terms'
+    magnitudes (the long fuzz profile failed an fp32 output of three cancelling terms at 1.1e-4 of itself)."""
+
+    def build_cancelling(gen: torch.Generator, dtype: torch.dtype) -> dict:
+        inputs = build(gen, dtype)
+        offsets = inputs["expert_offsets"].tolist()
+        for expert, (start, end) in enumerate(zip(offsets, offsets[1:])):
+            if end > start:
+                inputs["w"][expert] = rows_orthogonal_to(inputs["w"][expert], inputs["x_sorted"][start:end])
+        return inputs
+
+    return build_cancelling
+
+
 def moe_combine_inputs(tokens: int, k: int, width: int) -> Build:
     def build(gen: torch.Generator, dtype: torch.dtype) -> dict:
         return {
@@ -219,6 +243,24 @@ def fused_moe_inputs(
         }
 
     return build
+
+
+def cancelling_down_projections(build: Build) -> Build:
+    """`build`'s fused_moe inputs with each expert's down projection w2 made orthogonal to the activations
+    silu(x w1^T) * (x w3^T) of the tokens routed to it (float64 from the case's x and w13; fewer tokens per expert
+    than the intermediate size): every output cancels to rounding noise, and is judged against its terms'
+    magnitudes."""
+
+    def build_cancelling(gen: torch.Generator, dtype: torch.dtype) -> dict:
+        inputs = build(gen, dtype)
+        x, ids, w13, w2 = inputs["x"].double(), inputs["topk_ids"], inputs["w13"], inputs["w2"]
+        for expert in ids.unique().tolist():
+            tokens = (ids == expert).any(dim=1)
+            gate, up = (x[tokens] @ w13[expert].double().T).chunk(2, dim=1)
+            w2[expert] = rows_orthogonal_to(w2[expert], torch.nn.functional.silu(gate) * up)
+        return inputs
+
+    return build_cancelling
 
 
 # ------------------------------------------------------------------------------------------------ quantization
@@ -374,6 +416,12 @@ CASES: list[Case] = [
     Case("grouped_matmul", "mini", "regular", grouped_matmul_inputs([5, 9, 3, 7], 48, 64)),
     Case("grouped_matmul", "zero_token_experts", "corner", grouped_matmul_inputs([0, 6, 0, 0, 11, 0], 40, 32)),
     Case("grouped_matmul", "all_rows_one_expert", "corner", grouped_matmul_inputs([0, 0, 17, 0], 24, 40)),
+    Case(
+        "grouped_matmul",
+        "products_cancel",
+        "corner",
+        cancelling_grouped_products(grouped_matmul_inputs([1, 3, 0, 2], 5, 4)),
+    ),
     Case("grouped_matmul", "glm5_expert_dims", "regular", grouped_matmul_inputs([3, 0, 5], 2048, 6144), slow=True),
     # moe_combine
     Case("moe_combine", "mini", "regular", moe_combine_inputs(23, 4, 64)),
@@ -382,6 +430,7 @@ CASES: list[Case] = [
     Case("fused_moe", "mini", "regular", fused_moe_inputs(21, 256, 64, 4, 16)),
     Case("fused_moe", "zero_token_experts", "corner", fused_moe_inputs(21, 256, 64, 4, 16, used_experts=6)),
     Case("fused_moe", "all_tokens_one_expert", "corner", fused_moe_inputs(9, 128, 32, 1, 8, used_experts=1)),
+    Case("fused_moe", "products_cancel", "corner", cancelling_down_projections(fused_moe_inputs(5, 48, 16, 2, 4))),
     # dynamic_quant
     Case("dynamic_quant", "tokens", "regular", dynamic_quant_inputs((37, 256))),
     Case("dynamic_quant", "zero_row_3d", "corner", dynamic_quant_inputs((3, 5, 96), zero_rows=(4, 11))),

@@ -5,8 +5,8 @@
   tolerance of the case's activation dtype (fp32 1e-5, bf16 1.6e-2, fp16 1e-3: FlagGems' resolutions), each
   element's error counted beyond the contract's absolute floor (ABSOLUTE_FLOOR, 2^-110) or the output format's own
   rounding among its subnormals where that is coarser (fp16: 2^-25). Some outputs are judged against another
-  scale than |ref| (`scale`): lse against max(1, |lse|) (an fp32 sum's error is absolute in its log), indexer
-  scores against the sum of their terms' magnitudes (a weighted sum over heads cancels).
+  scale than |ref| (`scale`): lse against max(1, |lse|) (an fp32 sum's error is absolute in its log), sums that
+  cancel (projections, indexer scores) against their terms' root-sum-square (glm5_hal.parity.specs).
 - Integer outputs (ids, offsets, int32 accumulators): exactly equal.
 - Top-k index sets: checked for validity exactly (range, causality, uniqueness, -1 tail of the right length)
   and compared as sets through the reference scores, so any correct top-k set passes ties.
@@ -62,7 +62,7 @@ def compare_float(
 ) -> Verdict:
     """out against the float64 ref at the tolerance of activation dtype `dtype` (module docstring). scale: what each
     element's error is relative to, where that is not |ref| (same shape as ref): a quantity whose fp32 error is
-    absolute (lse: max(1, |lse|)), or a sum with cancellation (judged against the sum of its terms' magnitudes)."""
+    absolute (lse: max(1, |lse|)), or a sum with cancellation (judged against its terms' root-sum-square)."""
     tol = TOLERANCE[dtype]
     floor = output_floor(out.dtype) if isinstance(out, torch.Tensor) else ABSOLUTE_FLOOR
     got = to_numpy(out).astype(np.float64)
@@ -111,10 +111,11 @@ def compare_topk(
     topk: int,
     dtype: torch.dtype,
     *,
-    magnitudes: np.ndarray | None = None,
+    scales: np.ndarray | None = None,
 ) -> Verdict:
-    """Indices [T, topk] against the reference logits [T, S] (-inf = not visible). magnitudes [T, S]: what each
-    logit's rounding is relative to (the sum of its terms' magnitudes), else the row's largest |logit|.
+    """Indices [T, topk] against the reference logits [T, S] (-inf = not visible). scales [T, S]: what each
+    logit's rounding is relative to (glm5_hal.parity.specs: its terms' root-sum-square), else |logit|; a row is
+    judged against its largest.
 
     NaN ranks above every number (docs/ops.md "NaN"): the keys the reference scores NaN must all be picked (or,
     when there are more of them than topk, the lowest-positioned ones: NaN ties NaN); the rest is judged as a
@@ -153,7 +154,7 @@ def compare_topk(
         kth_best = np.sort(scores[visible])[::-1][n_valid - 1]
         weakest = scores[head].min()
         finite = visible[np.isfinite(scores[visible])]
-        sizes = np.abs(scores[finite]) if magnitudes is None else np.abs(magnitudes[t, finite])
+        sizes = np.abs(scores[finite]) if scales is None else np.abs(scales[t, finite])
         row_scale = sizes.max(initial=0.0) or 1.0
         shortfall = (kth_best - weakest) / row_scale
         worst = max(worst, float(shortfall))

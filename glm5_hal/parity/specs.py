@@ -157,35 +157,43 @@ def _judge_quantized_write(
     return compare_quantized_cache(name, value, before, written, reference_cache, slots, fmt, dtype)
 
 
-def _indexer_scores_and_magnitudes(inputs: Inputs) -> tuple[np.ndarray, np.ndarray]:
-    """The reference logits [T, width], and the sum of their terms' magnitudes, sum_j |w_j| sum_i |q_ji k_i| (-inf
-    where not visible): what an fp32 computation of a logit rounds against. A logit is a weighted sum over heads
-    that cancels (weights of both signs), so its error is relative to that sum, not to the logit itself (as the
-    float64 checks of the native kernels judge their sums)."""
+def _indexer_scores_and_scales(inputs: Inputs) -> tuple[np.ndarray, np.ndarray]:
+    """The reference logits [T, width] (-inf where not visible), and what each logit's rounding is relative to. A
+    logit sum_j w_j ReLU(q_j . k) sums heads whose weights have both signs, and each q_j . k sums products of both
+    signs: both levels cancel, so a logit is judged against its terms' root-sum-square, sqrt(sum_j w_j^2 d_j^2) with
+    d_j = max(|q_j . k|, sqrt(sum_i q_ji^2 k_i^2)) (docs/ops.md "What an error is relative to"), and at least
+    against itself. Each head counts, active or not: its dot product's rounding decides which side of ReLU it is."""
     args = {k: (to_numpy(v) if isinstance(v, torch.Tensor) else v) for k, v in inputs.items()}
     paged = [args[n] for n in _PAGED]
     fmt = args.get("kv_cache_dtype", AUTO)
     logits = ref.indexer_logits(args["q_idx"], args["weights"], args["index_k_cache"], *paged, fmt)
-    keys = np.abs(ref.dequantize_cache(args["index_k_cache"], fmt))
-    with np.errstate(invalid="ignore"):  # inf * 0 in inputs holding inf: those logits are not finite, not judged
-        magnitudes = ref.indexer_logits(np.abs(args["q_idx"]), np.abs(args["weights"]), keys, *paged, AUTO)
-    return logits, _finite_or_zero(magnitudes)
+    keys = ref.dequantize_cache(args["index_k_cache"], fmt)
+    sequences = ref.token_sequences(args["cu_seqlens_q"])
+    terms_sq = np.zeros_like(logits)
+    with np.errstate(invalid="ignore", over="ignore"):  # inf * 0 where inputs hold inf: those logits are not judged
+        for t, row in enumerate(logits):
+            visible = np.flatnonzero(row != -np.inf)
+            token_keys = ref.gather_keys(keys, args["block_table"], sequences[t], visible)  # [S, DI]
+            q = np.asarray(args["q_idx"][t], np.float64)  # [HI, DI]
+            head_sq = np.maximum((q @ token_keys.T) ** 2, q**2 @ (token_keys**2).T)  # [HI, S]
+            terms_sq[t, visible] = np.asarray(args["weights"][t], np.float64) ** 2 @ head_sq
+    return logits, _sum_scale(terms_sq, logits)
 
 
 def _judge_indexer_logits(spec: OpSpec, inputs: Inputs, outputs: Outputs, dtype: torch.dtype) -> list[Verdict]:
-    logits, magnitudes = _indexer_scores_and_magnitudes(inputs)
-    return [compare_float("logits", outputs["logits"], logits, dtype, scale=magnitudes)]
+    logits, scales = _indexer_scores_and_scales(inputs)
+    return [compare_float("logits", outputs["logits"], logits, dtype, scale=scales)]
 
 
 def _judge_lightning_indexer(spec: OpSpec, inputs: Inputs, outputs: Outputs, dtype: torch.dtype) -> list[Verdict]:
-    logits, magnitudes = _indexer_scores_and_magnitudes(inputs)
+    logits, scales = _indexer_scores_and_scales(inputs)
     indices = outputs["indices"]
-    verdicts = [compare_topk("indices", indices, logits, int(inputs["topk"]), dtype, magnitudes=magnitudes)]
+    verdicts = [compare_topk("indices", indices, logits, int(inputs["topk"]), dtype, scales=scales)]
     if "scores" in outputs:
         # The scores a backend returns are the reference scores of the keys it picked.
         idx = to_numpy(indices).astype(np.int64)
         picked = np.where(idx >= 0, np.take_along_axis(logits, np.clip(idx, 0, None), axis=1), -np.inf)
-        scale = np.where(idx >= 0, np.take_along_axis(magnitudes, np.clip(idx, 0, None), axis=1), 0.0)
+        scale = np.where(idx >= 0, np.take_along_axis(scales, np.clip(idx, 0, None), axis=1), 0.0)
         verdicts.append(compare_float("scores", outputs["scores"], picked, dtype, scale=scale))
     return verdicts
 
@@ -232,30 +240,72 @@ def _moe_combine_scales(inputs: Inputs, want: dict[str, np.ndarray]) -> dict[str
         return {"out": _finite_or_zero(ref.moe_combine(np.abs(y), src, np.abs(weights)))}
 
 
+def _grouped_matmul_scales(inputs: Inputs, want: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """y against its terms' root-sum-square per expert, sqrt(x^2 @ (w^2)^T), and at least against itself: a
+    product of both signs' terms is as accurate in fp32 as the rounding of those terms allows (the long fuzz profile
+    failed an output of three cancelling terms at 1.1e-4 of itself on the torch backend's code)."""
+    x, w = to_numpy(inputs["x_sorted"]).astype(np.float64), to_numpy(inputs["w"]).astype(np.float64)
+    with np.errstate(invalid="ignore", over="ignore"):  # inf * 0: those outputs are not finite, not judged
+        terms_sq = ref.grouped_matmul(x**2, w**2, to_numpy(inputs["expert_offsets"]))
+    return {"y": _sum_scale(terms_sq, want["y"])}
+
+
+def _fused_moe_scales(inputs: Inputs, want: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """out against the rounding its chain carries: gate and up are projections (scales s_g, s_u as grouped_matmul's
+    y); the activation a = silu(g) up carries |a|, silu'(g) s_g |up| and |silu(g)| s_u (first order); the down
+    projection and the weighted combine sum that activation's terms. A random case is judged against about 1.5x its
+    own size; outputs whose down projection or combine cancel, against their terms."""
+    x, w13, w2, weights = (to_numpy(inputs[name]).astype(np.float64) for name in ("x", "w13", "w2", "topk_weights"))
+    x_sorted, offsets, src_index = ref.moe_dispatch(x, to_numpy(inputs["topk_ids"]), w13.shape[0])
+    with np.errstate(invalid="ignore", over="ignore"):  # inf * 0: those outputs are not finite, not judged
+        h = ref.grouped_matmul(x_sorted, w13, offsets)
+        h_scale = _sum_scale(ref.grouped_matmul(x_sorted**2, w13**2, offsets), h)
+        inter = h.shape[1] // 2
+        gate, up, gate_scale, up_scale = h[:, :inter], h[:, inter:], h_scale[:, :inter], h_scale[:, inter:]
+        sigmoid = 1.0 / (1.0 + np.exp(-gate))
+        silu_slope = sigmoid * (1.0 + gate * (1.0 - sigmoid))
+        act = ref.silu(gate) * up
+        act_sq = act**2 + (silu_slope * gate_scale * up) ** 2 + (ref.silu(gate) * up_scale) ** 2
+        y_scale = _sum_scale(ref.grouped_matmul(act_sq, w2**2, offsets), ref.grouped_matmul(act, w2, offsets))
+        terms_sq = ref.moe_combine(y_scale**2, src_index, weights**2)
+    return {"out": _sum_scale(terms_sq, want["out"])}
+
+
+def _sum_scale(terms_sq: np.ndarray, value: np.ndarray) -> np.ndarray:
+    """What a sum's error is relative to: the root-sum-square of its terms' scales (sqrt(terms_sq)), whose rounding
+    errors add like a random walk, and at least the sum itself, as any output (a sum of K aligned terms is sqrt(K)
+    times their root-sum-square). Not finite where the inputs are not: 0 there (those outputs are not judged)."""
+    return np.maximum(_finite_or_zero(np.sqrt(terms_sq)), np.abs(_finite_or_zero(value)))
+
+
 def _indexer_prolog_scales(inputs: Inputs, want: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """q_idx = RoPE(q_norm @ w_iq^T) and weights = x @ w_iw^T * HI^-0.5 * DI^-0.5 relative to the sums of their
-    terms' magnitudes: projections sum products of both signs, and RoPE's a cos - b sin cancels too, so an fp32 result
-    is as accurate as those sums allow, not as its own size. The long fuzz profile drew one token, one head and 36
-    hidden dims whose weight was 3.9e-4 from terms of 4.3 in magnitude: 3.0e-4 of itself off on the torch backend
-    (3.2e-5 on triton), as a plain fp32 matmul of the same inputs is. The index-key cache is judged as every cache
-    write."""
-    a = {name: np.abs(to_numpy(inputs[name])) for name in ("x", "q_norm", "w_iq", "w_iw", "cos", "sin")}
+    """q_idx = RoPE(q_norm @ w_iq^T) and weights = x @ w_iw^T * HI^-0.5 * DI^-0.5 against their terms' root-sum-
+    squares (as grouped_matmul's y), RoPE's a cos - b sin over the projection's scales as sqrt(s_a^2 cos^2 +
+    s_b^2 sin^2); at least against themselves. Projections and RoPE cancel, so an fp32 result is as accurate as its
+    terms' rounding allows: the long fuzz profile drew one token, one head and 36 hidden dims whose weight was
+    3.9e-4 from terms of 4.3 in magnitude, 3.0e-4 of itself off on the torch backend (3.2e-5 on triton), as a plain
+    fp32 matmul of the same inputs is. The index-key cache is judged as every cache write."""
+    a = {name: to_numpy(inputs[name]).astype(np.float64) for name in ("x", "q_norm", "w_iq", "w_iw", "cos", "sin")}
     heads, head_dim = a["w_iw"].shape[0], inputs["w_ik"].shape[0]  # type: ignore[union-attr]
-    with np.errstate(invalid="ignore"):  # inf * 0 where inputs hold inf: those outputs are not finite, not judged
-        q = (a["q_norm"] @ a["w_iq"].T).reshape(-1, heads, head_dim)
+    with np.errstate(invalid="ignore", over="ignore"):  # inf * 0: those outputs are not finite, not judged
+        q = _sum_scale(a["q_norm"] ** 2 @ (a["w_iq"] ** 2).T, a["q_norm"] @ a["w_iq"].T).reshape(-1, heads, head_dim)
         rope_dim = 2 * a["cos"].shape[1]
-        q[..., :rope_dim] = _rope_magnitudes(q[..., :rope_dim], a["cos"], a["sin"], bool(inputs["rope_interleaved"]))
-        weights = (a["x"] @ a["w_iw"].T) * heads**-0.5 * head_dim**-0.5
-    return {"q_idx": _finite_or_zero(q), "weights": _finite_or_zero(weights)}
+        rotated_sq = _rope_squares(
+            q[..., :rope_dim] ** 2, a["cos"] ** 2, a["sin"] ** 2, bool(inputs["rope_interleaved"])
+        )
+        q[..., :rope_dim] = np.sqrt(rotated_sq)
+        weights_sq = a["x"] ** 2 @ (a["w_iw"] ** 2).T * (heads**-0.5 * head_dim**-0.5) ** 2
+    return {"q_idx": _sum_scale(q**2, want["q_idx"]), "weights": _sum_scale(weights_sq, want["weights"])}
 
 
-def _rope_magnitudes(x_abs: np.ndarray, cos_abs: np.ndarray, sin_abs: np.ndarray, interleaved: bool) -> np.ndarray:
-    """The sums of the terms' magnitudes of RoPE's rotated pairs (a cos - b sin, a sin + b cos) for |a|, |b|, |cos|,
-    |sin|: |a| |cos| + |b| |sin| and |a| |sin| + |b| |cos|. The reference's rotation with sin negated gives the first
-    of each pair, with sin as it is the second, and each is the larger of the two there, whatever the pair layout."""
+def _rope_squares(x_sq: np.ndarray, cos_sq: np.ndarray, sin_sq: np.ndarray, interleaved: bool) -> np.ndarray:
+    """RoPE's rotated pairs (a cos - b sin, a sin + b cos) as sums of their terms' squares, for a^2, b^2, cos^2,
+    sin^2: a^2 cos^2 + b^2 sin^2 and a^2 sin^2 + b^2 cos^2. The reference's rotation with sin^2 negated gives the
+    first of each pair, with sin^2 as it is the second, and each is the larger of the two there, whatever the pair
+    layout."""
     return np.maximum(
-        ref.rope(x_abs, cos_abs, -sin_abs, interleaved=interleaved),
-        ref.rope(x_abs, cos_abs, sin_abs, interleaved=interleaved),
+        ref.rope(x_sq, cos_sq, -sin_sq, interleaved=interleaved),
+        ref.rope(x_sq, cos_sq, sin_sq, interleaved=interleaved),
     )
 
 
@@ -269,6 +319,8 @@ _ERROR_SCALES: dict[str, Callable[[Inputs, dict[str, np.ndarray]], dict[str, np.
     "indexer_prolog": _indexer_prolog_scales,
     "sparse_flash_attention": _sparse_flash_attention_scales,
     "moe_combine": _moe_combine_scales,
+    "grouped_matmul": _grouped_matmul_scales,
+    "fused_moe": _fused_moe_scales,
 }
 
 _CUSTOM_JUDGES = {
