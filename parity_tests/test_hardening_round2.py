@@ -961,7 +961,7 @@ def test_fuzz_comparison_moe_combine_is_judged_against_its_terms(edge_backend: s
 
 def _projection_case(op: str, width: int, *, positive: bool = False) -> dict:
     """A regular case of an op whose sums run over `width` terms (grouped_matmul's K, fused_moe's hidden and
-    intermediate sizes, indexer_prolog's hidden and q_lora sizes, indexer_logits' heads x head_dim); positive: every
+    intermediate sizes, the prologs' hidden and q_lora sizes, indexer_logits' heads x head_dim); positive: every
     operand's magnitude instead, so no sum cancels and each is sqrt(width) times its terms' root-sum-square."""
     from glm5_hal.parity import cases as C
 
@@ -970,9 +970,10 @@ def _projection_case(op: str, width: int, *, positive: bool = False) -> dict:
         inputs = C.grouped_matmul_inputs([3, 0, 4], 24, width)(gen, torch.float32)
     elif op == "fused_moe":
         inputs = C.fused_moe_inputs(5, width, width, 2, 3)(gen, torch.float32)
-    elif op == "indexer_prolog":
+    elif op in ("indexer_prolog", "mla_prolog"):
         cfg = C.GLM5_MINI.with_overrides(hidden_size=width, q_lora_rank=width)
-        inputs = C.indexer_prolog_inputs(cfg, [C.SeqSpec(2, 6)], 8)(gen, torch.float32)
+        build = C.indexer_prolog_inputs if op == "indexer_prolog" else C.mla_prolog_inputs
+        inputs = build(cfg, [C.SeqSpec(2, 6)], 8)(gen, torch.float32)
     else:  # indexer_logits: heads x head_dim terms
         cfg = C.GLM5_MINI.with_overrides(index_n_heads=width // 128, index_head_dim=128)
         inputs = C.indexer_inputs(cfg, [C.SeqSpec(3, 40)], 16)(gen, torch.float32)
@@ -986,18 +987,19 @@ _PROJECTION_OUTPUTS = {
     "fused_moe": ("out",),
     "indexer_prolog": ("q_idx", "weights"),
     "indexer_logits": ("logits",),
+    "mla_prolog": ("q_lat", "q_pe", "q_norm"),
 }
 
 
 @pytest.mark.parametrize("op", sorted(_PROJECTION_OUTPUTS))
 def test_fuzz_comparison_sums_are_judged_against_their_terms_root_sum_square(op: str) -> None:
-    """Projections (grouped_matmul's y, fused_moe's out, indexer_prolog's q_idx and weights) and indexer scores sum
-    products of both signs: an fp32 output that cancels is as accurate as its terms' rounding, not as itself (the
+    """Projections (grouped_matmul's y, fused_moe's out, the prologs' queries and head weights) and indexer scores
+    sum products of both signs: an fp32 output that cancels is as accurate as its terms' rounding, not as itself (the
     long profile failed fp32 grouped_matmul at 1.1e-4 and indexer_prolog at 3.0e-4 of themselves; the parity cases
-    `products_cancel` and `decode_projections_cancel`). The judge scales by max(|out|, the terms' root-sum-square):
-    random sums of 2048 terms are judged against about their own size (the sum of the terms' magnitudes, judged
-    against before, let a bf16 output 8% off pass there), and aligned sums, sqrt(width) times their
-    root-sum-square, keep their own size."""
+    `products_cancel`, `decode_projections_cancel` and `decode_latent_queries_cancel`). The judge scales by
+    max(|out|, the terms' root-sum-square): random sums of 2048 terms are judged against about their own size (the
+    sum of the terms' magnitudes, judged against before, let a bf16 output 8% off pass there), and aligned sums,
+    sqrt(width) times their root-sum-square, keep their own size."""
     import numpy as np
 
     from glm5_hal.parity.specs import SPECS

@@ -87,6 +87,28 @@ def cancelling_indexer_projections(build: Build) -> Build:
     return build_cancelling
 
 
+def cancelling_latent_queries(build: Build) -> Build:
+    """`build`'s mla_prolog inputs with each head's w_uk columns made orthogonal to that head's q_nope for the first
+    token (q_nope from the case's inputs in float64): every q_lat element of that token is a sum whose terms cancel
+    to rounding noise, judged against its terms (glm5_hal/parity/specs.py's scales)."""
+
+    def build_cancelling(gen: torch.Generator, dtype: torch.dtype) -> dict:
+        inputs = build(gen, dtype)
+        w_uk = inputs["w_uk"]
+        heads, nope, _ = w_uk.shape
+        q_norm = _rms_norm(inputs["x"][0].double() @ inputs["w_dq"].double().T, inputs["gamma_cq"], inputs["eps"])
+        q_nope = (inputs["w_uq_qr"].double() @ q_norm).reshape(heads, -1)[:, :nope]
+        for head in range(heads):
+            w_uk[head] = rows_orthogonal_to(w_uk[head].T, q_nope[head]).T
+        return inputs
+
+    return build_cancelling
+
+
+def _rms_norm(x: torch.Tensor, gamma: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * gamma.double()
+
+
 def rows_orthogonal_to(w: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """w [N, K] with every row's component in the span of v ([K], or [R, K] with R < K) removed (in float64, then
     rounded to w's dtype): each product of a row of w with a row of v is a sum whose terms cancel to rounding noise."""
@@ -330,6 +352,12 @@ CASES: list[Case] = [
     Case("mla_prolog", "mini_ragged_shuffled", "irregular", mla_prolog_inputs(MINI, RAGGED, 16)),
     Case("mla_prolog", "mini_decode", "regular", mla_prolog_inputs(MINI, DECODE, 16)),
     Case("mla_prolog", "padding_slots_skipped", "corner", mla_prolog_inputs(MINI, RAGGED, 16, pad=(0, 7, 17))),
+    Case(
+        "mla_prolog",
+        "decode_latent_queries_cancel",
+        "corner",
+        cancelling_latent_queries(mla_prolog_inputs(MINI, [SeqSpec(1, 9)], 8)),
+    ),
     Case("mla_prolog", "glm5_dims", "regular", mla_prolog_inputs(G5, [SeqSpec(3, 40)], 64), slow=True),
     Case("mla_prolog", "deepseek_v32_dims", "regular", mla_prolog_inputs(DS, [SeqSpec(2, 9)], 64), slow=True),
     # indexer_prolog

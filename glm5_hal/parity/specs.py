@@ -278,6 +278,31 @@ def _sum_scale(terms_sq: np.ndarray, value: np.ndarray) -> np.ndarray:
     return np.maximum(_finite_or_zero(np.sqrt(terms_sq)), np.abs(_finite_or_zero(value)))
 
 
+def _mla_prolog_scales(inputs: Inputs, want: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """q_norm, q_lat and q_pe against the rounding their chain carries, as sums (at least against themselves): the
+    down projection c = x @ w_dq^T (its terms' root-sum-square s_c), q_norm = RMSNorm(c) gamma as s_c |gamma| / rms(c)
+    (the mean square sums squares, which do not cancel), the up projection q = q_norm @ w_uq^T over q_norm's scales,
+    q_lat = q_nope @ w_uk per head over q_nope's, and q_pe = RoPE(q_rope) as sqrt(s_a^2 cos^2 + s_b^2 sin^2). The
+    latent cache rows are judged as every cache write."""
+    a = {name: to_numpy(inputs[name]).astype(np.float64) for name in ("x", "w_dq", "gamma_cq", "w_uq_qr", "w_uk")}
+    cos, sin = (to_numpy(inputs[name]).astype(np.float64) for name in ("cos", "sin"))
+    heads, nope, _ = a["w_uk"].shape
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):  # inf / nan inputs: those outputs not judged
+        c = a["x"] @ a["w_dq"].T
+        c_scale = _sum_scale(a["x"] ** 2 @ (a["w_dq"] ** 2).T, c)
+        rms = np.sqrt(np.mean(c * c, axis=-1, keepdims=True) + float(inputs["eps"]))  # type: ignore[arg-type]
+        q_norm_scale = _sum_scale((c_scale / rms * a["gamma_cq"]) ** 2, want["q_norm"])
+        q_sq = q_norm_scale**2 @ (a["w_uq_qr"] ** 2).T
+        q_scale = _sum_scale(q_sq, want["q_norm"] @ a["w_uq_qr"].T).reshape(-1, heads, a["w_uq_qr"].shape[0] // heads)
+        lat_sq = np.einsum("thn,hnc->thc", q_scale[..., :nope] ** 2, a["w_uk"] ** 2)
+        pe_sq = _rope_squares(q_scale[..., nope:] ** 2, cos**2, sin**2, interleaved=True)
+    return {
+        "q_norm": q_norm_scale,
+        "q_lat": _sum_scale(lat_sq, want["q_lat"]),
+        "q_pe": _sum_scale(pe_sq, want["q_pe"]),
+    }
+
+
 def _indexer_prolog_scales(inputs: Inputs, want: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """q_idx = RoPE(q_norm @ w_iq^T) and weights = x @ w_iw^T * HI^-0.5 * DI^-0.5 against their terms' root-sum-
     squares (as grouped_matmul's y), RoPE's a cos - b sin over the projection's scales as sqrt(s_a^2 cos^2 +
@@ -316,6 +341,7 @@ def _finite_or_zero(values: np.ndarray) -> np.ndarray:
 # What an output's error is relative to where that is not the output itself (docs/ops.md "Edge rules"): by op, the
 # scales of those outputs from the case's inputs and the reference's outputs.
 _ERROR_SCALES: dict[str, Callable[[Inputs, dict[str, np.ndarray]], dict[str, np.ndarray]]] = {
+    "mla_prolog": _mla_prolog_scales,
     "indexer_prolog": _indexer_prolog_scales,
     "sparse_flash_attention": _sparse_flash_attention_scales,
     "moe_combine": _moe_combine_scales,
