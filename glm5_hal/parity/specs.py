@@ -200,8 +200,25 @@ def _judge_lightning_indexer(spec: OpSpec, inputs: Inputs, outputs: Outputs, dty
 
 def _sparse_flash_attention_scales(inputs: Inputs, want: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """lse = log(sum exp): an fp32 sum's relative rounding is an absolute error in its log, so lse near 0 is judged
-    against 1, not against itself (the long fuzz profile failed such cases); large lse relative to itself."""
-    return {"lse": np.maximum(1.0, np.abs(_finite_or_zero(want["lse"])))}
+    against 1, not against itself (the long fuzz profile failed such cases); large lse relative to itself. out =
+    sum_i p_i v_i sums value rows of both signs: judged as a sum, against sqrt(sum_i p_i^2 v_i^2) and itself.
+
+    That root-sum-square comes from the reference itself, so the same keys count (valid, addressed, the cache's
+    decoded values): over rows [v^2 | row] with q [0 | q] and twice sm_scale it returns sum_i softmax(2s)_i v_i^2
+    and log sum_i exp(2 s_i), and sum_i p_i^2 v_i^2 = that sum times exp(lse(2s) - 2 lse(s))."""
+    args = {k: (to_numpy(v) if isinstance(v, torch.Tensor) else v) for k, v in inputs.items()}
+    d_v = int(args["d_v"])
+    rows = ref.dequantize_cache(args["kv_cache"], args.get("kv_cache_dtype", AUTO))
+    q = np.asarray(args["q"], np.float64)
+    with np.errstate(invalid="ignore", over="ignore"):  # inf / nan inputs: those outputs are not judged
+        squared_rows = np.concatenate([rows[..., :d_v] ** 2, rows], axis=-1)
+        padded_q = np.concatenate([np.zeros((*q.shape[:2], d_v)), q], axis=-1)
+        paged = [args[n] for n in _PAGED]
+        v_sq, lse_2s = ref.sparse_flash_attention(
+            padded_q, squared_rows, args["indices"], *paged, 2 * args["sm_scale"], d_v
+        )
+        terms_sq = v_sq * np.exp(lse_2s - 2 * want["lse"])[..., None]
+    return {"out": _sum_scale(terms_sq, want["out"]), "lse": np.maximum(1.0, np.abs(_finite_or_zero(want["lse"])))}
 
 
 def _judge_moe_gate(spec: OpSpec, inputs: Inputs, outputs: Outputs, dtype: torch.dtype) -> list[Verdict]:
