@@ -41,6 +41,19 @@ def test_opcheck_quantized_cache(op: str) -> None:
     )
 
 
+@pytest.mark.parametrize("shape", [(2, 2, 2), (2, 4, 4), (2, 12, 12)])
+def test_opcheck_hadamard_of_a_column_major_input(shape: tuple[int, ...]) -> None:
+    """The long fuzz profile drew x [2, 2, 2] column-major: the torch backend's butterflies kept the input's strides
+    (4, 1, 2) while the fake (a new tensor) promised (4, 2, 1), and opcheck's fake-tensor test failed. The result is
+    contiguous now, whatever x's layout."""
+    x = torch.randn(shape).transpose(-1, -2).contiguous().transpose(-1, -2)
+    assert not x.is_contiguous()
+    torch.library.opcheck(
+        torch.ops.glm5_hal.hadamard_transform.default, (x, None), test_utils=("test_schema", "test_faketensor")
+    )
+    assert glm5_hal.hadamard_transform(x).is_contiguous()
+
+
 def test_torch_compile_fullgraph_matches_eager() -> None:
     case = cases_for("sparse_flash_attention", quick=True)[0]
     inputs = case.build(case_generator(case, torch.float32, seed=3), torch.float32)

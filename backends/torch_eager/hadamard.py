@@ -50,4 +50,7 @@ def hadamard_transform(x: Tensor, *, scale: float | None = None) -> Tensor:
         # K on the slow index: view x as [..., K, 2^m]; y = H_K @ X @ H_{2^m}^T, and H_{2^m} is symmetric.
         mixed = walsh_hadamard(x32.reshape(*x.shape[:-1], base, n // base))
         y = torch.matmul(base_matrix(base, x.device, COMPUTE_DTYPE), mixed).reshape(x.shape)
-    return (y * (n**-0.5 if scale is None else scale)).to(x.dtype)
+    # Contiguous as the op's fake (and every other backend) returns it: the butterflies' elementwise ops keep a
+    # permuted input's strides (a column-major [..., 2, 2] x came back column-major), which torch.compile's traced
+    # strides would then contradict.
+    return (y * (n**-0.5 if scale is None else scale)).to(x.dtype).contiguous()
