@@ -10,7 +10,9 @@ Writers (mla_prolog, indexer_prolog) compute their rows in the activation dtype 
 they store may differ from the reference's where a value sits near a code boundary. A written row is judged by
 `compare_quantized_cache`: each stored value must lie within half a quantization step (of the backend's own
 scale: the rounding the format allows) plus the dtype's tolerance of the reference's unquantized float64 value,
-each scale within the dtype's tolerance of max|tile| / qmax, and every row not written must keep its bytes. A tile
+each scale within the dtype's tolerance of max|tile| / qmax, and every row not written must keep its bytes. The
+tolerance is of each value's error scale where the prolog gives one (a normalized row of a cancelling projection:
+glm5_hal.parity.specs), else of the value itself. A tile
 the reference holds NaN / inf in must store scale NaN / +inf and codes 0, and NaN / inf RoPE values as themselves.
 """
 
@@ -136,11 +138,14 @@ def compare_quantized_cache(
     slots: np.ndarray,
     fmt: KVCacheFormat,
     dtype: torch.dtype,
+    row_scales: np.ndarray | None = None,
 ) -> Verdict:
     """out: the cache after the write, uint8 [num_blocks, block_size, row_bytes]; before: its bytes before;
     written_rows: the reference's unquantized float64 rows [T, width] for flat slots `slots` [T] (-1 = not
-    written); reference_cache: the bytes the reference stores. The rel_err reported is that of the stored values
-    against the reference's stored values (0 when the bytes agree), not the quantization error."""
+    written); reference_cache: the bytes the reference stores; row_scales [T, width]: what each written value's
+    error is relative to where that is not the value itself (glm5_hal.parity.specs: a normalized row of a
+    cancelling projection), at least the value. The rel_err reported is that of the stored values against the
+    reference's stored values (0 when the bytes agree), not the quantization error."""
     tol = TOLERANCE[dtype]
     got = to_numpy(out).astype(np.uint8).reshape(-1, fmt.row_bytes)
     was = np.asarray(before, np.uint8).reshape(-1, fmt.row_bytes)
@@ -153,6 +158,7 @@ def compare_quantized_cache(
         changed = int((got[untouched] != was[untouched]).any(axis=1).sum())
         return Verdict(name, False, float("inf"), f"{changed} rows that no token writes were changed")
     want = written_rows[keep]  # [n, width]
+    sizes = np.abs(want) if row_scales is None else np.maximum(np.abs(want), np.nan_to_num(row_scales[keep]))
     stored = got[slots[keep]]  # [n, row_bytes]
     decoded = decode_rows(stored, fmt)
     if want.size == 0:
@@ -174,17 +180,19 @@ def compare_quantized_cache(
         return Verdict(name, False, rel, "a tile holding NaN / inf must store codes 0")
     finite = ~(nan_tile | inf_tile)
     tiles, scales, got_tiles = tiles[finite], scales[finite], decoded[:, :q].reshape(n, fmt.num_scales, TILE)[finite]
+    tile_sizes = sizes[:, :q].reshape(n, fmt.num_scales, TILE)[finite]
 
     amax = np.abs(tiles).max(axis=-1)  # [finite tiles]
+    size_max = tile_sizes.max(axis=-1)  # amax where each value is judged against itself
     want_scales = np.where(amax == 0, 1.0, amax / fmt.qmax)
-    scale_err = np.abs(scales - want_scales) / want_scales
+    scale_err = np.abs(scales - want_scales) / np.where(amax == 0, 1.0, size_max / fmt.qmax)
     if not (scale_err <= tol).all():
         return Verdict(name, False, rel, f"scales off by up to {scale_err.max():.3g} relative (tolerance {tol:g})")
 
     # Quantized dims: within half a step of the backend's own scale, plus the dtype's tolerance of the tile.
     in_codes = np.maximum(np.abs(tiles), np.abs(got_tiles)) / scales[..., None]
     half_step = (_half_e4m3_step(in_codes) if fmt.code == "e4m3" else 0.5) * scales[..., None]
-    bound = half_step + tol * (np.abs(tiles) + amax[..., None])
+    bound = half_step + tol * (tile_sizes + size_max[..., None])
     excess = np.abs(got_tiles - tiles) - bound
     if (excess > 0).any():
         return Verdict(name, False, rel, f"{int((excess > 0).sum())} quantized values beyond half a step + tolerance")
@@ -197,8 +205,9 @@ def compare_quantized_cache(
         if not np.array_equal(rounded[special], got_rope[special], equal_nan=True):
             return Verdict(name, False, rel, "a NaN / inf RoPE value was not stored as NaN / that inf")
         rope, got_rope = np.where(special, 0.0, rope), np.where(special, 0.0, got_rope)
-        row_max = np.abs(rope).max(axis=1, keepdims=True)
-        bound = _half_bf16_ulp(np.maximum(np.abs(rope), np.abs(got_rope))) + tol * (np.abs(rope) + row_max)
+        rope_sizes = np.where(special, 0.0, sizes[:, q:])
+        row_max = rope_sizes.max(axis=1, keepdims=True)
+        bound = _half_bf16_ulp(np.maximum(np.abs(rope), np.abs(got_rope))) + tol * (rope_sizes + row_max)
         if not (np.abs(got_rope - rope) <= bound).all():
             return Verdict(name, False, rel, "bf16 RoPE values beyond bf16 rounding + tolerance")
     return Verdict(name, True, rel)

@@ -7,6 +7,7 @@ Cache-writing ops report the cache after the call as an output, so the write its
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -51,12 +52,15 @@ class OpSpec:
         scales = _ERROR_SCALES[self.name](inputs, want) if self.name in _ERROR_SCALES else {}
         verdicts = []
         for name, value in outputs.items():
+            scale = scales.get(name)  # a cache's: per written row [T, width]
             if name in self.mutated and inputs.get("kv_cache_dtype", AUTO) != AUTO:
-                verdicts.append(_judge_quantized_write(self, inputs, name, value, want[name], dtype))
+                verdicts.append(_judge_quantized_write(self, inputs, name, value, want[name], dtype, scale))
             elif name in self.exact_outputs or not value.is_floating_point():
                 verdicts.append(compare_exact(name, value, want[name]))
             else:
-                verdicts.append(compare_float(name, value, want[name], dtype, scale=scales.get(name)))
+                if name in self.mutated and scale is not None:  # the written rows' scales, the others' values
+                    scale = ref.write_cache(np.abs(want[name]), to_numpy(inputs["slot_mapping"]), scale)
+                verdicts.append(compare_float(name, value, want[name], dtype, scale=scale))
         return verdicts
 
 
@@ -143,9 +147,16 @@ _REFERENCE_CALLS: dict[str, Callable[[dict], tuple]] = {
 
 
 def _judge_quantized_write(
-    spec: OpSpec, inputs: Inputs, name: str, value: torch.Tensor, reference_cache: np.ndarray, dtype: torch.dtype
+    spec: OpSpec,
+    inputs: Inputs,
+    name: str,
+    value: torch.Tensor,
+    reference_cache: np.ndarray,
+    dtype: torch.dtype,
+    row_scales: np.ndarray | None = None,
 ) -> Verdict:
-    """A quantized cache after a prolog's write, against the reference's unquantized rows (quantized_cache.py)."""
+    """A quantized cache after a prolog's write, against the reference's unquantized rows (quantized_cache.py);
+    row_scales [T, width]: the written values' error scales, where not the values themselves."""
     fmt = ref.FORMATS[str(inputs["kv_cache_dtype"])]
     blocks, block_size, _ = inputs[name].shape  # type: ignore[union-attr]
     # The reference's float64 rows: the same call writing a float cache (slots it does not write stay 0).
@@ -154,7 +165,7 @@ def _judge_quantized_write(
     slots = to_numpy(inputs["slot_mapping"]).astype(np.int64)  # type: ignore[arg-type]
     written = rows[np.clip(slots, 0, None)]
     before = to_numpy(inputs[name])  # type: ignore[arg-type]
-    return compare_quantized_cache(name, value, before, written, reference_cache, slots, fmt, dtype)
+    return compare_quantized_cache(name, value, before, written, reference_cache, slots, fmt, dtype, row_scales)
 
 
 def _indexer_scores_and_scales(inputs: Inputs) -> tuple[np.ndarray, np.ndarray]:
@@ -301,23 +312,42 @@ def _mla_prolog_scales(inputs: Inputs, want: dict[str, np.ndarray]) -> dict[str,
     (the mean square sums squares, which do not cancel), the up projection q = q_norm @ w_uq^T over q_norm's scales,
     q_lat = q_nope @ w_uk per head over q_nope's, and q_pe = RoPE(q_rope) as sqrt(s_a^2 cos^2 + s_b^2 sin^2). The
     latent cache rows are judged as every cache write."""
-    a = {name: to_numpy(inputs[name]).astype(np.float64) for name in ("x", "w_dq", "gamma_cq", "w_uq_qr", "w_uk")}
-    cos, sin = (to_numpy(inputs[name]).astype(np.float64) for name in ("cos", "sin"))
-    heads, nope, _ = a["w_uk"].shape
+    names = ("x", "w_dq", "gamma_cq", "w_uq_qr", "w_uk", "w_dkv_kr", "gamma_ckv", "cos", "sin")
+    a = {name: to_numpy(inputs[name]).astype(np.float64) for name in names}
+    heads, nope, latent = a["w_uk"].shape
+    eps = float(inputs["eps"])  # type: ignore[arg-type]
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):  # inf / nan inputs: those outputs not judged
-        c = a["x"] @ a["w_dq"].T
-        c_scale = _sum_scale(a["x"] ** 2 @ (a["w_dq"] ** 2).T, c)
-        rms = np.sqrt(np.mean(c * c, axis=-1, keepdims=True) + float(inputs["eps"]))  # type: ignore[arg-type]
-        q_norm_scale = _sum_scale((c_scale / rms * a["gamma_cq"]) ** 2, want["q_norm"])
+        q_norm_scale = _rms_norm_scale(a["x"], a["w_dq"], a["gamma_cq"], eps)
         q_sq = q_norm_scale**2 @ (a["w_uq_qr"] ** 2).T
         q_scale = _sum_scale(q_sq, want["q_norm"] @ a["w_uq_qr"].T).reshape(-1, heads, a["w_uq_qr"].shape[0] // heads)
         lat_sq = np.einsum("thn,hnc->thc", q_scale[..., :nope] ** 2, a["w_uk"] ** 2)
-        pe_sq = _rope_squares(q_scale[..., nope:] ** 2, cos**2, sin**2, interleaved=True)
+        pe_sq = _rope_squares(q_scale[..., nope:] ** 2, a["cos"] ** 2, a["sin"] ** 2, interleaved=True)
+        # the latent cache rows [RMSNorm(c_kv) | RoPE(k_pe)]
+        k_pe = a["x"] @ a["w_dkv_kr"][latent:].T
+        k_pe_scale = _sum_scale(a["x"] ** 2 @ (a["w_dkv_kr"][latent:] ** 2).T, k_pe)
+        k_pe_sq = _rope_squares(k_pe_scale**2, a["cos"] ** 2, a["sin"] ** 2, interleaved=True)
+        rows = np.concatenate(
+            [
+                _rms_norm_scale(a["x"], a["w_dkv_kr"][:latent], a["gamma_ckv"], eps),
+                _sum_scale(k_pe_sq, ref.rope(k_pe, a["cos"], a["sin"], interleaved=True)),
+            ],
+            axis=-1,
+        )
     return {
         "q_norm": q_norm_scale,
         "q_lat": _sum_scale(lat_sq, want["q_lat"]),
         "q_pe": _sum_scale(pe_sq, want["q_pe"]),
+        "kv_cache": rows,
     }
+
+
+def _rms_norm_scale(x: np.ndarray, w: np.ndarray, gamma: np.ndarray, eps: float) -> np.ndarray:
+    """The scale of RMSNorm(x @ w^T) gamma: the projection c's scales s_c (as grouped_matmul's y) over
+    r = sqrt(mean(c^2) + eps), times |gamma| (first order; the mean square sums squares, which do not cancel), and
+    at least the output itself. Where c sits near or below sqrt(eps), that is c's rounding over sqrt(eps)."""
+    c = x @ w.T
+    r = np.sqrt(np.mean(c * c, axis=-1, keepdims=True) + eps)
+    return _sum_scale((_sum_scale(x**2 @ (w**2).T, c) / r * gamma) ** 2, ref.rms_norm(c, gamma, eps))
 
 
 def _indexer_prolog_scales(inputs: Inputs, want: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -327,17 +357,36 @@ def _indexer_prolog_scales(inputs: Inputs, want: dict[str, np.ndarray]) -> dict[
     terms' rounding allows: the long fuzz profile drew one token, one head and 36 hidden dims whose weight was
     3.9e-4 from terms of 4.3 in magnitude, 3.0e-4 of itself off on the torch backend (3.2e-5 on triton), as a plain
     fp32 matmul of the same inputs is. The index-key cache is judged as every cache write."""
-    a = {name: to_numpy(inputs[name]).astype(np.float64) for name in ("x", "q_norm", "w_iq", "w_iw", "cos", "sin")}
-    heads, head_dim = a["w_iw"].shape[0], inputs["w_ik"].shape[0]  # type: ignore[union-attr]
-    with np.errstate(invalid="ignore", over="ignore"):  # inf * 0: those outputs are not finite, not judged
+    names = ("x", "q_norm", "w_iq", "w_iw", "w_ik", "k_norm_weight", "k_norm_bias", "cos", "sin")
+    a = {name: to_numpy(inputs[name]).astype(np.float64) for name in names}
+    heads, head_dim = a["w_iw"].shape[0], a["w_ik"].shape[0]
+    rope_dim, interleaved = 2 * a["cos"].shape[1], bool(inputs["rope_interleaved"])
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):  # inf / nan inputs: those outputs not judged
         q = _sum_scale(a["q_norm"] ** 2 @ (a["w_iq"] ** 2).T, a["q_norm"] @ a["w_iq"].T).reshape(-1, heads, head_dim)
-        rope_dim = 2 * a["cos"].shape[1]
-        rotated_sq = _rope_squares(
-            q[..., :rope_dim] ** 2, a["cos"] ** 2, a["sin"] ** 2, bool(inputs["rope_interleaved"])
-        )
-        q[..., :rope_dim] = np.sqrt(rotated_sq)
+        q[..., :rope_dim] = np.sqrt(_rope_squares(q[..., :rope_dim] ** 2, a["cos"] ** 2, a["sin"] ** 2, interleaved))
         weights_sq = a["x"] ** 2 @ (a["w_iw"] ** 2).T * (heads**-0.5 * head_dim**-0.5) ** 2
-    return {"q_idx": _sum_scale(q**2, want["q_idx"]), "weights": _sum_scale(weights_sq, want["weights"])}
+        # the index-key rows RoPE(LayerNorm(x @ w_ik^T)): the centring subtracts too, so a row whose projections
+        # nearly agree is as accurate as their rounding over sqrt(var + eps) (first order, as RMSNorm's), the
+        # mean's own rounding included
+        c = a["x"] @ a["w_ik"].T
+        c_scale = _sum_scale(a["x"] ** 2 @ (a["w_ik"] ** 2).T, c)
+        eps = float(inputs.get("eps", _INDEXER_PROLOG_EPS))  # type: ignore[arg-type]
+        sigma = np.sqrt(np.var(c, axis=-1, keepdims=True) + eps)
+        k = ref.layer_norm(c, a["k_norm_weight"], a["k_norm_bias"], eps)
+        centring_sq = np.mean(c_scale**2, axis=-1, keepdims=True) / c.shape[-1]  # the mean of D rounding errors
+        k_scale = _sum_scale((c_scale**2 + centring_sq) / sigma**2 * a["k_norm_weight"] ** 2, k)
+        k[..., :rope_dim] = ref.rope(k[..., :rope_dim], a["cos"], a["sin"], interleaved=interleaved)
+        k_sq = k_scale**2
+        k_sq[..., :rope_dim] = _rope_squares(k_sq[..., :rope_dim], a["cos"] ** 2, a["sin"] ** 2, interleaved)
+    return {
+        "q_idx": _sum_scale(q**2, want["q_idx"]),
+        "weights": _sum_scale(weights_sq, want["weights"]),
+        "index_k_cache": _sum_scale(k_sq, k),
+    }
+
+
+# the LayerNorm eps of indexer_prolog where a case does not pass one (the op's default is the reference's)
+_INDEXER_PROLOG_EPS = inspect.signature(ref.indexer_prolog).parameters["eps"].default
 
 
 def _rope_squares(x_sq: np.ndarray, cos_sq: np.ndarray, sin_sq: np.ndarray, interleaved: bool) -> np.ndarray:
