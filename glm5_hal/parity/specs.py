@@ -311,7 +311,8 @@ def _mla_prolog_scales(inputs: Inputs, want: dict[str, np.ndarray]) -> dict[str,
     down projection c = x @ w_dq^T (its terms' root-sum-square s_c), q_norm = RMSNorm(c) gamma as s_c |gamma| / rms(c)
     (the mean square sums squares, which do not cancel), the up projection q = q_norm @ w_uq^T over q_norm's scales,
     q_lat = q_nope @ w_uk per head over q_nope's, and q_pe = RoPE(q_rope) as sqrt(s_a^2 cos^2 + s_b^2 sin^2). The
-    latent cache rows are judged as every cache write."""
+    latent cache rows [RMSNorm(c_kv) gamma_ckv | RoPE(k_pe)], per written token [T, kv_lora + rope], as q_norm and
+    q_pe are."""
     names = ("x", "w_dq", "gamma_cq", "w_uq_qr", "w_uk", "w_dkv_kr", "gamma_ckv", "cos", "sin")
     a = {name: to_numpy(inputs[name]).astype(np.float64) for name in names}
     heads, nope, latent = a["w_uk"].shape
@@ -356,7 +357,8 @@ def _indexer_prolog_scales(inputs: Inputs, want: dict[str, np.ndarray]) -> dict[
     s_b^2 sin^2); at least against themselves. Projections and RoPE cancel, so an fp32 result is as accurate as its
     terms' rounding allows: the long fuzz profile drew one token, one head and 36 hidden dims whose weight was
     3.9e-4 from terms of 4.3 in magnitude, 3.0e-4 of itself off on the torch backend (3.2e-5 on triton), as a plain
-    fp32 matmul of the same inputs is. The index-key cache is judged as every cache write."""
+    fp32 matmul of the same inputs is. The index-key rows RoPE(LayerNorm(x @ w_ik^T)), per written token [T, DI],
+    below."""
     names = ("x", "q_norm", "w_iq", "w_iw", "w_ik", "k_norm_weight", "k_norm_bias", "cos", "sin")
     a = {name: to_numpy(inputs[name]).astype(np.float64) for name in names}
     heads, head_dim = a["w_iw"].shape[0], a["w_ik"].shape[0]
