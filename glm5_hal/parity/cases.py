@@ -258,8 +258,8 @@ def grouped_matmul_inputs(group_sizes: list[int], n: int, k: int) -> Build:
 
 def cancelling_grouped_products(build: Build) -> Build:
     """`build`'s grouped_matmul inputs with each expert's weight rows made orthogonal to that expert's rows of x
-    (fewer rows than K per expert): every output cancels to rounding noise, and is judged against its terms'
-    magnitudes (the long fuzz profile failed an fp32 output of three cancelling terms at 1.1e-4 of itself)."""
+    (fewer rows than K per expert): every output cancels to rounding noise, and is judged against its terms' root-
+    sum-square (the long fuzz profile failed an fp32 output of three cancelling terms at 1.1e-4 of itself)."""
 
     def build_cancelling(gen: torch.Generator, dtype: torch.dtype) -> dict:
         inputs = build(gen, dtype)
@@ -302,8 +302,8 @@ def fused_moe_inputs(
 def cancelling_down_projections(build: Build) -> Build:
     """`build`'s fused_moe inputs with each expert's down projection w2 made orthogonal to the activations
     silu(x w1^T) * (x w3^T) of the tokens routed to it (float64 from the case's x and w13; fewer tokens per expert
-    than the intermediate size): every output cancels to rounding noise, and is judged against its terms'
-    magnitudes."""
+    than the intermediate size): every output cancels to rounding noise, and is judged against its terms' root-
+    sum-square."""
 
     def build_cancelling(gen: torch.Generator, dtype: torch.dtype) -> dict:
         inputs = build(gen, dtype)
