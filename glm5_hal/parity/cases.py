@@ -96,7 +96,8 @@ def cancelling_latent_queries(build: Build) -> Build:
         inputs = build(gen, dtype)
         w_uk = inputs["w_uk"]
         heads, nope, _ = w_uk.shape
-        q_norm = _rms_norm(inputs["x"][0].double() @ inputs["w_dq"].double().T, inputs["gamma_cq"], inputs["eps"])
+        c_q = inputs["x"][0].double() @ inputs["w_dq"].double().T
+        q_norm = torch.nn.functional.rms_norm(c_q, c_q.shape, inputs["gamma_cq"].double(), inputs["eps"])
         q_nope = (inputs["w_uq_qr"].double() @ q_norm).reshape(heads, -1)[:, :nope]
         for head in range(heads):
             w_uk[head] = rows_orthogonal_to(w_uk[head].T, q_nope[head]).T
@@ -135,10 +136,6 @@ def centring_index_keys(build: Build) -> Build:
         return inputs
 
     return build_centring
-
-
-def _rms_norm(x: torch.Tensor, gamma: torch.Tensor, eps: float) -> torch.Tensor:
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * gamma.double()
 
 
 def rows_orthogonal_to(w: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -41,7 +41,7 @@ class OpSpec:
         return outputs
 
     def reference(self, inputs: Inputs) -> dict[str, np.ndarray]:
-        args = {k: (to_numpy(v) if isinstance(v, torch.Tensor) else v) for k, v in inputs.items()}
+        args = _numpy_inputs(inputs)
         result = _REFERENCE_CALLS[self.name](args)
         return dict(zip(self.output_names + self.mutated, result))
 
@@ -62,6 +62,11 @@ class OpSpec:
                     scale = ref.write_cache(np.abs(want[name]), to_numpy(inputs["slot_mapping"]), scale)
                 verdicts.append(compare_float(name, value, want[name], dtype, scale=scale))
         return verdicts
+
+
+def _numpy_inputs(inputs: Inputs) -> dict[str, object]:
+    """The case's inputs with every tensor as a NumPy array, as the reference takes them."""
+    return {k: (to_numpy(v) if isinstance(v, torch.Tensor) else v) for k, v in inputs.items()}
 
 
 def _ref_call(fn: Callable, *names: str, **kw_names: str) -> Callable[[dict], tuple]:
@@ -174,7 +179,7 @@ def _indexer_scores_and_scales(inputs: Inputs) -> tuple[np.ndarray, np.ndarray]:
     signs: both levels cancel, so a logit is judged against its terms' root-sum-square, sqrt(sum_j w_j^2 d_j^2) with
     d_j = max(|q_j . k|, sqrt(sum_i q_ji^2 k_i^2)) (docs/ops.md "What an error is relative to"), and at least
     against itself. Each head counts, active or not: its dot product's rounding decides which side of ReLU it is."""
-    args = {k: (to_numpy(v) if isinstance(v, torch.Tensor) else v) for k, v in inputs.items()}
+    args = _numpy_inputs(inputs)
     paged = [args[n] for n in _PAGED]
     fmt = args.get("kv_cache_dtype", AUTO)
     logits = ref.indexer_logits(args["q_idx"], args["weights"], args["index_k_cache"], *paged, fmt)
@@ -217,7 +222,7 @@ def _sparse_flash_attention_scales(inputs: Inputs, want: dict[str, np.ndarray]) 
     That root-sum-square comes from the reference itself, so the same keys count (valid, addressed, the cache's
     decoded values): over rows [v^2 | row] with q [0 | q] and twice sm_scale it returns sum_i softmax(2s)_i v_i^2
     and log sum_i exp(2 s_i), and sum_i p_i^2 v_i^2 = that sum times exp(lse(2s) - 2 lse(s))."""
-    args = {k: (to_numpy(v) if isinstance(v, torch.Tensor) else v) for k, v in inputs.items()}
+    args = _numpy_inputs(inputs)
     d_v = int(args["d_v"])
     rows = ref.dequantize_cache(args["kv_cache"], args.get("kv_cache_dtype", AUTO))
     q = np.asarray(args["q"], np.float64)
