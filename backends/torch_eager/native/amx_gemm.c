@@ -3,14 +3,9 @@
  *   bf16:  C[b][m][n] = sum_k A[b][m][k] * B[b][n][k]     A, B bf16 (raw uint16 bits), C fp32   (TDPBF16PS)
  *   s8:    Y[m][n]    = sum_k X[m][k] * W[n][k]           X, W int8, Y int32, exact            (TDPBSSD)
  *
- * Blocking. A block is MB = 32 rows x NB = 32 columns of the result: four C tiles (2 x 2) held in tile registers over
- * the whole of K, fed per K step (32 bf16 or 64 int8: one tile row) by two A tiles and two B tiles, four tile
- * products per step. The B side is a panel: the block's 32 columns over all of K in the instructions' pair (quad)
- * layout, a B tile row holding one pair (quad) of K for each of 16 columns, zero past N and K. The bf16 GEMM packs
- * its panels itself, one per block of columns, and reuses it for every row block (the panel, 64 bytes x K, stays in
- * L2); the int8 GEMM reads panels packed once per weight by amx_gemm.py (prepare_s8_weight). A tiles are loaded from
- * A in place where 16 whole rows and a whole K step are there, else from a zero-padded copy (the edges of M and K);
- * the tile products past M and N are discarded, and no tile is computed whose rows or columns are all padding.
+ * Blocking: amx_blocks.h's block, 32 x 32 results held in four C tiles over the whole of K. The bf16 GEMM packs its
+ * panels itself, one per block of columns, and reuses it for every row block (the panel, 64 bytes x K, stays in L2);
+ * the int8 GEMM reads panels packed once per weight by amx_gemm.py (prepare_s8_weight).
  *
  * Numerics are those of the tile instructions (amx_tiles.h): the bf16 GEMM sums exact products in fp32, in the
  * instruction's order (two 16-product fp32 chains per K step, their sum added to the tile), reading bf16 subnormals
@@ -18,106 +13,7 @@
  * depend on how the calls are split over threads. Built twice by build.py: with AMX, and portable (GLM5_PORTABLE:
  * the same blocking around amx_tiles.h's scalar tile operations). amx_gemm.py has the Python side.
  */
-#include <stdlib.h>
-
-#include "amx_tiles.h"
-
-#define MB (2 * TILE_ROWS)    /* rows of the result per block: two A tiles */
-#define NB (2 * TILE_COLUMNS) /* columns of the result per block (one panel): two B tiles */
-#define TILE_BYTES (TILE_ROWS * TILE_ROW_BYTES)
-#define STEP_BYTES (2 * TILE_BYTES) /* one K step of a panel: its two B tiles */
-#define ELEMENT_BYTES 4             /* fp32 or int32 results */
-
-enum { OP_BF16, OP_S8 }; /* which tile product a block runs */
-
-/* Tile registers (plain numbers: the instructions encode them, and gcc's intrinsics paste them into the assembly):
-   C tile (i, j) of a block is C<i><j>, A tile i is A<i>, B tile j is B<j>. */
-#define C00 0
-#define C01 1
-#define C10 2
-#define C11 3
-#define A0 4
-#define A1 5
-#define B0 6
-#define B1 7
-
-/* rows x bytes of src (rows `stride` bytes apart) into a zero-padded TILE_ROWS x TILE_ROW_BYTES tile image. */
-static void stage(const uint8_t *src, long stride, int rows, long bytes, uint8_t dst[TILE_ROWS][TILE_ROW_BYTES]) {
-    memset(dst, 0, TILE_BYTES);
-    const long width = bytes < TILE_ROW_BYTES ? bytes : TILE_ROW_BYTES;
-    for (int r = 0; r < rows; r++) memcpy(dst[r], src + r * stride, width);
-}
-
-/* A tile i (register t) of a block at K byte offset k: in place where whole, else staged (the edges of M and K). */
-#define LOAD_A(i, t)                                                                                               \
-    do {                                                                                                          \
-        const int left = rows - TILE_ROWS * (i), tile_rows = left < TILE_ROWS ? left : TILE_ROWS;                 \
-        const uint8_t *src = A + (long)TILE_ROWS * (i) * a_row + k;                                                \
-        if (tile_rows == TILE_ROWS && k + TILE_ROW_BYTES <= k_bytes) {                                            \
-            TILE_LOAD(t, src, a_row);                                                                             \
-        } else {                                                                                                  \
-            stage(src, a_row, tile_rows, k_bytes - k, staged[i]);                                                  \
-            TILE_LOAD(t, staged[i], TILE_ROW_BYTES);                                                              \
-        }                                                                                                         \
-    } while (0)
-
-#define PRODUCT(c, a, b)                                                                                          \
-    do {                                                                                                          \
-        if (op == OP_BF16)                                                                                        \
-            TILE_DPBF16PS(c, a, b);                                                                               \
-        else                                                                                                      \
-            TILE_DPBSSD(c, a, b);                                                                                 \
-    } while (0)
-
-/* One block: out[r][j] (r < rows <= MB, j < cols <= NB; rows y_row bytes apart) = the sums over K of A's `rows`
-   rows (a_row bytes apart, k_bytes of K each) with the panel's columns (steps K steps of STEP_BYTES). */
-static void block(int op, const uint8_t *A, long a_row, long k_bytes, int rows, const uint8_t *panel, long steps,
-                  int cols, uint8_t *out, long y_row) {
-    uint8_t staged[2][TILE_ROWS][TILE_ROW_BYTES];
-    uint8_t result[MB][NB * ELEMENT_BYTES];
-    const int two_rows = rows > TILE_ROWS, two_cols = cols > TILE_COLUMNS;
-    TILE_ZERO(C00);
-    TILE_ZERO(C01);
-    TILE_ZERO(C10);
-    TILE_ZERO(C11);
-    for (long s = 0; s < steps; s++) {
-        const long k = s * TILE_ROW_BYTES;
-        const uint8_t *b = panel + s * STEP_BYTES;
-        TILE_LOAD(B0, b, TILE_ROW_BYTES);
-        if (two_cols) TILE_LOAD(B1, b + TILE_BYTES, TILE_ROW_BYTES);
-        LOAD_A(0, A0);
-        PRODUCT(C00, A0, B0);
-        if (two_cols) PRODUCT(C01, A0, B1);
-        if (two_rows) {
-            LOAD_A(1, A1);
-            PRODUCT(C10, A1, B0);
-            if (two_cols) PRODUCT(C11, A1, B1);
-        }
-    }
-    const long result_row = NB * ELEMENT_BYTES;
-    TILE_STORE(C00, result[0], result_row);
-    if (two_cols) TILE_STORE(C01, result[0] + TILE_ROW_BYTES, result_row);
-    if (two_rows) {
-        TILE_STORE(C10, result[TILE_ROWS], result_row);
-        if (two_cols) TILE_STORE(C11, result[TILE_ROWS] + TILE_ROW_BYTES, result_row);
-    }
-    for (int r = 0; r < rows; r++) memcpy(out + r * y_row, result[r], (size_t)cols * ELEMENT_BYTES);
-}
-
-/* Columns [n0, n0 + cols) of B (bf16 rows b_row elements apart, K long) as a panel: for K step s and B tile j, row p
-   holds (B[n0 + 16 j + c][32 s + 2 p], B[..][32 s + 2 p + 1]) for c < 16, zero past `cols` and K. */
-static void pack_bf16_panel(const uint16_t *B, long b_row, int cols, long K, long steps, uint16_t *panel) {
-    memset(panel, 0, (size_t)steps * STEP_BYTES);
-    const int bf16_per_step = 2 * TILE_ROWS;
-    for (int c = 0; c < cols; c++) {
-        const uint16_t *row = B + c * b_row;
-        uint16_t *column = panel + (c / TILE_COLUMNS) * (TILE_BYTES / 2) + 2 * (c % TILE_COLUMNS);
-        for (long k = 0; k < K; k++) {
-            const long s = k / bf16_per_step, p = (k % bf16_per_step) / 2;
-            column[s * (STEP_BYTES / 2) + p * (TILE_ROW_BYTES / 2) + k % 2] = row[k];
-        }
-    }
-}
+#include "amx_blocks.h"
 
 /* C[b][m][n] for b in [b_begin, b_end), n in [n_begin, n_end) (n_begin a multiple of NB), every m: one thread's share.
    Strides in elements; A's and B's rows are K-contiguous, C's rows N-contiguous (as bf16_gemm.c's entry point).
@@ -138,7 +34,7 @@ int glm5_amx_bf16_gemm_nt(long M, long K, const uint16_t *A, long a_batch, long 
             for (long m0 = 0; m0 < M; m0 += MB) {
                 const int rows = M - m0 < MB ? (int)(M - m0) : MB;
                 block(OP_BF16, (const uint8_t *)(Ab + m0 * a_row), 2 * a_row, 2 * K, rows, (const uint8_t *)panel,
-                      steps, cols, (uint8_t *)(Cb + m0 * c_row + n0), ELEMENT_BYTES * c_row);
+                      steps, steps, cols, (uint8_t *)(Cb + m0 * c_row + n0), ELEMENT_BYTES * c_row);
             }
         }
     }
@@ -158,7 +54,7 @@ void glm5_amx_s8_gemm_nt(long M, long K, const int8_t *X, long x_row, const uint
         const int cols = n_end - n0 < NB ? (int)(n_end - n0) : NB;
         for (long m0 = 0; m0 < M; m0 += MB) {
             const int rows = M - m0 < MB ? (int)(M - m0) : MB;
-            block(OP_S8, (const uint8_t *)(X + m0 * x_row), x_row, K, rows, P + (n0 / NB) * p_stride, steps, cols,
+            block(OP_S8, (const uint8_t *)(X + m0 * x_row), x_row, K, rows, P + (n0 / NB) * p_stride, steps, steps, cols,
                   (uint8_t *)(Y + m0 * y_row + n0), ELEMENT_BYTES * y_row);
         }
     }

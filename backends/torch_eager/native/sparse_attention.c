@@ -32,8 +32,9 @@
 #include <math.h>
 #include <stdlib.h>
 
+#include "attention_softmax.h" /* exponentiate, store_output (and exp8 for the AVX2 build) */
 #include "head_pairs.h"
-#include "paged_tokens.h" /* token_sequence */
+#include "selected_rows.h"   /* select_rows */
 
 #if defined(GLM5_AVX2)
 #define KEYS PAIR_KEYS /* scores: keys per tile (6 x 2 or 3 x 4 head vectors of 8 = 12 accumulators) */
@@ -131,65 +132,6 @@ static __attribute__((noinline)) void score_few_heads(const uint16_t *const *val
         for (long ahead = n0 + 4 * ROW_KEYS; ahead < n0 + 5 * ROW_KEYS && ahead < n; ahead++)
             prefetch_to_l2(valid_rows[ahead], dims);
         row_dot_tile(keys, k1 - n0 < ROW_KEYS ? (int)(k1 - n0) : ROW_KEYS, qf, dims, scale, s + (n0 - k0) * hp, hp);
-    }
-}
-
-/* All-ones in the lanes i < live (of 8). */
-static inline __m256 lanes_below(long live) {
-    return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32((int)(live < 8 ? live : 8)),
-                                                  _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
-}
-
-/* exp16's arithmetic on 8 lanes (the same clamp, reduction and polynomial, so the same values). AVX2 has no scalef:
-   2^n is applied as two normal factors 2^a 2^(n - a), a = floor(n / 2), both within 2^-75 .. 2^64 for n in
-   [-150, 128]; p 2^a is exact, so the second product rounds once, as scalef does (to a subnormal or inf where the
-   result is one). NaN stays NaN through p. */
-static inline __m256 exp8(__m256 x) {
-    x = _mm256_min_ps(_mm256_set1_ps(89.0f), _mm256_max_ps(_mm256_set1_ps(-104.0f), x));
-    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x); /* ln2 in two parts: r is exact */
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    /* Horner in exp16's order: coefficients of r^7 .. r^2, then p r^2 + (r + 1) */
-    static const float poly[] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
-                                 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
-    __m256 p = _mm256_set1_ps(poly[0]);
-    for (int i = 1; i < (int)(sizeof poly / sizeof *poly); i++) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(poly[i]));
-    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-    __m256i whole = _mm256_cvtps_epi32(n), a = _mm256_srai_epi32(whole, 1), b = _mm256_sub_epi32(whole, a);
-    const __m256i bias = _mm256_set1_epi32(127);
-    __m256 two_a = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(a, bias), 23));
-    __m256 two_b = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(b, bias), 23));
-    return _mm256_mul_ps(_mm256_mul_ps(p, two_a), two_b);
-}
-
-/* s [n][hp] scores -> E = exp(s - peak) in place, and per head (h < heads) lse = peak + log(total) and
-   denominator = max(total, FLT_MIN) (see the top of the file; padding lanes: scores read as 0, denominator 1). */
-static void exponentiate(float *s, long n, long hp, long heads, float *lse, float *denominator) {
-    const __m256 zero = _mm256_setzero_ps();
-    for (long h0 = 0; h0 < hp; h0 += 8) {
-        __m256 live = lanes_below(heads - h0);
-        __m256 peak = _mm256_set1_ps(-INFINITY), nan = zero;
-        for (long k = 0; k < n; k++) {
-            __m256 x = _mm256_and_ps(live, _mm256_loadu_ps(s + k * hp + h0));
-            peak = _mm256_max_ps(peak, x);
-            nan = _mm256_or_ps(nan, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
-        }
-        __m256 finite = _mm256_cmp_ps(_mm256_sub_ps(peak, peak), zero, _CMP_EQ_OQ);
-        peak = _mm256_and_ps(_mm256_andnot_ps(nan, finite), peak);
-        __m256 total = zero;
-        for (long k = 0; k < n; k++) {
-            __m256 e = exp8(_mm256_sub_ps(_mm256_and_ps(live, _mm256_loadu_ps(s + k * hp + h0)), peak));
-            _mm256_storeu_ps(s + k * hp + h0, e);
-            total = _mm256_add_ps(total, e);
-        }
-        float peaks[8], totals[8];
-        _mm256_storeu_ps(peaks, peak);
-        _mm256_storeu_ps(totals, total);
-        for (int i = 0; i < 8; i++) {
-            if (h0 + i < heads) lse[h0 + i] = peaks[i] + logf(totals[i]);
-            denominator[h0 + i] = h0 + i < heads ? fmaxf(totals[i], FLT_MIN) : 1.0f;
-        }
     }
 }
 
@@ -404,55 +346,6 @@ static void value_tile(const uint16_t *const *rows, const uint16_t *vp, long n_v
 }
 
 
-/* exp(x) in 16 lanes to ~1 ulp (Cephes' expf: x = n ln2 + r, |r| <= ln2 / 2, a degree-7 polynomial for e^r, then
-   scaled by 2^n). Clamped to [-104, 89] first, where exp is already 0 / inf in fp32, so that -inf gives 0 and +inf
-   gives inf without a NaN from the reduction; NaN passes through (max / min return their second operand for it). */
-static inline __m512 exp16(__m512 x) {
-    x = _mm512_min_ps(_mm512_set1_ps(89.0f), _mm512_max_ps(_mm512_set1_ps(-104.0f), x));
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x); /* ln2 in two parts: r is exact */
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    return _mm512_scalef_ps(p, n);
-}
-
-/* s [n][hp] scores -> E = exp(s - peak) in place, and per head (h < heads) lse = peak + log(total) and
-   denominator = max(total, FLT_MIN) (see the top of the file; padding lanes get 1). */
-static void exponentiate(float *s, long n, long hp, long heads, float *lse, float *denominator) {
-    for (long h0 = 0; h0 < hp; h0 += 16) {
-        __mmask16 live = (__mmask16)live_lanes(heads, h0);
-        __m512 peak = _mm512_set1_ps(-INFINITY);
-        __mmask16 nan = 0;
-        for (long k = 0; k < n; k++) {
-            __m512 x = _mm512_maskz_loadu_ps(live, s + k * hp + h0);
-            peak = _mm512_max_ps(peak, x);
-            nan |= _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
-        }
-        __mmask16 finite = _mm512_cmp_ps_mask(_mm512_sub_ps(peak, peak), _mm512_setzero_ps(), _CMP_EQ_OQ);
-        peak = _mm512_maskz_mov_ps(finite & (__mmask16)~nan, peak);
-        __m512 total = _mm512_setzero_ps();
-        for (long k = 0; k < n; k++) {
-            __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, s + k * hp + h0), peak));
-            _mm512_storeu_ps(s + k * hp + h0, e);
-            total = _mm512_add_ps(total, e);
-        }
-        float peaks[16], totals[16];
-        _mm512_storeu_ps(peaks, peak);
-        _mm512_storeu_ps(totals, total);
-        for (int i = 0; i < 16; i++) {
-            if (h0 + i < heads) lse[h0 + i] = peaks[i] + logf(totals[i]);
-            denominator[h0 + i] = h0 + i < heads ? fmaxf(totals[i], FLT_MIN) : 1.0f;
-        }
-    }
-}
-
 /* P = e / denominator as (hi, lo) bf16 parts: hi = P rounded, lo = (P - hi) rounded, 0 where that is not finite
    (inf / NaN pass through hi alone); as 32-bit lanes with the bf16 in the low half. */
 static inline void split_parts(__m512 p, __m512i *hi, __m512i *lo) {
@@ -488,25 +381,6 @@ static void pack_probabilities(float *s, long n, long hp, long heads, const floa
         }
     }
 }
-
-/* o [heads][dv] fp32 -> out[h][d] (row stride out_head), fp32 or bf16 rounded as torch rounds (to nearest even,
-   every NaN 0x7FC0, subnormals kept). */
-static void store_output(const float *o, long heads, long dv, void *out, int out_fp32, long out_head) {
-    for (long h = 0; h < heads; h++)
-        for (long d0 = 0; d0 < dv; d0 += 16) {
-            __mmask16 mask = (__mmask16)live_lanes(dv, d0);
-            __m512 x = _mm512_maskz_loadu_ps(mask, o + h * dv + d0);
-            if (out_fp32) {
-                _mm512_mask_storeu_ps((float *)out + h * out_head + d0, mask, x);
-                continue;
-            }
-            __m512i bits = _mm512_castps_si512(x);
-            __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-            __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
-            rounded = _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
-            _mm512_mask_cvtepi32_storeu_epi16((uint16_t *)out + h * out_head + d0, mask, rounded);
-        }
-}
 #else
 static void score_tile(const uint16_t *keys[KEYS], int n_keys, const uint16_t *q, long pairs, long odd, long hp,
                        long h0, int nv, const unsigned live[4], float scale, float *s, long s_key) {
@@ -534,29 +408,6 @@ static void value_tile(const uint16_t *const *rows, const uint16_t *vp, long n_v
         }
 }
 
-static void exponentiate(float *s, long n, long hp, long heads, float *lse, float *denominator) {
-    for (long h = 0; h < hp; h++) {
-        if (h >= heads) {
-            denominator[h] = 1.0f;
-            continue;
-        }
-        float peak = -INFINITY;
-        int nan = 0;
-        for (long k = 0; k < n; k++) {
-            float x = s[k * hp + h];
-            nan |= x != x;
-            peak = x > peak ? x : peak;
-        }
-        if (nan || peak - peak != 0.0f) peak = 0.0f;
-        float total = 0.0f;
-        for (long k = 0; k < n; k++) {
-            s[k * hp + h] = expf(s[k * hp + h] - peak);
-            total += s[k * hp + h];
-        }
-        lse[h] = peak + logf(total);
-        denominator[h] = fmaxf(total, FLT_MIN);
-    }
-}
 
 static void pack_probabilities(float *s, long n, long hp, long heads, const float *denominator, float *pair_copy) {
     for (long pair = 0; pair < (n + 1) / 2; pair++) {
@@ -574,65 +425,6 @@ static void pack_probabilities(float *s, long n, long hp, long heads, const floa
     }
 }
 #endif
-
-#if defined(GLM5_AVX2) || defined(GLM5_PORTABLE)
-/* o [heads][dv] fp32 -> out[h][d] (row stride out_head), fp32 or bf16 rounded as torch rounds (bf16.h). A pass over
-   heads x dv values per token: in scalar code for the AVX2 build too, a small part of its time. */
-static void store_output(const float *o, long heads, long dv, void *out, int out_fp32, long out_head) {
-    for (long h = 0; h < heads; h++)
-        for (long d = 0; d < dv; d++) {
-            if (out_fp32)
-                ((float *)out)[h * out_head + d] = o[h * dv + d];
-            else
-                ((uint16_t *)out)[h * out_head + d] = float_to_bf16(o[h * dv + d]);
-        }
-}
-#endif
-
-
-/* Where a token's selected rows are: flat slots of the rows, or the paged batch the op takes. */
-struct key_source {
-    const int64_t *slots; /* [T][topk]: a row of `rows` per key; a slot outside 0 .. num_slots - 1 is not a key.
-                             NULL: the paged batch below */
-    const int32_t *indices;      /* [T][topk] request-local key positions (index_stride apart) */
-    long index_stride;
-    const int32_t *block_table;  /* [B][max_blocks] (table_stride apart) */
-    long table_stride, max_blocks;
-    const int32_t *seq_lens_k;   /* [B] */
-    const int32_t *cu_seqlens_q; /* [B + 1] */
-    long batch, block_size, num_blocks;
-    long block_step, row_step;   /* slot (block b, offset o) is row b * block_step + o * row_step */
-};
-
-/* valid_rows[0 .. n) = the rows of token t's keys, in the order of its selection; returns n. A paged key is a key
-   when 0 <= position < seq_lens_k[b], its block lies in the table and the table names a block of the cache
-   (docs/ops.md "Paged caches"): the test glm5_hal.paged.key_slots makes, on each value as it is read, so no table
-   entry or position can send a read outside the rows. */
-static long select_rows(const struct key_source *keys, long t, long topk, const uint16_t *rows, long num_slots,
-                        long row_stride, const uint16_t **valid_rows) {
-    long n = 0;
-    if (keys->slots) {
-        const int64_t *st = keys->slots + t * topk;
-        for (long k = 0; k < topk; k++)
-            if (st[k] >= 0 && st[k] < num_slots) valid_rows[n++] = rows + st[k] * row_stride; /* else: not a key */
-        return n;
-    }
-    if (keys->batch <= 0 || keys->block_size <= 0) return 0;
-    long b = token_sequence(keys->cu_seqlens_q, keys->batch, t);
-    long limit = keys->seq_lens_k[b], capacity = keys->max_blocks * keys->block_size;
-    if (limit > capacity) limit = capacity;
-    const int32_t *table = keys->block_table + b * keys->table_stride;
-    const int32_t *positions = keys->indices + t * keys->index_stride;
-    for (long k = 0; k < topk; k++) {
-        long p = positions[k];
-        if (p < 0 || p >= limit) continue;
-        long block = table[p / keys->block_size];
-        if (block < 0 || block >= keys->num_blocks) continue;
-        long row = block * keys->block_step + (p % keys->block_size) * keys->row_step;
-        if (row < num_slots) valid_rows[n++] = rows + row * row_stride;
-    }
-    return n;
-}
 
 /* The scores, softmax and values of tokens t_begin .. t_end - 1 over the rows `keys` selects (the file's top).
    q: [T][H][D] bf16 at element strides q_token, q_head (dims contiguous), packed per token as [pairs + odd][hp][2]
@@ -738,29 +530,4 @@ static int attend(long heads, long dims, long dv, long topk, const uint16_t *q, 
     return status;
 }
 
-/* Tokens t_begin .. t_end - 1 over flat slots [T][topk] int64 of the rows (see attend). */
-int glm5_sparse_attention(long heads, long dims, long dv, long topk, const uint16_t *q, long q_token, long q_head,
-                          const uint16_t *rows, long num_slots, long row_stride, const int64_t *slots, float scale, void *out, int out_fp32,
-                          long out_token, long out_head, float *lse, long lse_token, long t_begin, long t_end) {
-    struct key_source keys = {.slots = slots};
-    return attend(heads, dims, dv, topk, q, q_token, q_head, rows, num_slots, row_stride, &keys, scale, out, out_fp32, out_token,
-                  out_head, lse, lse_token, t_begin, t_end);
-}
-
-/* Tokens t_begin .. t_end - 1 of the paged batch: indices [T][topk] int32 request-local positions, block_table
-   [B][max_blocks], seq_lens_k [B] and cu_seqlens_q [B + 1] int32, the cache's rows as `rows` (slot (block b, offset
-   o) = row b * block_step + o * row_step). The op's own arguments: no slot tensor is made. */
-int glm5_sparse_attention_paged(long heads, long dims, long dv, long topk, const uint16_t *q, long q_token,
-                                long q_head, const uint16_t *rows, long num_slots, long row_stride, const int32_t *indices, long index_stride,
-                                const int32_t *block_table, long table_stride, long max_blocks,
-                                const int32_t *seq_lens_k, const int32_t *cu_seqlens_q, long batch, long block_size,
-                                long num_blocks, long block_step, long row_step, float scale, void *out,
-                                int out_fp32, long out_token, long out_head, float *lse, long lse_token,
-                                long t_begin, long t_end) {
-    struct key_source keys = {.indices = indices, .index_stride = index_stride, .block_table = block_table,
-                              .table_stride = table_stride, .max_blocks = max_blocks, .seq_lens_k = seq_lens_k,
-                              .cu_seqlens_q = cu_seqlens_q, .batch = batch, .block_size = block_size,
-                              .num_blocks = num_blocks, .block_step = block_step, .row_step = row_step};
-    return attend(heads, dims, dv, topk, q, q_token, q_head, rows, num_slots, row_stride, &keys, scale, out, out_fp32, out_token,
-                  out_head, lse, lse_token, t_begin, t_end);
-}
+#include "attention_entry.h" /* glm5_sparse_attention, glm5_sparse_attention_paged: around attend */
