@@ -19,6 +19,7 @@ import math
 
 import pytest
 import torch
+from test_native_kernels import _same_bits
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import glm5_hal
@@ -38,6 +39,7 @@ from backends.torch_eager.capabilities import (
 from backends.torch_eager.gemm import FP32, Gemm, RoutedGemm, forced_route, from_route, gemm_for
 from backends.torch_eager.native import bf16_gemm, indexer_scores, int8_gemm, quantized_index_scores
 from backends.torch_eager.native import sparse_attention as native_attention
+from backends.torch_eager.sparse_attention import native_kernel_runs
 from conftest import parity_backends
 from glm5_hal import weight_cache
 from glm5_hal.kv_formats import FORMATS
@@ -142,10 +144,11 @@ def test_gemm_path_follows_the_mode_and_the_activation_dtype() -> None:
 
 @pytest.mark.parametrize("mode", MODES)
 def test_sparse_attention_gemm_operands(mode: str) -> None:
-    fast = _bf16_gemm(mode, ATTENTION)
+    inputs = _sparse_attention_inputs(torch.bfloat16)
+    fast = _bf16_gemm(mode, ATTENTION).at(inputs[0].shape[1])  # the route for the call's head count
     with fast_paths(mode), _GemmSpy() as spy:
-        OPS["sparse_flash_attention"](*_sparse_attention_inputs(torch.bfloat16))
-    if fast.fused and native_attention.availability(fast.native_isa)[0]:
+        OPS["sparse_flash_attention"](*inputs)
+    if native_kernel_runs(fast):
         # The native kernel over the paged batch: bf16 q and cache, then the int32 indices, block table, seq_lens_k
         # and cu_seqlens_q (the probabilities are split into bf16 parts inside).
         assert spy.operands == [(torch.bfloat16, torch.bfloat16, *[torch.int32] * 4)]
@@ -306,6 +309,37 @@ def test_sparse_attention_takes_the_route_for_its_head_count() -> None:
             with _GemmSpy() as spy:
                 OPS["sparse_flash_attention"](q_h, cache, *rest)
             assert set(spy.functions) == {want}, heads
+
+
+def test_the_amx_attention_route_runs_amx_attention_c_and_passes_every_parity_case(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On AMX's route (native:amx) sparse attention runs its own kernel (amx_attention.c: both products on tiles), not
+    sparse_attention.c nor the torch code over AMX's GEMM. GLM5_HAL_NATIVE=portable stands the AMX kernel's portable
+    build (the tile blocking in scalar C) in for the AMX one, so this runs on any CPU: the op's bits are that
+    kernel's (which differ from sparse_attention.c's in the order of the sums), and every bf16 parity case of the op
+    passes on the route."""
+    monkeypatch.setenv("GLM5_HAL_NATIVE", "portable")
+    ok, why = native_attention.availability(native_attention.AMX)
+    if not ok:
+        pytest.skip(f"no AMX attention build here: {why}")
+    amx = from_route(torch.bfloat16, Route("native", fp32_output=True, isa=native_attention.AMX, torch_half=False))
+    inputs = _sparse_attention_inputs(torch.bfloat16)
+    with forced_route(ATTENTION, amx), _GemmSpy() as spy:
+        out, lse = OPS["sparse_flash_attention"](*inputs)
+    assert spy.functions == [torch.ops.glm5_hal.native_paged_sparse_attention.default]
+    tiles = native_attention.paged_attention(*inputs, kernel=native_attention.AMX_KERNEL, isa="portable", threads=1)
+    vectors = native_attention.paged_attention(*inputs, isa="portable", threads=1)
+    assert torch.equal(out, tiles[0]) and _same_bits(lse, tiles[1])
+    assert not _same_bits(lse, vectors[1])  # so the bits above say which kernel ran
+    op_args = (*inputs, native_attention.AMX, native_attention.AMX_KERNEL)
+    torch.library.opcheck(torch.ops.glm5_hal.native_paged_sparse_attention, op_args)  # its schema and fake
+    cases = [case for case in CASES if case.op == "sparse_flash_attention" and torch.bfloat16 in case.dtypes]
+    assert cases
+    with forced_route(ATTENTION, amx):
+        for case in cases:
+            result = run_case(case, "torch", torch.bfloat16)
+            assert result.passed, f"{case.name}: {result.status}: {result.detail}"
 
 
 def test_products_past_max_work_take_the_fp32_gemm() -> None:

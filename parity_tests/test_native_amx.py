@@ -1,7 +1,8 @@
 """backends.torch_eager.native.amx_gemm: the GEMMs on AMX tiles, for every build that runs here: the AMX one where
 the CPU has amx_bf16 / amx_int8 and Linux grants the tile state (skipped elsewhere, with the reason), and the
 portable one (the same blocking around scalar tile operations, amx_tiles.h) on any CPU with a compiler, so the
-blocking, staging and padding are checked on every machine.
+blocking, staging and padding are checked on every machine. (amx_attention.c, sparse attention on tiles, is checked
+with sparse_attention.c's tests in test_native_kernels.py and on its route in test_fast_paths.py; its build here.)
 
 - bf16: within the fp32 summation bound of the float64 product on hypothesis shapes that cross the tile (16), block
   (32) and K-step (32) edges, strided, transposed, batch-stride-0 and empty operands, NaN / inf; and bit for bit the
@@ -24,7 +25,7 @@ from hypothesis import strategies as st
 from test_native_kernels import _assert_within_fp32_sums, _same_bits
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from backends.torch_eager.native import amx_gemm, amx_tiles, build
+from backends.torch_eager.native import amx_gemm, amx_tiles, build, sparse_attention
 from glm5_hal.cpu_flags import this_cpu
 
 ISAS = (amx_gemm.FAST, amx_gemm.PORTABLE)
@@ -217,18 +218,21 @@ def test_the_amx_build_compiles_here_and_without_amx_it_is_a_reason(fresh_builds
     lacks AMX). Where the CPU lacks it, availability says why; with the flags faked, the library loads and Linux's
     refusal of the tile state is the reason, before any tile instruction could run."""
     try:
-        build._build(amx_gemm.KERNEL, build.ISAS[amx_gemm.FAST])
+        for kernel in (amx_gemm.KERNEL, sparse_attention.AMX_KERNEL):  # every AMX source
+            build._build(kernel, build.ISAS[amx_gemm.FAST])
     except build.NativeUnavailable as exc:
         pytest.skip(f"no AMX build here: {exc}")
     _model, flags = this_cpu()
     if flags is not None and "amx_tile" in flags:
         pytest.skip("this CPU has AMX: the refusals below cannot happen here")
-    ok, why = amx_gemm.availability()
-    assert not ok and "needs CPU flags amx_tile" in why
+    for availability in (amx_gemm.availability, lambda: sparse_attention.availability(sparse_attention.AMX)):
+        ok, why = availability()
+        assert not ok and "needs CPU flags amx_tile" in why
     build.forget()
     monkeypatch.setattr(build, "this_cpu", lambda: ("faked", frozenset(build.ISAS[amx_gemm.FAST].cpu_flags)))
-    ok, why = amx_gemm.availability()
-    assert not ok and "Linux refused the AMX tile state" in why
+    for availability in (amx_gemm.availability, lambda: sparse_attention.availability(sparse_attention.AMX)):
+        ok, why = availability()
+        assert not ok and "Linux refused the AMX tile state" in why
     with pytest.raises(build.NativeUnavailable, match="Linux refused the AMX tile state"):
         amx_tiles.function(amx_gemm.KERNEL, amx_gemm.FAST, "glm5_amx_s8_gemm_nt", [])
     assert "sigaltstack" in amx_tiles.refusal(amx_gemm.KERNEL, amx_gemm.FAST, errno.ENOSPC)  # a too small stack

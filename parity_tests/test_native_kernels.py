@@ -27,12 +27,18 @@ from glm5_hal.kv_formats import FORMATS, decode_rows, encode_rows
 from glm5_hal.paged import token_positions, token_sequences
 
 ISAS = ("avx512_bf16", "avx2", "portable")
+# Sparse attention's builds as (C kernel, build): sparse_attention.c's vector builds, and amx_attention.c's AMX build
+# and its portable one (the tile blocking with the tile instructions in scalar C: checked on any CPU).
+ATTENTION_BUILDS = [
+    *[pytest.param(native_attention.KERNEL, isa, id=isa) for isa in ISAS],
+    *[pytest.param(native_attention.AMX_KERNEL, isa, id=f"amx_kernel-{isa}") for isa in ("amx", "portable")],
+]
 SETTINGS = settings(max_examples=30, deadline=None, derandomize=True)
 FP32_SUM = 2.0**-24  # the unit roundoff of fp32 sums: a sum of n terms is within n * FP32_SUM * sum |terms|
 
 
-def _runs(module, isa: str) -> None:
-    ok, why = module.availability(isa)
+def _runs(module, isa: str, *kernel: str) -> None:
+    ok, why = module.availability(isa, *kernel)
     if not ok:
         pytest.skip(f"{isa} build does not run here: {why}")
 
@@ -841,7 +847,7 @@ def _attention_reference(q, rows, slots, scale, d_v):
     return out, lse, out_bound, lse_bound
 
 
-@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("kernel, isa", ATTENTION_BUILDS)
 @SETTINGS
 @given(
     tokens=st.integers(1, 3),
@@ -854,11 +860,11 @@ def _attention_reference(q, rows, slots, scale, d_v):
     seed=st.integers(0, 2**31 - 1),
 )
 def test_sparse_attention_is_the_softmax_over_only_the_selected_rows(
-    isa, tokens, heads, dims, topk, d_v, invalid, scale, seed
+    kernel, isa, tokens, heads, dims, topk, d_v, invalid, scale, seed
 ):
     """out and lse against float64, with unused slots (-1) and NaN in every row no valid key selects: it must reach
     no result. The bf16 out is the fp32 out rounded once; the split over threads changes no bit."""
-    _runs(native_attention, isa)
+    _runs(native_attention, isa, kernel)
     d_v = min(d_v, dims)
     gen = torch.Generator().manual_seed(seed)
     rows = _bf16(gen, 2 * topk + 4, dims)
@@ -870,37 +876,39 @@ def test_sparse_attention_is_the_softmax_over_only_the_selected_rows(
     q = _bf16(gen, tokens, heads, dims)
     want, want_lse, bound, lse_bound = _attention_reference(q, rows, slots, scale, d_v)
 
-    got, lse = native_attention.attention(q, rows, slots, scale, d_v, out_dtype=torch.float32, isa=isa, threads=1)
+    got, lse = native_attention.attention(
+        q, rows, slots, scale, d_v, out_dtype=torch.float32, isa=isa, kernel=kernel, threads=1
+    )
     assert got.shape == (tokens, heads, d_v) and lse.shape == (tokens, heads)
     assert ((got.double() - want).abs() <= bound).all(), "out off by more than the fp32 path's bound"
     no_keys = want_lse == float("-inf")
     assert torch.equal(lse == float("-inf"), no_keys)
     assert ((lse.double() - want_lse).abs()[~no_keys] <= lse_bound[~no_keys]).all()
     again, lse_again = native_attention.attention(
-        q, rows, slots, scale, d_v, out_dtype=torch.float32, isa=isa, threads=2
+        q, rows, slots, scale, d_v, out_dtype=torch.float32, isa=isa, kernel=kernel, threads=2
     )
     assert _same_bits(again, got) and _same_bits(lse_again, lse)
-    rounded, lse_rounded = native_attention.attention(q, rows, slots, scale, d_v, isa=isa, threads=1)
+    rounded, lse_rounded = native_attention.attention(q, rows, slots, scale, d_v, isa=isa, kernel=kernel, threads=1)
     assert rounded.dtype == torch.bfloat16 and _same_bits(lse_rounded, lse)
     assert torch.equal(rounded.view(torch.int16), got.bfloat16().view(torch.int16))
     # q as a view (heads and tokens at strides of their own, an offset): the kernel packs it from where it lies
     view = _bf16(gen, tokens, 2 * heads, dims + 3)[:, 1::2, 2 : 2 + dims]
     view.copy_(q)
     got_view, lse_view = native_attention.attention(
-        view, rows, slots, scale, d_v, out_dtype=torch.float32, isa=isa, threads=1
+        view, rows, slots, scale, d_v, out_dtype=torch.float32, isa=isa, kernel=kernel, threads=1
     )
     assert _same_bits(got_view, got) and _same_bits(lse_view, lse)
 
 
-@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("kernel, isa", ATTENTION_BUILDS)
 @pytest.mark.parametrize("heads", [1, 3, 4])
-def test_sparse_attention_over_many_blocks_of_keys_whose_peak_keeps_rising(isa, heads):
+def test_sparse_attention_over_many_blocks_of_keys_whose_peak_keeps_rising(kernel, isa, heads):
     """At most 4 heads the AVX2 build takes a token's rows in one pass, blocks of 32 keys with the softmax shifted by
     the running peak (the block's exps, total and partial output rescaled where a block raises it). Keys ordered by
     head 0's score, so every block raises its peak, and in random order: out and lse within the fp32 path's bounds.
     Then a +inf score in a late block, after blocks were taken: that head is NaN with lse +inf (the file's top), and
     the other heads keep their values."""
-    _runs(native_attention, isa)
+    _runs(native_attention, isa, kernel)
     gen = torch.Generator().manual_seed(heads)
     topk, dims, d_v, scale = 300, 64, 48, 0.125
     rows = _bf16(gen, topk + 4, dims)
@@ -908,7 +916,9 @@ def test_sparse_attention_over_many_blocks_of_keys_whose_peak_keeps_rising(isa, 
     ascending = (rows.double() @ q[0, 0].double()).argsort()[None]  # head 0's scores, lowest first
     for slots in (ascending[:, -topk:], torch.randperm(rows.shape[0], generator=gen)[None, :topk]):
         want, want_lse, bound, lse_bound = _attention_reference(q, rows, slots, scale, d_v)
-        got, lse = native_attention.attention(q, rows, slots, scale, d_v, out_dtype=torch.float32, isa=isa, threads=1)
+        got, lse = native_attention.attention(
+            q, rows, slots, scale, d_v, out_dtype=torch.float32, isa=isa, kernel=kernel, threads=1
+        )
         assert ((got.double() - want).abs() <= bound).all(), "out off by more than the fp32 path's bound"
         assert ((lse.double() - want_lse).abs() <= lse_bound).all()
     slots = ascending[:, -topk:]
@@ -916,7 +926,9 @@ def test_sparse_attention_over_many_blocks_of_keys_whose_peak_keeps_rising(isa, 
     rows[late, 0] = float("inf")
     q[0, :, 0] = torch.tensor([1.0, -1.0, 1.0, -1.0][:heads], dtype=torch.bfloat16)  # +inf for even heads
     want, want_lse, bound, lse_bound = _attention_reference(q, rows, slots, scale, d_v)
-    got, lse = native_attention.attention(q, rows, slots, scale, d_v, out_dtype=torch.float32, isa=isa, threads=1)
+    got, lse = native_attention.attention(
+        q, rows, slots, scale, d_v, out_dtype=torch.float32, isa=isa, kernel=kernel, threads=1
+    )
     for h in range(heads):
         if h % 2 == 0:
             assert got[0, h].isnan().all() and lse[0, h] == float("inf")
@@ -925,25 +937,27 @@ def test_sparse_attention_over_many_blocks_of_keys_whose_peak_keeps_rising(isa, 
             assert (lse[0, h].double() - want_lse[0, h]).abs() <= lse_bound[0, h]
 
 
-@pytest.mark.parametrize("isa", ISAS)
-def test_sparse_attention_keeps_torch_softmax_semantics_for_nan_and_inf(isa):
+@pytest.mark.parametrize("kernel, isa", ATTENTION_BUILDS)
+def test_sparse_attention_keeps_torch_softmax_semantics_for_nan_and_inf(kernel, isa):
     """A NaN score makes its head NaN (torch's amax propagates it); a +inf score gives NaN out and lse +inf (the
     softmax shifts by 0 then, and inf / inf); a -inf score is a probability of 0 (whose product with the row's inf is
     NaN, as in any matmul); other heads and dims are untouched."""
-    _runs(native_attention, isa)
+    _runs(native_attention, isa, kernel)
     rows = torch.ones(4, 32, dtype=torch.bfloat16)
     rows[2, 0] = float("inf")
     q = torch.zeros(1, 3, 32, dtype=torch.bfloat16)
     q[0, :, 0] = torch.tensor([1.0, 1.0, -1.0])  # row 2's score: +inf for heads 0 and 1, -inf for head 2
     q[0, 0, 1] = float("nan")
-    out, lse = native_attention.attention(q, rows, torch.tensor([[0, 1, 2]]), 1.0, 32, out_dtype=torch.float32, isa=isa)
+    out, lse = native_attention.attention(
+        q, rows, torch.tensor([[0, 1, 2]]), 1.0, 32, out_dtype=torch.float32, isa=isa, kernel=kernel
+    )
     assert out[0, 0].isnan().all() and lse[0, 0].isnan()
     assert out[0, 1].isnan().all() and lse[0, 1] == float("inf")
     assert torch.equal(out[0, 2, 1:], torch.ones(31)) and out[0, 2, 0].isnan()  # 1/2 of rows 0 and 1, 0 x inf
     assert torch.allclose(lse[0, 2], torch.tensor(2.0).log() - 1.0)
 
 
-@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("kernel, isa", ATTENTION_BUILDS)
 @SETTINGS
 @given(
     q_lens=st.lists(st.integers(0, 3), min_size=1, max_size=4),
@@ -956,7 +970,7 @@ def test_sparse_attention_keeps_torch_softmax_semantics_for_nan_and_inf(isa):
     seed=st.integers(0, 2**31 - 1),
 )
 def test_paged_sparse_attention_reads_the_keys_the_slots_would(
-    isa, q_lens, extra_keys, block_size, spare_slots, heads, topk, hostile, seed
+    kernel, isa, q_lens, extra_keys, block_size, spare_slots, heads, topk, hostile, seed
 ):
     """The paged entry (the op's route) finds each token's sequence and each key's row itself: bit for bit the slot
     entry's results over the slots glm5_hal.paged.key_slots computes, on ragged batches (sequences without new
@@ -965,7 +979,7 @@ def test_paged_sparse_attention_reads_the_keys_the_slots_would(
     row that is no key's. The split over threads changes no bit."""
     from glm5_hal.paged import key_slots, slot_rows, token_sequences
 
-    _runs(native_attention, isa)
+    _runs(native_attention, isa, kernel)
     gen = torch.Generator().manual_seed(seed)
     batch = len(q_lens)
     seq_lens = [q + e for q, e in zip(q_lens, extra_keys)]
@@ -994,14 +1008,25 @@ def test_paged_sparse_attention_reads_the_keys_the_slots_would(
     q = _bf16(gen, tokens, heads, 40)
 
     want, want_lse = native_attention.attention(
-        q, view.rows, slots, 0.1, 32, out_dtype=torch.float32, isa=isa, threads=1
+        q, view.rows, slots, 0.1, 32, out_dtype=torch.float32, isa=isa, kernel=kernel, threads=1
     )
     for threads in (1, 3):
         got, lse = native_attention.paged_attention(
-            q, cache, indices, table, lens, cu, 0.1, 32, out_dtype=torch.float32, isa=isa, threads=threads
+            q,
+            cache,
+            indices,
+            table,
+            lens,
+            cu,
+            0.1,
+            32,
+            out_dtype=torch.float32,
+            isa=isa,
+            kernel=kernel,
+            threads=threads,
         )
         assert _same_bits(got, want) and _same_bits(lse, want_lse), threads
-    rounded, _ = native_attention.paged_attention(q, cache, indices, table, lens, cu, 0.1, 32, isa=isa)
+    rounded, _ = native_attention.paged_attention(q, cache, indices, table, lens, cu, 0.1, 32, isa=isa, kernel=kernel)
     assert torch.equal(rounded.view(torch.int16), want.bfloat16().view(torch.int16))
 
 

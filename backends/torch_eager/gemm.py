@@ -122,9 +122,10 @@ class Gemm:
 
     @property
     def fused(self) -> bool:
-        """Whether the ops' fused native kernels (sparse attention, indexer scores) run on this path: they are built
-        from the same sources as bf16_gemm.c, for every build but AMX's (whose route runs its GEMM under the ops'
-        torch code instead)."""
+        """Whether the indexer's fused native kernels (indexer_scores.c, quantized_index_scores.c, indexer_prolog.c)
+        run on this path: they are built for every build but AMX's, whose route runs its GEMM under the indexer's torch
+        code instead. Sparse attention has a kernel for every native build (sparse_attention.c, and amx_attention.c
+        for AMX's): backends.torch_eager.sparse_attention.native_kernel_runs."""
         return self.native and self.native_isa != amx_gemm.FAST
 
     def takes_native(self, b: Tensor, output: bool, rows: int) -> bool:

@@ -2,10 +2,11 @@
 attends over them: [gather -> scores [tile, H, topk] -> masked softmax -> @ V].
 
 Tokens are processed in tiles sized to bound the working set; no tensor ever spans the whole context, only the
-topk selected rows of each token. Where the probe chose the native route for this call's head count and the cache
+topk selected rows of each token. Where the probe chose a native route for this call's head count and the cache
 holds bf16 rows, one native kernel per token does the scores, the fp32 softmax and the value product,
 reading the selected rows in place (no gather, no copy of V, no [T, topk, H] scores in memory) with the same fp32
-arithmetic (backends/torch_eager/native/sparse_attention.py).
+arithmetic (backends/torch_eager/native/sparse_attention.py: sparse_attention.c's vector builds, amx_attention.c
+on AMX's route).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import torch
 from torch import Tensor
 
 from backends.torch_eager.capabilities import ATTENTION
-from backends.torch_eager.gemm import gemm_for
+from backends.torch_eager.gemm import Gemm, gemm_for
 from backends.torch_eager.native import sparse_attention as native_attention
 from backends.torch_eager.paged import gather_rows
 from backends.torch_eager.primitives import COMPUTE_DTYPE, rows_per_tile
@@ -22,6 +23,12 @@ from backends.torch_eager.quantized_cache import row_reader
 from glm5_hal.host_reads import host_reads_allowed
 from glm5_hal.kv_formats import AUTO
 from glm5_hal.paged import key_slots, slot_rows, token_sequences
+
+
+def native_kernel_runs(gemm: Gemm) -> bool:
+    """Whether a call on route `gemm` runs the native kernel: a native route whose build of the kernel
+    (sparse_attention.c for the vector builds, amx_attention.c for AMX's; native_attention.kernel_for) runs here."""
+    return gemm.native and native_attention.availability(gemm.native_isa)[0]
 
 
 def sparse_flash_attention(
@@ -52,11 +59,10 @@ def sparse_flash_attention(
     # statistics stay fp32.
     gemm = gemm_for(q.dtype, q.device, ATTENTION).at(num_heads)
     if (
-        gemm.fused
-        and kv_cache_dtype == AUTO
+        kv_cache_dtype == AUTO
         and kv_cache.dtype == q.dtype == torch.bfloat16
         and kv_cache.stride(2) == 1  # the kernels read rows contiguous in D (any other layout gathers, as before)
-        and native_attention.availability(gemm.native_isa)[0]
+        and native_kernel_runs(gemm)
     ):
         # One kernel over the batch as the op takes it: it finds each key's row and drops the keys that are none
         # (the tests of key_slots below), so no slot tensor and no mask is made in torch. The op validated every

@@ -15,27 +15,32 @@ but their GEMMs).
 from __future__ import annotations
 
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 
-from backends.torch_eager.native import bf16_gemm, build
+from backends.torch_eager.capabilities import ATTENTION, QUANTIZED_INDEXER, Route
+from backends.torch_eager.gemm import forced_route, from_route, gemm_for
+from backends.torch_eager.native import amx_gemm, bf16_gemm, build
 from fuzz.strategies import QUANTIZED_CASES, VALID_CASES, FuzzCase, examples
 from fuzz.test_fuzz_parity import check_on_backends, check_quantized_on_backends
 from glm5_hal.registry import OP_NAMES
 
 CONFIGS_PER_ROUTE = 100
 QUANTIZED_CONFIGS_PER_ROUTE = 80  # per indexer op: the quantized rows' products alone differ from the above
-# The native kernel each op's bf16 / int8 products must reach on the native route (so the route is not a no-op).
-# Forced, the native route takes the ops' outputs too (grouped_matmul's products are its outputs; with the probe's
-# choice they take it only below the rows where it measured faster than torch's GEMM: gemm.Gemm.takes_native).
+# The native kernels each op's bf16 / int8 products may reach on the native route (it must reach one, so the route is
+# not a no-op). Forced, the native route takes the ops' outputs too (grouped_matmul's products are its outputs; with the
+# probe's choice they take it only below the rows where it measured faster than torch's GEMM:
+# gemm.Gemm.takes_native). On a CPU with AMX the forced route is AMX's: its GEMM (amx_gemm) under the ops' torch code,
+# and its own sparse attention kernel (amx_attention).
 NATIVE_KERNELS = {
-    "mla_prolog": "bf16_gemm",
-    "grouped_matmul": "bf16_gemm",
+    "mla_prolog": ("bf16_gemm", "amx_gemm"),
+    "grouped_matmul": ("bf16_gemm", "amx_gemm"),
     # indexer_prolog: its decode-sized calls with contiguous weights take the fused prolog (native/indexer_prolog.c)
-    "indexer_prolog": ("indexer_prolog", "bf16_gemm"),
-    "fused_moe": "bf16_gemm",
-    "indexer_logits": "indexer_scores",
-    "lightning_indexer": "indexer_scores",
-    "sparse_flash_attention": "sparse_attention",
+    "indexer_prolog": ("indexer_prolog", "bf16_gemm", "amx_gemm"),
+    "fused_moe": ("bf16_gemm", "amx_gemm"),
+    "indexer_logits": ("indexer_scores", "amx_gemm"),
+    "lightning_indexer": ("indexer_scores", "amx_gemm"),
+    "sparse_flash_attention": ("sparse_attention", "amx_attention"),
     # The first exact int8 route forced: AMX's (its portable build here unless the CPU has AMX), else VNNI's.
     "quant_matmul": ("amx_gemm", "int8_gemm"),
     "w4a8_matmul": ("amx_gemm", "int8_gemm"),
@@ -78,9 +83,28 @@ def test_random_valid_configs_hold_on_every_forced_route(op: str, route: str, mo
         assert not used, f"GLM5_HAL_NATIVE=0 still ran {used}"
     elif route == "native" and op in NATIVE_KERNELS:
         wanted = NATIVE_KERNELS[op]
-        assert used & ({wanted} if isinstance(wanted, str) else set(wanted)), f"the native route never reached {wanted}"
+        assert used & set(wanted), f"the native route never reached any of {wanted}"
     elif route == "fp32":
         assert used <= {"topk"}, f"the fp32 route ran GEMM kernels {used}"
+
+
+def test_sparse_attention_holds_on_amx_route_anywhere(monkeypatch: pytest.MonkeyPatch) -> None:
+    """AMX's route runs sparse attention on its own kernel (amx_attention.c), which the forced native route reaches
+    only on a CPU with AMX: here it is forced with the kernel's portable build (the tile blocking in scalar C) standing
+    in, so its handling of every layout, padding and NaN canary is fuzzed on any CPU."""
+    monkeypatch.setenv(build.ENV_NATIVE, build.PORTABLE_ONLY)
+    used = _forced("native", monkeypatch)
+    monkeypatch.setenv(build.ENV_NATIVE, build.PORTABLE_ONLY)  # _forced set the native route's own setting
+    amx = from_route(torch.bfloat16, Route("native", fp32_output=True, isa=amx_gemm.FAST, torch_half=False))
+
+    @settings(max_examples=examples(CONFIGS_PER_ROUTE), suppress_health_check=[HealthCheck.function_scoped_fixture])
+    @given(case=VALID_CASES["sparse_flash_attention"].filter(lambda case: case.dtype == torch.bfloat16))
+    def holds(case: FuzzCase) -> None:  # bf16 activations: the route is one of the bf16 ones
+        check_on_backends(case, ["torch"], kind="route native:amx (portable build)")
+
+    with forced_route(ATTENTION, amx):
+        holds()
+    assert "amx_attention" in used, f"AMX's route never reached amx_attention.c (ran {used})"
 
 
 @pytest.mark.parametrize("route", ROUTES)
@@ -98,7 +122,12 @@ def test_quantized_index_rows_hold_on_every_forced_route(op: str, route: str, mo
         check_quantized_on_backends(case, ["torch"], kind=f"route {route}")
 
     holds()
-    if route == "native":
+    forced = gemm_for(torch.bfloat16, torch.device("cpu"), QUANTIZED_INDEXER)
+    if route == "native" and forced.native_isa == amx_gemm.FAST:
+        # AMX's route has no kernel over quantized rows (quantized_index_scores.c is built for the vector ISAs): the
+        # rows are decoded in torch and multiplied on torch's GEMM.
+        assert used <= {"topk", "amx_gemm"}, f"AMX's route ran {used}"
+    elif route == "native":
         assert "quantized_index_scores" in used, "the native route never reached quantized_index_scores"
     elif route in ("half", "fp32"):
         assert used <= {"topk"}, f"the {route} route ran {used}"

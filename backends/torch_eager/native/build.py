@@ -104,6 +104,7 @@ SYMBOLS: dict[str, tuple[str, ...]] = {
     "int8_gemm": ("glm5_w8a8_gemm_nt", "glm5_w4a8_gemm_nt"),
     "topk": ("glm5_topk",),
     "amx_gemm": ("glm5_amx_init", "glm5_amx_bf16_gemm_nt", "glm5_amx_s8_gemm_nt"),
+    "amx_attention": ("glm5_amx_init", "glm5_sparse_attention", "glm5_sparse_attention_paged"),
 }
 KERNELS = tuple(SYMBOLS)
 RECORD_SUFFIX = ".record"  # <library>.record: {"size": bytes, "sha256": hex} of the library as built

@@ -28,6 +28,11 @@ an fp32 softmax (shifted by the row maximum, exp to ~1 ulp), and the normalised 
 torch.ops.glm5_hal.native_paged_sparse_attention (the torch backend's route) is what aten-level spies, FakeTensor and
 torch.compile see. `attention` is the kernel's flat form over slots: no route calls it, the tests check the kernel's
 arithmetic through it against float64 and the paged entry's key lookup against it.
+
+Two C kernels share these entry points: sparse_attention.c (vector builds: AVX-512 BF16, AVX2, portable) and, for the
+AMX build, amx_attention.c (both products as tile GEMMs, the same softmax; its bf16 inputs are read with the tile
+instruction's DAZ and its fp32 sums flushed below 1.2e-38, backends/torch_eager/native/amx_tiles.h). `isa` picks the
+build and, by default, the kernel (kernel_for); `kernel=AMX_KERNEL, isa=PORTABLE` runs the AMX blocking on any CPU.
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ import ctypes
 import torch
 from torch import Tensor
 
-from backends.torch_eager.native import build
+from backends.torch_eager.native import amx_tiles, build
 from backends.torch_eager.native import threads as threads_
 from glm5_hal.checks import check
 from glm5_hal.ops.common import plain_eager
@@ -45,7 +50,10 @@ from glm5_hal.paged import slot_rows
 
 FAST = "avx512_bf16"
 AVX2 = "avx2"  # 256-bit FMA on exactly widened bf16, P in fp32 for the values: CPUs without AVX-512
+AMX = "amx"  # the AMX kernel's build (AMX_KERNEL: both products on tiles)
 PORTABLE = "portable"
+KERNEL = "sparse_attention"  # sparse_attention.c: the vector builds (FAST, AVX2, PORTABLE)
+AMX_KERNEL = "amx_attention"  # amx_attention.c: the same entry points on AMX tiles (AMX, PORTABLE: its blocking)
 
 _L, _P, _F, _I = ctypes.c_long, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
 _HEAD = [_L, _L, _L, _L, _P, _L, _L, _P, _L, _L]  # heads, dims, dv, topk, q, its strides, rows, num_slots, row_stride
@@ -57,15 +65,33 @@ _PAGED_ARGTYPES = [*_HEAD, _P, _L, _P, _L, _L, _P, _P, _L, _L, _L, _L, _L, *_TAI
 _OUT_DTYPES = (torch.bfloat16, torch.float32)
 
 
-def _kernel(isa: str, paged: bool = False):
-    if paged:
-        return build.function("sparse_attention", isa, "glm5_sparse_attention_paged", _PAGED_ARGTYPES, ctypes.c_int)
-    return build.function("sparse_attention", isa, "glm5_sparse_attention", _ARGTYPES, ctypes.c_int)
+def kernel_for(isa: str, kernel: str | None = None) -> str:
+    """The C kernel that runs for `isa`: `kernel` where given (KERNEL or AMX_KERNEL), else AMX_KERNEL for the AMX
+    build and KERNEL for the others."""
+    chosen = kernel or (AMX_KERNEL if isa == AMX else KERNEL)
+    check(
+        chosen in (KERNEL, AMX_KERNEL),
+        ValueError,
+        lambda: f"kernel: expected {KERNEL!r} or {AMX_KERNEL!r}, got {chosen!r}",
+    )
+    return chosen
 
 
-def availability(isa: str = FAST) -> tuple[bool, str]:
-    """(True, what runs) or (False, why not) for the kernel built for `isa` here (built on first use)."""
-    return build.availability("sparse_attention", isa)
+def _kernel(isa: str, paged: bool = False, kernel: str | None = None):
+    name, argtypes = ("glm5_sparse_attention_paged", _PAGED_ARGTYPES) if paged else ("glm5_sparse_attention", _ARGTYPES)
+    source = kernel_for(isa, kernel)
+    if source == AMX_KERNEL:  # the process asks Linux for the tile state first (amx_tiles)
+        return amx_tiles.function(source, isa, name, argtypes, ctypes.c_int)
+    return build.function(source, isa, name, argtypes, ctypes.c_int)
+
+
+def availability(isa: str = FAST, kernel: str | None = None) -> tuple[bool, str]:
+    """(True, what runs) or (False, why not) for the kernel (kernel_for) built for `isa` here (built on first use;
+    for the AMX kernel, Linux's grant of the tile state included)."""
+    source = kernel_for(isa, kernel)
+    if source == AMX_KERNEL:
+        return amx_tiles.availability(source, isa)
+    return build.availability(source, isa)
 
 
 def _check_query(q: Tensor) -> tuple[int, int]:
@@ -160,9 +186,11 @@ def _attention(
     out_dtype: torch.dtype,
     isa: str,
     threads: int | None,
+    kernel: str | None,
 ) -> tuple[Tensor, Tensor]:
     slots = slots.contiguous()
-    return _run(_kernel(isa), q, rows, (slots.data_ptr(),), slots.shape[1], scale, d_v, out_dtype, threads)
+    function = _kernel(isa, kernel=kernel)
+    return _run(function, q, rows, (slots.data_ptr(),), slots.shape[1], scale, d_v, out_dtype, threads)
 
 
 def _run(
@@ -206,6 +234,7 @@ def _paged_attention(
     out_dtype: torch.dtype,
     isa: str,
     threads: int | None,
+    kernel: str | None,
 ) -> tuple[Tensor, Tensor]:
     view = slot_rows(cache)  # the cache's rows in place, whatever its block and slot strides
     # Rows of the index tensors are read at their stride; each row itself must be contiguous.
@@ -215,8 +244,8 @@ def _paged_attention(
     keys = (indices.data_ptr(), indices.stride(0), table.data_ptr(), table.stride(0), table.shape[1])
     keys += (seq_lens_k.data_ptr(), cu_seqlens_q.data_ptr(), table.shape[0], cache.shape[1], cache.shape[0])
     keys += (view.block_step, view.row_step)
-    kernel = _kernel(isa, paged=True)
-    return _run(kernel, q, view.rows, keys, indices.shape[1], scale, d_v, out_dtype, threads)
+    function = _kernel(isa, paged=True, kernel=kernel)
+    return _run(function, q, view.rows, keys, indices.shape[1], scale, d_v, out_dtype, threads)
 
 
 def attention(
@@ -229,11 +258,13 @@ def attention(
     out_dtype: torch.dtype = torch.bfloat16,
     isa: str = FAST,
     threads: int | None = None,
+    kernel: str | None = None,
 ) -> tuple[Tensor, Tensor]:
     """(out, lse) as described in the module docstring. out_dtype: bf16 (the op's) or fp32 (the unrounded result,
-    for tests). isa: the build (backends.torch_eager.native.build.ISAS). threads: default torch's."""
+    for tests). isa: the build (backends.torch_eager.native.build.ISAS). threads: default torch's. kernel: KERNEL or
+    AMX_KERNEL (default: kernel_for(isa); the tests run AMX_KERNEL's portable build, its blocking on any CPU)."""
     _check_arguments(q, rows, slots, d_v, out_dtype)
-    return _attention(q, rows, slots, scale, d_v, out_dtype, isa, threads)
+    return _attention(q, rows, slots, scale, d_v, out_dtype, isa, threads, kernel)
 
 
 def paged_attention(
@@ -250,8 +281,9 @@ def paged_attention(
     isa: str = FAST,
     threads: int | None = None,
     validated: bool = False,
+    kernel: str | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """(out, lse) as `attention`, over the op's paged batch (module docstring). isa, threads, out_dtype: as
+    """(out, lse) as `attention`, over the op's paged batch (module docstring). isa, threads, out_dtype, kernel: as
     `attention`. validated: the caller has established what this would check (the kinds and shapes of every argument,
     bf16 q and cache with contiguous rows, CPU tensors): the torch backend, behind glm5_hal.sparse_flash_attention's
     validation and its native route's conditions (a decode step otherwise runs every check twice, ~0.02 ms a layer
@@ -261,22 +293,22 @@ def paged_attention(
     # The build is an argument of the op: compile sees each; in plain eager mode the implementation runs directly.
     if threads is None and out_dtype == torch.bfloat16 and not plain_eager((q, cache, indices)):
         return torch.ops.glm5_hal.native_paged_sparse_attention(
-            q, cache, indices, block_table, seq_lens_k, cu_seqlens_q, scale, d_v, isa
+            q, cache, indices, block_table, seq_lens_k, cu_seqlens_q, scale, d_v, isa, kernel_for(isa, kernel)
         )
     return _paged_attention(
-        q, cache, indices, block_table, seq_lens_k, cu_seqlens_q, scale, d_v, out_dtype, isa, threads
+        q, cache, indices, block_table, seq_lens_k, cu_seqlens_q, scale, d_v, out_dtype, isa, threads, kernel
     )
 
 
 _LIBRARY = torch.library.Library("glm5_hal", "FRAGMENT")
 _LIBRARY.define(
     "native_paged_sparse_attention(Tensor q, Tensor cache, Tensor indices, Tensor block_table, Tensor seq_lens_k, "
-    f"Tensor cu_seqlens_q, float scale, int d_v, str isa='{FAST}') -> (Tensor, Tensor)"
+    f"Tensor cu_seqlens_q, float scale, int d_v, str isa='{FAST}', str kernel='{KERNEL}') -> (Tensor, Tensor)"
 )
 _LIBRARY.impl(
     "native_paged_sparse_attention",
-    lambda q, cache, indices, table, lens, cu, scale, d_v, isa=FAST: _paged_attention(
-        q, cache, indices, table, lens, cu, scale, d_v, torch.bfloat16, isa, None
+    lambda q, cache, indices, table, lens, cu, scale, d_v, isa=FAST, kernel=KERNEL: _paged_attention(
+        q, cache, indices, table, lens, cu, scale, d_v, torch.bfloat16, isa, None, kernel
     ),
     "CPU",
 )
@@ -293,6 +325,7 @@ def _fake_paged_attention(
     scale: float,
     d_v: int,
     isa: str = FAST,
+    kernel: str = KERNEL,
 ) -> tuple[Tensor, Tensor]:
     tokens, heads, _ = q.shape
     return q.new_empty(tokens, heads, d_v), q.new_empty(tokens, heads, dtype=torch.float32)
