@@ -37,7 +37,8 @@ from backends.torch_eager.capabilities import (
     fast_paths,
 )
 from backends.torch_eager.gemm import FP32, Gemm, RoutedGemm, forced_route, from_route, gemm_for
-from backends.torch_eager.native import bf16_gemm, indexer_scores, int8_gemm, quantized_index_scores
+from backends.torch_eager.indexer import scoring_kernel
+from backends.torch_eager.native import bf16_gemm, build, indexer_scores, int8_gemm
 from backends.torch_eager.native import sparse_attention as native_attention
 from backends.torch_eager.sparse_attention import native_kernel_runs
 from conftest import parity_backends
@@ -203,8 +204,7 @@ def test_indexer_keys_feed_the_path_gemm_and_the_head_reduction_stays_fp32(mode:
         OPS["indexer_logits"](
             q, weights, cache, batch.block_table, batch.seq_lens_k, batch.cu_seqlens_q, kv_cache_dtype=kv_cache_dtype
         )
-    kernel = indexer_scores if kv_cache_dtype == "auto" else quantized_index_scores
-    if fast.fused and kernel.availability(fast.native_isa)[0]:
+    if scoring_kernel(fast, kv_cache_dtype) is not None:
         (fused,) = spy.operands  # one native call: q, the fp32 head weights, the cache read in place, ...
         assert fused[:3] == (torch.bfloat16, torch.float32, cache.dtype)
         return
@@ -337,6 +337,40 @@ def test_the_amx_attention_route_runs_amx_attention_c_and_passes_every_parity_ca
     cases = [case for case in CASES if case.op == "sparse_flash_attention" and torch.bfloat16 in case.dtypes]
     assert cases
     with forced_route(ATTENTION, amx):
+        for case in cases:
+            result = run_case(case, "torch", torch.bfloat16)
+            assert result.passed, f"{case.name}: {result.status}: {result.detail}"
+
+
+def test_the_amx_indexer_route_runs_amx_index_scores_c_and_passes_every_parity_case(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On AMX's route the indexer's scores over bf16 rows run amx_index_scores.c (the products on tiles), the portable
+    build standing in as above; every bf16 parity case of indexer_logits and lightning_indexer passes on the route
+    (those over quantized rows run on their own family's route, which the probe picks)."""
+    monkeypatch.setenv("GLM5_HAL_NATIVE", "portable")
+    ok, why = indexer_scores.availability(indexer_scores.AMX)
+    if not ok:
+        pytest.skip(f"no AMX indexer build here: {why}")
+    loaded: set[str] = set()
+    real_function = build.function
+    monkeypatch.setattr(
+        build, "function", lambda kernel, *a, **kw: loaded.add(kernel) or real_function(kernel, *a, **kw)
+    )
+    amx = from_route(torch.bfloat16, Route("native", fp32_output=True, isa=indexer_scores.AMX, torch_half=False))
+    gen = torch.Generator().manual_seed(3)
+    batch = paged_batch([SeqSpec(2, 40)], 16, gen)
+    cache = randn((batch.num_blocks, 16, 128), gen, dtype=torch.bfloat16)
+    q = randn((batch.num_tokens, 4, 128), gen, dtype=torch.bfloat16)
+    weights = torch.rand(batch.num_tokens, 4, generator=gen)
+    with forced_route(INDEXER, amx), _GemmSpy() as spy:
+        OPS["indexer_logits"](q, weights, cache, batch.block_table, batch.seq_lens_k, batch.cu_seqlens_q)
+    assert spy.functions == [torch.ops.glm5_hal.native_indexer_scores.default]
+    assert indexer_scores.AMX_KERNEL in loaded and indexer_scores.KERNEL not in loaded, loaded
+    ops = ("indexer_logits", "lightning_indexer")
+    cases = [case for case in CASES if case.op in ops and torch.bfloat16 in case.dtypes]
+    assert cases
+    with forced_route(INDEXER, amx):
         for case in cases:
             result = run_case(case, "torch", torch.bfloat16)
             assert result.passed, f"{case.name}: {result.status}: {result.detail}"

@@ -1,8 +1,9 @@
 """backends.torch_eager.native.amx_gemm: the GEMMs on AMX tiles, for every build that runs here: the AMX one where
 the CPU has amx_bf16 / amx_int8 and Linux grants the tile state (skipped elsewhere, with the reason), and the
 portable one (the same blocking around scalar tile operations, amx_tiles.h) on any CPU with a compiler, so the
-blocking, staging and padding are checked on every machine. (amx_attention.c, sparse attention on tiles, is checked
-with sparse_attention.c's tests in test_native_kernels.py and on its route in test_fast_paths.py; its build here.)
+blocking, staging and padding are checked on every machine. (amx_attention.c and amx_index_scores.c, sparse attention
+and the indexer's scores on tiles, are checked with the vector kernels' tests in test_native_kernels.py and on their
+route in test_fast_paths.py; their builds and ops here.)
 
 - bf16: within the fp32 summation bound of the float64 product on hypothesis shapes that cross the tile (16), block
   (32) and K-step (32) edges, strided, transposed, batch-stride-0 and empty operands, NaN / inf; and bit for bit the
@@ -25,7 +26,7 @@ from hypothesis import strategies as st
 from test_native_kernels import _assert_within_fp32_sums, _same_bits
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from backends.torch_eager.native import amx_gemm, amx_tiles, build, sparse_attention
+from backends.torch_eager.native import amx_gemm, amx_tiles, build, indexer_scores, sparse_attention
 from glm5_hal.cpu_flags import this_cpu
 
 ISAS = (amx_gemm.FAST, amx_gemm.PORTABLE)
@@ -202,6 +203,16 @@ def test_the_custom_ops_are_what_the_defaults_call_and_their_fakes_give_the_shap
         assert out.shape == (2, 17, 33) and out.dtype == torch.float32
         acc = torch.ops.glm5_hal.amx_s8_mm(mode.from_tensor(x_q), mode.from_tensor(w_q), 33)
         assert acc.shape == (5, 33) and acc.dtype == torch.int32
+    # The ops of the vector kernels carry the AMX ones as an argument (their defaults pick it for the AMX build).
+    q, cache = _bf16(gen, 3, 5, 64), _bf16(gen, 4, 16, 64)
+    table, lens, cu = torch.tensor([[2, 0, 3, 1]], dtype=torch.int32), torch.tensor([50], dtype=torch.int32), None
+    cu = torch.tensor([0, 3], dtype=torch.int32)
+    indices = torch.randint(-1, 50, (3, 20), generator=gen, dtype=torch.int32)
+    args = (q, cache, indices, table, lens, cu, 0.1, 32, sparse_attention.AMX, sparse_attention.AMX_KERNEL)
+    torch.library.opcheck(torch.ops.glm5_hal.native_paged_sparse_attention, args)
+    weights, limits, out = torch.rand(3, 5, generator=gen), torch.tensor([48, 49, 50]), torch.empty(3, 64)
+    args = (q, weights, cache, table.expand(3, -1), limits, out, indexer_scores.AMX, indexer_scores.AMX_KERNEL)
+    torch.library.opcheck(torch.ops.glm5_hal.native_indexer_scores, args)
 
 
 @pytest.fixture
@@ -218,19 +229,20 @@ def test_the_amx_build_compiles_here_and_without_amx_it_is_a_reason(fresh_builds
     lacks AMX). Where the CPU lacks it, availability says why; with the flags faked, the library loads and Linux's
     refusal of the tile state is the reason, before any tile instruction could run."""
     try:
-        for kernel in (amx_gemm.KERNEL, sparse_attention.AMX_KERNEL):  # every AMX source
+        for kernel in (amx_gemm.KERNEL, sparse_attention.AMX_KERNEL, indexer_scores.AMX_KERNEL):  # every AMX source
             build._build(kernel, build.ISAS[amx_gemm.FAST])
     except build.NativeUnavailable as exc:
         pytest.skip(f"no AMX build here: {exc}")
     _model, flags = this_cpu()
     if flags is not None and "amx_tile" in flags:
         pytest.skip("this CPU has AMX: the refusals below cannot happen here")
-    for availability in (amx_gemm.availability, lambda: sparse_attention.availability(sparse_attention.AMX)):
+    builds = (amx_gemm.availability, *[lambda m=m: m.availability(m.AMX) for m in (sparse_attention, indexer_scores)])
+    for availability in builds:
         ok, why = availability()
         assert not ok and "needs CPU flags amx_tile" in why
     build.forget()
     monkeypatch.setattr(build, "this_cpu", lambda: ("faked", frozenset(build.ISAS[amx_gemm.FAST].cpu_flags)))
-    for availability in (amx_gemm.availability, lambda: sparse_attention.availability(sparse_attention.AMX)):
+    for availability in builds:
         ok, why = availability()
         assert not ok and "Linux refused the AMX tile state" in why
     with pytest.raises(build.NativeUnavailable, match="Linux refused the AMX tile state"):

@@ -27,12 +27,6 @@ from glm5_hal.kv_formats import FORMATS, decode_rows, encode_rows
 from glm5_hal.paged import token_positions, token_sequences
 
 ISAS = ("avx512_bf16", "avx2", "portable")
-# Sparse attention's builds as (C kernel, build): sparse_attention.c's vector builds, and amx_attention.c's AMX build
-# and its portable one (the tile blocking with the tile instructions in scalar C: checked on any CPU).
-ATTENTION_BUILDS = [
-    *[pytest.param(native_attention.KERNEL, isa, id=isa) for isa in ISAS],
-    *[pytest.param(native_attention.AMX_KERNEL, isa, id=f"amx_kernel-{isa}") for isa in ("amx", "portable")],
-]
 SETTINGS = settings(max_examples=30, deadline=None, derandomize=True)
 FP32_SUM = 2.0**-24  # the unit roundoff of fp32 sums: a sum of n terms is within n * FP32_SUM * sum |terms|
 
@@ -41,6 +35,16 @@ def _runs(module, isa: str, *kernel: str) -> None:
     ok, why = module.availability(isa, *kernel)
     if not ok:
         pytest.skip(f"{isa} build does not run here: {why}")
+
+
+def _builds(module) -> list:
+    """The builds of an op with a vector kernel and an AMX one (sparse attention, indexer scores) as (C kernel, build):
+    the vector kernel's builds, and the AMX kernel's AMX build and portable one (the tile blocking with the tile
+    instructions in scalar C: checked on any CPU)."""
+    return [
+        *[pytest.param(module.KERNEL, isa, id=isa) for isa in ISAS],
+        *[pytest.param(module.AMX_KERNEL, isa, id=f"amx_kernel-{isa}") for isa in ("amx", "portable")],
+    ]
 
 
 def _bf16(gen: torch.Generator, *shape: int) -> torch.Tensor:
@@ -149,24 +153,27 @@ def _indexer_want(q, weights, cache, tables, limits, width) -> tuple[torch.Tenso
     return scores.where(visible, float("-inf")), magnitude.where(visible, 0.0)
 
 
-@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("kernel, isa", _builds(indexer_scores))
 @SETTINGS
 @given(
     tokens=st.integers(1, 3),
     heads=st.integers(1, 40),
     dims=st.sampled_from([1, 2, 7, 64, 128, 129]),
-    block_size=st.sampled_from([1, 4, 16]),
+    block_size=st.sampled_from([1, 4, 16, 64]),  # 64: whole groups of 32 keys in a block
     width=st.integers(0, 300),
     special=st.booleans(),
+    spare=st.sampled_from([0, 3]),
     seed=st.integers(0, 2**31 - 1),
 )
 def test_indexer_scores_are_the_fp32_scores_over_the_keys_in_place(
-    isa, tokens, heads, dims, block_size, width, special, seed
+    kernel, isa, tokens, heads, dims, block_size, width, special, spare, seed
 ):
-    _runs(indexer_scores, isa)
+    """Against float64, NaN and inf included; the cache's rows `spare` elements longer than D (a view: rows read in
+    place one row stride apart, not D); the split over threads changes no bit."""
+    _runs(indexer_scores, isa, kernel)
     gen = torch.Generator().manual_seed(seed)
     blocks = -(-max(width, 1) // block_size)
-    cache = _bf16(gen, blocks + 2, block_size, dims)
+    cache = _bf16(gen, blocks + 2, block_size, dims + spare)[..., :dims]
     q, weights = _bf16(gen, tokens, heads, dims), torch.randn(tokens, heads, generator=gen)
     tables = torch.randint(0, blocks + 2, (tokens, blocks), generator=gen, dtype=torch.int32)
     limits = torch.randint(0, width + 2, (tokens,), generator=gen)
@@ -174,21 +181,22 @@ def test_indexer_scores_are_the_fp32_scores_over_the_keys_in_place(
         cache.view(-1, dims)[torch.randint(0, cache.shape[0] * block_size, (3,), generator=gen)] = float("nan")
         q[0, -1, 0] = float("inf")
     want, magnitude = _indexer_want(q, weights, cache, tables, limits, width)
-    got = indexer_scores.scores(q, weights, cache, tables, limits, width, isa=isa, threads=1)
+    got = indexer_scores.scores(q, weights, cache, tables, limits, width, isa=isa, kernel=kernel, threads=1)
     _assert_within_fp32_sums(got, want, magnitude, heads * dims)
-    assert _same_bits(indexer_scores.scores(q, weights, cache, tables, limits, width, isa=isa, threads=3), got)
+    again = indexer_scores.scores(q, weights, cache, tables, limits, width, isa=isa, kernel=kernel, threads=3)
+    assert _same_bits(again, got)
 
 
-@pytest.mark.parametrize("isa", ISAS)
-def test_indexer_heads_past_h_add_nothing_even_where_a_key_holds_inf(isa):
+@pytest.mark.parametrize("kernel, isa", _builds(indexer_scores))
+def test_indexer_heads_past_h_add_nothing_even_where_a_key_holds_inf(kernel, isa):
     """3 heads: the vector lanes past them hold q = 0, whose product with an inf in a key is NaN; they must be masked
     out, not weighted by 0. Key 0's -inf makes every real head's dot -inf (ReLU: 0); key 1's +inf makes it +inf."""
-    _runs(indexer_scores, isa)
+    _runs(indexer_scores, isa, kernel)
     cache = torch.ones(1, 2, 8, dtype=torch.bfloat16)
     cache[0, 0, 0], cache[0, 1, 0] = float("-inf"), float("inf")
     q = torch.ones(1, 3, 8, dtype=torch.bfloat16)
     table, limit = torch.zeros(1, 1, dtype=torch.int32), torch.tensor([2])
-    got = indexer_scores.scores(q, torch.ones(1, 3), cache, table, limit, 2, isa=isa, threads=1)
+    got = indexer_scores.scores(q, torch.ones(1, 3), cache, table, limit, 2, isa=isa, kernel=kernel, threads=1)
     assert got.tolist() == [[0.0, float("inf")]]
 
 
@@ -847,7 +855,7 @@ def _attention_reference(q, rows, slots, scale, d_v):
     return out, lse, out_bound, lse_bound
 
 
-@pytest.mark.parametrize("kernel, isa", ATTENTION_BUILDS)
+@pytest.mark.parametrize("kernel, isa", _builds(native_attention))
 @SETTINGS
 @given(
     tokens=st.integers(1, 3),
@@ -900,7 +908,7 @@ def test_sparse_attention_is_the_softmax_over_only_the_selected_rows(
     assert _same_bits(got_view, got) and _same_bits(lse_view, lse)
 
 
-@pytest.mark.parametrize("kernel, isa", ATTENTION_BUILDS)
+@pytest.mark.parametrize("kernel, isa", _builds(native_attention))
 @pytest.mark.parametrize("heads", [1, 3, 4])
 def test_sparse_attention_over_many_blocks_of_keys_whose_peak_keeps_rising(kernel, isa, heads):
     """At most 4 heads the AVX2 build takes a token's rows in one pass, blocks of 32 keys with the softmax shifted by
@@ -937,7 +945,7 @@ def test_sparse_attention_over_many_blocks_of_keys_whose_peak_keeps_rising(kerne
             assert (lse[0, h].double() - want_lse[0, h]).abs() <= lse_bound[0, h]
 
 
-@pytest.mark.parametrize("kernel, isa", ATTENTION_BUILDS)
+@pytest.mark.parametrize("kernel, isa", _builds(native_attention))
 def test_sparse_attention_keeps_torch_softmax_semantics_for_nan_and_inf(kernel, isa):
     """A NaN score makes its head NaN (torch's amax propagates it); a +inf score gives NaN out and lse +inf (the
     softmax shifts by 0 then, and inf / inf); a -inf score is a probability of 0 (whose product with the row's inf is
@@ -957,7 +965,7 @@ def test_sparse_attention_keeps_torch_softmax_semantics_for_nan_and_inf(kernel, 
     assert torch.allclose(lse[0, 2], torch.tensor(2.0).log() - 1.0)
 
 
-@pytest.mark.parametrize("kernel, isa", ATTENTION_BUILDS)
+@pytest.mark.parametrize("kernel, isa", _builds(native_attention))
 @SETTINGS
 @given(
     q_lens=st.lists(st.integers(0, 3), min_size=1, max_size=4),

@@ -105,7 +105,7 @@ def _layer(context: int) -> tuple[dict[str, Callable[[], object]], dict[str, Cal
         "lightning_indexer": gemm_for(dtype, cpu, QUANTIZED_INDEXER),
         "sparse_flash_attention": gemm_for(dtype, cpu, ATTENTION).at(heads),
     }
-    off = [name for name, route in routes.items() if not route.fused]
+    off = [name for name, route in routes.items() if not route.vector_kernels]
     if off:
         raise NoNativeRoute(f"the torch backend's routes of {off} are not its native kernels here (its probe's choice)")
     prolog_isa, scores_isa, attention_isa = (route.native_isa for route in routes.values())

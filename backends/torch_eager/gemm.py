@@ -121,11 +121,12 @@ class Gemm:
         return self
 
     @property
-    def fused(self) -> bool:
-        """Whether the indexer's fused native kernels (indexer_scores.c, quantized_index_scores.c, indexer_prolog.c)
-        run on this path: they are built for every build but AMX's, whose route runs its GEMM under the indexer's torch
-        code instead. Sparse attention has a kernel for every native build (sparse_attention.c, and amx_attention.c
-        for AMX's): backends.torch_eager.sparse_attention.native_kernel_runs."""
+    def vector_kernels(self) -> bool:
+        """Whether the vector ISAs' fused kernels run on this path (built from the same sources as bf16_gemm.c: the
+        indexer prolog, the scores over quantized index rows): a native route other than AMX's. AMX's route has
+        kernels of its own for sparse attention and the scores over bf16 rows (amx_attention.c,
+        amx_index_scores.c; the backend's sparse_attention.native_kernel_runs, indexer.scoring_kernel) and runs the
+        rest as torch code over its GEMM."""
         return self.native and self.native_isa != amx_gemm.FAST
 
     def takes_native(self, b: Tensor, output: bool, rows: int) -> bool:

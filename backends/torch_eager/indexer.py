@@ -6,16 +6,19 @@ reduction done inside the tile, so the [T, HI, S] product never exists (only [to
 chose a native route for the family (capabilities: `indexer` over bf16 rows, `quantized_indexer` over fp8_index /
 int8_index rows), one native kernel does a token tile's products, ReLU and head reduction with the keys read in place
 from the cache (same fp32 arithmetic, no gathered copy and no [tokens, HI, chunk] intermediate): indexer_scores.c over
-bf16 rows, quantized_index_scores.c over quantized rows, decoded in the kernel exactly as kv_formats decodes them.
+bf16 rows (amx_index_scores.c on AMX's route), quantized_index_scores.c over quantized rows, decoded in the kernel
+exactly as kv_formats decodes them (the vector builds; AMX's route decodes them in torch).
 """
 
 from __future__ import annotations
+
+from types import ModuleType
 
 import torch
 from torch import Tensor
 
 from backends.torch_eager.capabilities import INDEXER, QUANTIZED_INDEXER
-from backends.torch_eager.gemm import gemm_for
+from backends.torch_eager.gemm import Gemm, gemm_for
 from backends.torch_eager.native import indexer_prolog as native_prolog
 from backends.torch_eager.native import indexer_scores as native_scores
 from backends.torch_eager.native import quantized_index_scores as native_quantized_scores
@@ -64,7 +67,7 @@ def indexer_prolog(
     # A decode step on the native route: the whole prolog in two native calls (the same fp32 arithmetic), where
     # the ops below would cost a few dozen dispatches for a few microseconds of arithmetic. The op validated the
     # shapes and `takes` the rest of what the kernel's wrapper would check again.
-    if route.fused and native_prolog.takes(x, q_norm, (w_iq, w_ik, w_iw), index_k_cache, kv_cache_dtype):
+    if route.vector_kernels and native_prolog.takes(x, q_norm, (w_iq, w_ik, w_iw), index_k_cache, kv_cache_dtype):
         if native_prolog.availability(route.native_isa)[0]:
             return native_prolog.prolog(
                 x, q_norm, w_iq, w_ik, k_norm_weight, k_norm_bias, w_iw, cos, sin, index_k_cache, slot_mapping,
@@ -81,6 +84,22 @@ def indexer_prolog(
     weights = linear(x.to(COMPUTE_DTYPE), w_iw) * (num_heads**-0.5 * head_dim**-0.5)  # [T, HI]
     write_rows(index_k_cache, slot_mapping, k, kv_cache_dtype)
     return q.to(x.dtype).contiguous(), weights  # q is a view of the rotated [T, HI + 1, DI]: contiguous, as promised
+
+
+def scoring_kernel(gemm: Gemm, kv_cache_dtype: str) -> ModuleType | None:
+    """The native module whose kernel scores a call on route `gemm` over a cache of kv_cache_dtype (bf16 q and rows
+    for a float cache; the caller checks those), where it runs here: indexer_scores over bf16 rows (its vector builds,
+    or amx_index_scores.c on AMX's route), quantized_index_scores over quantized index rows (the vector builds only:
+    AMX's route decodes them in torch); None for the torch code."""
+    if not gemm.native:
+        return None
+    if kv_cache_dtype == AUTO:
+        module = native_scores
+    elif kv_cache_dtype in native_quantized_scores.CODES and gemm.vector_kernels:
+        module = native_quantized_scores
+    else:
+        return None
+    return module if module.availability(gemm.native_isa)[0] else None
 
 
 class _ScoringBatch:
@@ -104,15 +123,15 @@ class _ScoringBatch:
         # Keys reach the q . k GEMM in its operand dtype, decoded first where the cache holds a quantized format.
         self.read_rows = row_reader(kv_cache_dtype, self.gemm.operand)
         self.kv_cache_dtype = kv_cache_dtype
-        # One native kernel for products, ReLU and head reduction on the native path, with the rows read in place
-        # (contiguous in a row; other layouts gather, as before): bf16 queries over a bf16 cache, or any float
-        # queries over quantized index rows (decoded in the kernel).
-        in_place = self.gemm.fused and index_k_cache.stride(-1) == 1
-        if kv_cache_dtype == AUTO:
-            self.native = native_scores if index_k_cache.dtype == q_idx.dtype == torch.bfloat16 else None
-        else:
-            self.native = native_quantized_scores if kv_cache_dtype in native_quantized_scores.CODES else None
-        self.fused = in_place and self.native is not None and self.native.availability(self.gemm.native_isa)[0]
+        # One native kernel for products, ReLU and head reduction on a native path (scoring_kernel), with the rows
+        # read in place (contiguous in a row; other layouts gather, as before): bf16 queries over a bf16 cache, or any
+        # float queries over quantized index rows (decoded in the kernel).
+        float_rows = kv_cache_dtype == AUTO and index_k_cache.dtype == q_idx.dtype == torch.bfloat16
+        self.fused = (
+            (float_rows or kv_cache_dtype != AUTO)
+            and index_k_cache.stride(-1) == 1
+            and scoring_kernel(self.gemm, kv_cache_dtype) is not None
+        )
         self.q = q_idx  # converted per tile, so a bf16 batch never exists whole in fp32
         self.weights = weights.to(COMPUTE_DTYPE)  # [T, HI]
         self.cache = index_k_cache  # [num_blocks, block_size, DI]

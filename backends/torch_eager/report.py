@@ -27,8 +27,10 @@ def fast_paths() -> dict[str, dict[str, object]]:
 def native_kernels() -> dict[str, object]:
     """The native kernels' state: on or off, the build cache (and why it is where it is, or why there is none), and
     each kernel build the routes use on this CPU, asked for here (built on first use): loaded, or why not."""
-    for isa in native_isas():  # every build a native route may take (AMX's GEMM and attention are kernels of their own)
-        amx = (amx_gemm, sparse_attention)  # sparse_attention's AMX build is amx_attention.c
+    # Every build a native route may take. AMX's: its GEMM, and sparse attention's and the indexer's own AMX kernels
+    # (amx_attention.c, amx_index_scores.c: those modules pick them for the AMX build).
+    for isa in native_isas():
+        amx = (amx_gemm, sparse_attention, indexer_scores)
         for module in amx if isa == amx_gemm.FAST else (bf16_gemm, indexer_scores, sparse_attention):
             module.availability(isa)  # the answer lands in build.status()
     for module in (int8_gemm, native_topk):

@@ -18,7 +18,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 
-from backends.torch_eager.capabilities import ATTENTION, QUANTIZED_INDEXER, Route
+from backends.torch_eager.capabilities import ATTENTION, INDEXER, QUANTIZED_INDEXER, Route
 from backends.torch_eager.gemm import forced_route, from_route, gemm_for
 from backends.torch_eager.native import amx_gemm, bf16_gemm, build
 from fuzz.strategies import QUANTIZED_CASES, VALID_CASES, FuzzCase, examples
@@ -31,15 +31,15 @@ QUANTIZED_CONFIGS_PER_ROUTE = 80  # per indexer op: the quantized rows' products
 # not a no-op). Forced, the native route takes the ops' outputs too (grouped_matmul's products are its outputs; with the
 # probe's choice they take it only below the rows where it measured faster than torch's GEMM:
 # gemm.Gemm.takes_native). On a CPU with AMX the forced route is AMX's: its GEMM (amx_gemm) under the ops' torch code,
-# and its own sparse attention kernel (amx_attention).
+# and its own kernels for sparse attention (amx_attention) and the indexer's scores over bf16 rows (amx_index_scores).
 NATIVE_KERNELS = {
     "mla_prolog": ("bf16_gemm", "amx_gemm"),
     "grouped_matmul": ("bf16_gemm", "amx_gemm"),
     # indexer_prolog: its decode-sized calls with contiguous weights take the fused prolog (native/indexer_prolog.c)
     "indexer_prolog": ("indexer_prolog", "bf16_gemm", "amx_gemm"),
     "fused_moe": ("bf16_gemm", "amx_gemm"),
-    "indexer_logits": ("indexer_scores", "amx_gemm"),
-    "lightning_indexer": ("indexer_scores", "amx_gemm"),
+    "indexer_logits": ("indexer_scores", "amx_index_scores"),
+    "lightning_indexer": ("indexer_scores", "amx_index_scores"),
     "sparse_flash_attention": ("sparse_attention", "amx_attention"),
     # The first exact int8 route forced: AMX's (its portable build here unless the CPU has AMX), else VNNI's.
     "quant_matmul": ("amx_gemm", "int8_gemm"),
@@ -88,23 +88,33 @@ def test_random_valid_configs_hold_on_every_forced_route(op: str, route: str, mo
         assert used <= {"topk"}, f"the fp32 route ran GEMM kernels {used}"
 
 
-def test_sparse_attention_holds_on_amx_route_anywhere(monkeypatch: pytest.MonkeyPatch) -> None:
-    """AMX's route runs sparse attention on its own kernel (amx_attention.c), which the forced native route reaches
-    only on a CPU with AMX: here it is forced with the kernel's portable build (the tile blocking in scalar C) standing
-    in, so its handling of every layout, padding and NaN canary is fuzzed on any CPU."""
-    monkeypatch.setenv(build.ENV_NATIVE, build.PORTABLE_ONLY)
+# The ops with a kernel of their own on AMX's route: (their route family, that kernel).
+AMX_KERNELS = {
+    "sparse_flash_attention": (ATTENTION, "amx_attention"),
+    "indexer_logits": (INDEXER, "amx_index_scores"),
+    "lightning_indexer": (INDEXER, "amx_index_scores"),
+}
+
+
+@pytest.mark.parametrize("op", AMX_KERNELS)
+def test_amx_kernels_hold_on_amx_route_anywhere(op: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """AMX's route runs sparse attention and the indexer's scores over bf16 rows on kernels of their own, which the
+    forced native route reaches only on a CPU with AMX: here that route is forced with the kernels' portable builds
+    (the tile blocking in scalar C) standing in, so their handling of every layout, padding and NaN canary is fuzzed
+    on any CPU."""
+    family, kernel = AMX_KERNELS[op]
     used = _forced("native", monkeypatch)
-    monkeypatch.setenv(build.ENV_NATIVE, build.PORTABLE_ONLY)  # _forced set the native route's own setting
+    monkeypatch.setenv(build.ENV_NATIVE, build.PORTABLE_ONLY)  # after _forced, which set the native route's own
     amx = from_route(torch.bfloat16, Route("native", fp32_output=True, isa=amx_gemm.FAST, torch_half=False))
 
     @settings(max_examples=examples(CONFIGS_PER_ROUTE), suppress_health_check=[HealthCheck.function_scoped_fixture])
-    @given(case=VALID_CASES["sparse_flash_attention"].filter(lambda case: case.dtype == torch.bfloat16))
+    @given(case=VALID_CASES[op].filter(lambda case: case.dtype == torch.bfloat16))
     def holds(case: FuzzCase) -> None:  # bf16 activations: the route is one of the bf16 ones
         check_on_backends(case, ["torch"], kind="route native:amx (portable build)")
 
-    with forced_route(ATTENTION, amx):
+    with forced_route(family, amx):
         holds()
-    assert "amx_attention" in used, f"AMX's route never reached amx_attention.c (ran {used})"
+    assert kernel in used, f"AMX's route never reached {kernel} (ran {used})"
 
 
 @pytest.mark.parametrize("route", ROUTES)

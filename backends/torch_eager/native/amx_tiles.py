@@ -8,6 +8,9 @@ the reason, never a crash: callers keep their other routes.
 
     kernel = function("amx_gemm", "amx", "glm5_amx_bf16_gemm_nt", argtypes, ctypes.c_int)
     ok, why = availability("amx_gemm", "amx")
+
+An op with a vector kernel and an AMX one (sparse attention, the indexer's scores) picks its source by build with
+source_for, and loads it with any_function / any_availability (the tile state asked only for an AMX source).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import threading
 from errno import ENOSPC
 
 from backends.torch_eager.native import build
+from glm5_hal.checks import check
 
 INIT = "glm5_amx_init"  # int glm5_amx_init(void): 0, or the errno of Linux's refusal
 _granted: dict[str, str | None] = {}  # a loaded library's path -> None (tile state granted) or why not
@@ -55,6 +59,31 @@ def function(kernel: str, isa: str, name: str, argtypes: list, restype: object =
     """build.function, once the process holds the tile state (tile_state)."""
     tile_state(kernel, isa)
     return build.function(kernel, isa, name, argtypes, restype)
+
+
+def source_for(isa: str, vector: str, amx: str, kernel: str | None = None) -> str:
+    """The C source that runs for `isa` where an op has a vector kernel (`vector`: built for the vector ISAs) and an
+    AMX one (`amx`): `kernel` where given (one of the two; the tests run the AMX source's portable build), else `amx`
+    for the AMX build and `vector` for the others."""
+    chosen = kernel or (amx if isa == "amx" else vector)
+    check(chosen in (vector, amx), ValueError, lambda: f"kernel: expected {vector!r} or {amx!r}, got {chosen!r}")
+    return chosen
+
+
+def _is_amx_source(kernel: str) -> bool:
+    return INIT in build.SYMBOLS.get(kernel, ())  # an AMX source exports the tile-state request
+
+
+def any_function(kernel: str, isa: str, name: str, argtypes: list, restype: object = None) -> ctypes._CFuncPtr:
+    """build.function for any source: through the tile state (`function`) where `kernel` is an AMX source."""
+    if _is_amx_source(kernel):
+        return function(kernel, isa, name, argtypes, restype)
+    return build.function(kernel, isa, name, argtypes, restype)
+
+
+def any_availability(kernel: str, isa: str) -> tuple[bool, str]:
+    """build.availability for any source, Linux's grant of the tile state included where `kernel` is an AMX one."""
+    return availability(kernel, isa) if _is_amx_source(kernel) else build.availability(kernel, isa)
 
 
 def availability(kernel: str, isa: str) -> tuple[bool, str]:

@@ -105,6 +105,7 @@ SYMBOLS: dict[str, tuple[str, ...]] = {
     "topk": ("glm5_topk",),
     "amx_gemm": ("glm5_amx_init", "glm5_amx_bf16_gemm_nt", "glm5_amx_s8_gemm_nt"),
     "amx_attention": ("glm5_amx_init", "glm5_sparse_attention", "glm5_sparse_attention_paged"),
+    "amx_index_scores": ("glm5_amx_init", "glm5_indexer_scores"),
 }
 KERNELS = tuple(SYMBOLS)
 RECORD_SUFFIX = ".record"  # <library>.record: {"size": bytes, "sha256": hex} of the library as built

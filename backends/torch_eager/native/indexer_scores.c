@@ -8,13 +8,15 @@
  * KEYS keys x 32 heads. The products are exact in fp32 and every sum is an fp32 add, as in the fp32 path; relu
  * keeps NaN (max(0, x) returns x when x is NaN), and heads past H contribute nothing, even where a key holds inf
  * or NaN (their lanes are zeroed by mask, not multiplied by a zero weight). backends/torch_eager/native/indexer_scores.py has
- * the Python side; built with AVX-512 BF16, with AVX2 and portable like bf16_gemm.c. The AVX2 build puts 8 heads in a
+ * the Python side; built with AVX-512 BF16, with AVX2 and portable like bf16_gemm.c (amx_index_scores.c is the AMX
+ * build's kernel, with this entry point). The AVX2 build puts 8 heads in a
  * 256-bit vector, widens q and the keys exactly in registers (bf16.h) and adds each exact product with an FMA; a
  * tile is 6 keys x 16 heads or 3 keys x 32 (head_pairs.h), and subnormals are kept (no DAZ / FTZ).
  */
 #include <math.h>
 
 #include "head_pairs.h"
+#include "paged_tokens.h" /* key_row */
 
 #if defined(GLM5_AVX2)
 #define KEYS PAIR_KEYS /* keys per tile: 6 (or 2 x 3) keys x 16 (32) heads in 8-lane vectors = 12 accumulators */
@@ -24,11 +26,6 @@
 #define CHUNK 256      /* key positions per chunk: a chunk's rows (64 KiB at D = 128) stay in L2 across tokens */
 #define HEAD_GROUP 32  /* heads per pass over a key: two 16-lane vectors */
 #define PREFETCH_KEYS 16 /* prefetch the rows of the tile this many keys ahead (two tiles) */
-
-static inline const uint16_t *key_row(const uint16_t *cache, long block_stride, long row_stride, long block_size,
-                                      const int32_t *table, long s) {
-    return cache + (long)table[s / block_size] * block_stride + (s % block_size) * row_stride;
-}
 
 /* The rows of keys s .. s + n - 1 (rows past n repeat row s). A tile of KEYS keys usually lies in one block: then
    one division finds the block and the rows follow it (a division per key cost a quarter of a tile's time). */
@@ -117,11 +114,11 @@ static inline void tile(const uint16_t *keys[KEYS], const uint16_t *q, long pair
 /* Scores of tokens [t_begin, t_end) at key positions [s_begin, s_end): one thread's share.
  * q: [T][pairs + odd][hp][2] bf16 (hp: H rounded up to 16, zero-padded); w: [T][hp] fp32; table: [T][table_width]
  * int32 (each token's block table row, every entry a valid block); limit: [T] (positions >= limit get -inf);
- * scores: [T][score_row] fp32. */
-void glm5_indexer_scores(long heads, long dims, const uint16_t *q, const float *w, const uint16_t *cache,
-                         long block_stride, long row_stride, long block_size, const int32_t *table, long table_width,
-                         const int64_t *limit, float *scores, long score_row, long t_begin, long t_end, long s_begin,
-                         long s_end) {
+ * scores: [T][score_row] fp32. Returns 0 (the AMX kernel's entry, which allocates, shares the signature). */
+int glm5_indexer_scores(long heads, long dims, const uint16_t *q, const float *w, const uint16_t *cache,
+                        long block_stride, long row_stride, long block_size, const int32_t *table, long table_width,
+                        const int64_t *limit, float *scores, long score_row, long t_begin, long t_end, long s_begin,
+                        long s_end) {
     long pairs = dims / 2, odd = dims % 2, hp = (heads + 15) / 16 * 16;
     for (long c0 = s_begin; c0 < s_end; c0 += CHUNK) {
         long c1 = c0 + CHUNK < s_end ? c0 + CHUNK : s_end;
@@ -153,4 +150,5 @@ void glm5_indexer_scores(long heads, long dims, const uint16_t *q, const float *
             }
         }
     }
+    return 0;
 }

@@ -10,6 +10,11 @@ products of every head, their relu, and the weighted sum over heads, with the ke
 
 On torch's intra-op thread count, split by tokens or by key ranges. The custom op torch.ops.glm5_hal.
 native_indexer_scores is what aten-level spies, FakeTensor and torch.compile see.
+
+Two C kernels share the entry point: indexer_scores.c (vector builds: AVX-512 BF16, AVX2, portable) and, for the AMX
+build, amx_index_scores.c (the products as tile GEMMs; its bf16 inputs are read with the tile instruction's DAZ and
+its fp32 sums flushed below 1.2e-38, amx_tiles.h). `isa` picks the build and, by default, the kernel (kernel_for);
+`kernel=AMX_KERNEL, isa=PORTABLE` runs the AMX blocking on any CPU.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import ctypes
 import torch
 from torch import Tensor
 
-from backends.torch_eager.native import build
+from backends.torch_eager.native import amx_tiles
 from backends.torch_eager.native import threads as threads_
 from backends.torch_eager.native.packing import HEAD_LANES, head_pairs
 from glm5_hal.checks import check
@@ -27,21 +32,31 @@ from glm5_hal.ops.common import plain_eager
 
 FAST = "avx512_bf16"
 AVX2 = "avx2"  # 256-bit FMA on exactly widened bf16: CPUs without AVX-512
+AMX = "amx"  # the AMX kernel's build (AMX_KERNEL: the products on tiles)
 PORTABLE = "portable"
-KEY_CHUNK = 256  # CHUNK in indexer_scores.c: a thread's share of key positions is a multiple of it
+KERNEL = "indexer_scores"  # indexer_scores.c: the vector builds (FAST, AVX2, PORTABLE)
+AMX_KERNEL = "amx_index_scores"  # amx_index_scores.c: the same entry point on AMX tiles (AMX, PORTABLE: its blocking)
+KEY_CHUNK = 256  # CHUNK in both sources: a thread's share of key positions is a multiple of it
 
 _C_LONG, _PTR = ctypes.c_long, ctypes.c_void_p
 _ARGTYPES = [_C_LONG, _C_LONG, _PTR, _PTR, _PTR, _C_LONG, _C_LONG, _C_LONG, _PTR, _C_LONG, _PTR, _PTR, _C_LONG]
 _ARGTYPES += [_C_LONG] * 4
 
 
-def _kernel(isa: str):
-    return build.function("indexer_scores", isa, "glm5_indexer_scores", _ARGTYPES)
+def kernel_for(isa: str, kernel: str | None = None) -> str:
+    """The C kernel that runs for `isa`: `kernel` where given (KERNEL or AMX_KERNEL), else AMX_KERNEL for the AMX
+    build and KERNEL for the others."""
+    return amx_tiles.source_for(isa, KERNEL, AMX_KERNEL, kernel)
 
 
-def availability(isa: str = FAST) -> tuple[bool, str]:
-    """(True, what runs) or (False, why not) for the kernel built for `isa` here (built on first use)."""
-    return build.availability("indexer_scores", isa)
+def _kernel(isa: str, kernel: str | None = None):
+    return amx_tiles.any_function(kernel_for(isa, kernel), isa, "glm5_indexer_scores", _ARGTYPES, ctypes.c_int)
+
+
+def availability(isa: str = FAST, kernel: str | None = None) -> tuple[bool, str]:
+    """(True, what runs) or (False, why not) for the kernel (kernel_for) built for `isa` here (built on first use;
+    for the AMX kernel, Linux's grant of the tile state included)."""
+    return amx_tiles.any_availability(kernel_for(isa, kernel), isa)
 
 
 def _padded_weights(weights: Tensor) -> Tensor:
@@ -61,6 +76,7 @@ def _run(
     out: Tensor,
     isa: str,
     threads: int | None,
+    kernel: str | None = None,
 ) -> Tensor:
     tokens, heads, dims = q.shape
     width = out.shape[1]
@@ -84,7 +100,9 @@ def _run(
         out.data_ptr(),
         out.stride(0),
     )
-    threads_.run_shares(_kernel(isa), args, score_shares(tokens, heads, dims, width, KEY_CHUNK, threads))
+    shares = score_shares(tokens, heads, dims, width, KEY_CHUNK, threads)
+    failed = threads_.failed_shares(_kernel(isa, kernel), args, shares)
+    check(not failed, MemoryError, lambda: f"indexer scores: no memory for the workspace ({heads} heads, D {dims})")
     return out
 
 
@@ -154,9 +172,11 @@ def scores(
     out: Tensor | None = None,
     isa: str = FAST,
     threads: int | None = None,
+    kernel: str | None = None,
 ) -> Tensor:
     """The scores described in the module docstring, written into `out` ([T, width] fp32, rows contiguous) if
-    given. isa: the build (backends.torch_eager.native.build.ISAS). threads: default torch's."""
+    given. isa: the build (backends.torch_eager.native.build.ISAS). threads: default torch's. kernel: KERNEL or
+    AMX_KERNEL (default: kernel_for(isa); the tests run AMX_KERNEL's portable build, its blocking on any CPU)."""
     check(
         q.dim() == 3 and q.dtype == torch.bfloat16,
         TypeError,
@@ -170,22 +190,29 @@ def scores(
     out = check_score_arguments(q, weights, cache, tables, limits, width, out)
     # The build is an argument of the op: torch.compile and FakeTensor see every build (plain eager: run directly).
     if threads is None and not plain_eager((q, weights, cache, out)):
-        torch.ops.glm5_hal.native_indexer_scores(q, weights, cache, tables, limits, out, isa)
+        torch.ops.glm5_hal.native_indexer_scores(q, weights, cache, tables, limits, out, isa, kernel_for(isa, kernel))
         return out
-    return _run(q, weights, cache, tables, limits, out, isa, threads)
+    return _run(q, weights, cache, tables, limits, out, isa, threads, kernel)
 
 
 _LIBRARY = torch.library.Library("glm5_hal", "FRAGMENT")
 _LIBRARY.define(
     "native_indexer_scores(Tensor q, Tensor weights, Tensor cache, Tensor tables, Tensor limits, Tensor(a!) out, "
-    f"str isa='{FAST}') -> ()"
+    f"str isa='{FAST}', str kernel='{KERNEL}') -> ()"
 )
 
 
 def _cpu_op(
-    q: Tensor, weights: Tensor, cache: Tensor, tables: Tensor, limits: Tensor, out: Tensor, isa: str = FAST
+    q: Tensor,
+    weights: Tensor,
+    cache: Tensor,
+    tables: Tensor,
+    limits: Tensor,
+    out: Tensor,
+    isa: str = FAST,
+    kernel: str = KERNEL,
 ) -> None:
-    _run(q, weights, cache, tables, limits, out, isa, None)
+    _run(q, weights, cache, tables, limits, out, isa, None, kernel)
 
 
 _LIBRARY.impl("native_indexer_scores", _cpu_op, "CPU")
@@ -193,6 +220,13 @@ _LIBRARY.impl("native_indexer_scores", _cpu_op, "CPU")
 
 @torch.library.register_fake("glm5_hal::native_indexer_scores")
 def _fake(
-    q: Tensor, weights: Tensor, cache: Tensor, tables: Tensor, limits: Tensor, out: Tensor, isa: str = FAST
+    q: Tensor,
+    weights: Tensor,
+    cache: Tensor,
+    tables: Tensor,
+    limits: Tensor,
+    out: Tensor,
+    isa: str = FAST,
+    kernel: str = KERNEL,
 ) -> None:
     return None

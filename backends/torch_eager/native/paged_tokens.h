@@ -24,6 +24,13 @@ struct paged_batch {
     long batch, block_size, num_blocks;
 };
 
+/* The bf16 row of key position s in a paged cache (block_stride / row_stride elements apart) from a block table row
+   whose entries are all blocks of the cache (the scoring kernels' callers make it so). */
+static inline const uint16_t *key_row(const uint16_t *cache, long block_stride, long row_stride, long block_size,
+                                      const int32_t *table, long s) {
+    return cache + (long)table[s / block_size] * block_stride + (s % block_size) * row_stride;
+}
+
 /* The sequence of query token t (torch.searchsorted(cu_seqlens_q[1:], t, right=True): a sequence without new
    tokens is skipped), kept inside 0 .. batch - 1 whatever the prefix sums hold. */
 static inline long token_sequence(const int32_t *cu_seqlens_q, long batch, long t) {

@@ -42,7 +42,7 @@ import ctypes
 import torch
 from torch import Tensor
 
-from backends.torch_eager.native import amx_tiles, build
+from backends.torch_eager.native import amx_tiles
 from backends.torch_eager.native import threads as threads_
 from glm5_hal.checks import check
 from glm5_hal.ops.common import plain_eager
@@ -68,30 +68,18 @@ _OUT_DTYPES = (torch.bfloat16, torch.float32)
 def kernel_for(isa: str, kernel: str | None = None) -> str:
     """The C kernel that runs for `isa`: `kernel` where given (KERNEL or AMX_KERNEL), else AMX_KERNEL for the AMX
     build and KERNEL for the others."""
-    chosen = kernel or (AMX_KERNEL if isa == AMX else KERNEL)
-    check(
-        chosen in (KERNEL, AMX_KERNEL),
-        ValueError,
-        lambda: f"kernel: expected {KERNEL!r} or {AMX_KERNEL!r}, got {chosen!r}",
-    )
-    return chosen
+    return amx_tiles.source_for(isa, KERNEL, AMX_KERNEL, kernel)
 
 
 def _kernel(isa: str, paged: bool = False, kernel: str | None = None):
     name, argtypes = ("glm5_sparse_attention_paged", _PAGED_ARGTYPES) if paged else ("glm5_sparse_attention", _ARGTYPES)
-    source = kernel_for(isa, kernel)
-    if source == AMX_KERNEL:  # the process asks Linux for the tile state first (amx_tiles)
-        return amx_tiles.function(source, isa, name, argtypes, ctypes.c_int)
-    return build.function(source, isa, name, argtypes, ctypes.c_int)
+    return amx_tiles.any_function(kernel_for(isa, kernel), isa, name, argtypes, ctypes.c_int)
 
 
 def availability(isa: str = FAST, kernel: str | None = None) -> tuple[bool, str]:
     """(True, what runs) or (False, why not) for the kernel (kernel_for) built for `isa` here (built on first use;
     for the AMX kernel, Linux's grant of the tile state included)."""
-    source = kernel_for(isa, kernel)
-    if source == AMX_KERNEL:
-        return amx_tiles.availability(source, isa)
-    return build.availability(source, isa)
+    return amx_tiles.any_availability(kernel_for(isa, kernel), isa)
 
 
 def _check_query(q: Tensor) -> tuple[int, int]:
@@ -186,7 +174,7 @@ def _attention(
     out_dtype: torch.dtype,
     isa: str,
     threads: int | None,
-    kernel: str | None,
+    kernel: str | None = None,
 ) -> tuple[Tensor, Tensor]:
     slots = slots.contiguous()
     function = _kernel(isa, kernel=kernel)
@@ -234,7 +222,7 @@ def _paged_attention(
     out_dtype: torch.dtype,
     isa: str,
     threads: int | None,
-    kernel: str | None,
+    kernel: str | None = None,
 ) -> tuple[Tensor, Tensor]:
     view = slot_rows(cache)  # the cache's rows in place, whatever its block and slot strides
     # Rows of the index tensors are read at their stride; each row itself must be contiguous.
