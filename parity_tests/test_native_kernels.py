@@ -39,11 +39,13 @@ def _runs(module, isa: str, *kernel: str) -> None:
 
 def _builds(module) -> list:
     """The builds of an op with a vector kernel and an AMX one (sparse attention, indexer scores) as (C kernel, build):
-    the vector kernel's builds, and the AMX kernel's AMX build and portable one (the tile blocking with the tile
-    instructions in scalar C: checked on any CPU)."""
+    the vector kernel's builds, and the AMX kernel's AMX build, its amx_emulated one (the AMX build's AVX-512 code
+    around the tile instructions emulated in scalar C: checked on any AVX-512 CPU) and its portable one (all of it in
+    scalar C: checked on any CPU)."""
+    amx_builds = ("amx", "amx_emulated", "portable")
     return [
         *[pytest.param(module.KERNEL, isa, id=isa) for isa in ISAS],
-        *[pytest.param(module.AMX_KERNEL, isa, id=f"amx_kernel-{isa}") for isa in ("amx", "portable")],
+        *[pytest.param(module.AMX_KERNEL, isa, id=f"amx_kernel-{isa}") for isa in amx_builds],
     ]
 
 

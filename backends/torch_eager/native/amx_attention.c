@@ -16,53 +16,134 @@
  * Numerics: the fp32 path's arithmetic up to the order of the sums and ~2^-16 of each probability, with the tile
  * instruction's DAZ / FTZ (bf16 subnormal inputs read as zero, fp32 subnormal sums flushed: below 1.2e-38;
  * amx_tiles.h). A row no valid key selects is never read; padding heads and keys past n are zero in both operands of
- * the value product. Built twice by build.py: with AMX, and portable (GLM5_PORTABLE: the same blocking around
- * amx_tiles.h's scalar tile operations, and the softmax's scalar build), so the tests check the blocking on any CPU.
- * The Python side is sparse_attention.py (its AMX kernel).
+ * the value product. Built by build.py with AMX; portable (GLM5_PORTABLE: the same blocking around amx_tiles.h's
+ * scalar tile operations, the packing and the softmax in scalar C), so the tests check the blocking on any CPU; and
+ * amx_emulated (the AMX build's AVX-512 packing and softmax around the scalar tile operations), so they check that
+ * code on any AVX-512 CPU. The Python side is sparse_attention.py (its AMX kernel).
  */
 #include "amx_blocks.h"
 #include "attention_softmax.h" /* exponentiate, store_output */
-#include "head_pairs.h"        /* prefetch_to_l2 */
+#include "head_pairs.h"        /* live_lanes, prefetch_to_l2 */
 #include "selected_rows.h"     /* struct key_source, select_rows */
 
 #define KEY_BLOCK MB          /* keys per score block: the rows of its two A tiles */
 #define HEAD_BLOCK NB         /* heads per score block (its two B tiles' columns); heads per value block: MB */
 #define DIM_BLOCK NB          /* dims of V per value panel: its two B tiles' columns */
 #define STEP_ELEMENTS (2 * TILE_ROWS) /* bf16 of K per tile row: dims of a score step, keys of a value step */
-#define TRANSPOSE_KEYS 16     /* keys per pass of the probabilities' transpose (their score rows stay in L1) */
 
 static long round_up(long x, long multiple) { return (x + multiple - 1) / multiple * multiple; }
 
 /* The value product's A: pa [hp][2 np] bf16, row h = [P_hi[h][0 .. np) | P_lo[h][0 .. np)], P[h][k] = E[k][h] /
    denominator[h] from the exponentiated workspace s [n][hp]; hi = P rounded, lo = (P - hi) rounded, 0 where that is
-   not finite (inf / NaN pass through hi alone); 0 past the real heads and past n keys. */
+   not finite (inf / NaN pass through hi alone); 0 past the real heads and past n keys (bf16.h's rounding).
+
+   The value product's B: dims d0 .. d0 + cols - 1 (cols <= DIM_BLOCK) of the n selected rows as a panel of
+   np / STEP_ELEMENTS K steps: step s, B tile j, tile row p holds (row_k[d0 + 16 j + c], row_{k + 1}[d0 + 16 j + c])
+   for k = 32 s + 2 p and the 16 columns c; 0 past n keys and past cols. Only the rows past n are cleared (the panel
+   is rewritten for every 32 dims: clearing it whole cost as much as packing it). */
+#if defined(GLM5_PORTABLE)
 static void pack_probability_rows(const float *s, long n, long np, long hp, long heads, const float *denominator,
                                   uint16_t *pa) {
-    for (long k0 = 0; k0 < np; k0 += TRANSPOSE_KEYS)
-        for (long h = 0; h < hp; h++) {
-            uint16_t *hi = pa + h * 2 * np, *lo = hi + np;
-            for (long k = k0; k < k0 + TRANSPOSE_KEYS; k++) {
-                float p = k < n && h < heads ? s[k * hp + h] / denominator[h] : 0.0f;
-                uint16_t rounded = float_to_bf16(p);
-                float rest = p - bf16_to_float(rounded);
-                hi[k] = rounded;
-                lo[k] = rest - rest == 0.0f ? float_to_bf16(rest) : 0;
-            }
+    for (long h = 0; h < hp; h++) {
+        uint16_t *hi = pa + h * 2 * np, *lo = hi + np;
+        for (long k = 0; k < np; k++) {
+            float p = k < n && h < heads ? s[k * hp + h] / denominator[h] : 0.0f;
+            uint16_t rounded = float_to_bf16(p);
+            float rest = p - bf16_to_float(rounded);
+            hi[k] = rounded;
+            lo[k] = rest - rest == 0.0f ? float_to_bf16(rest) : 0;
         }
-}
-
-/* Dims d0 .. d0 + cols - 1 (cols <= DIM_BLOCK) of the n selected rows as a value panel of np / STEP_ELEMENTS K steps:
-   step s, B tile j, tile row p holds (row_k[d0 + 16 j + c], row_{k + 1}[d0 + 16 j + c]) for k = 32 s + 2 p and the 16
-   columns c; 0 past n keys and past cols. */
-static void pack_value_panel(const uint16_t *const *rows, long n, long np, long d0, int cols, uint16_t *panel) {
-    memset(panel, 0, (size_t)(np / STEP_ELEMENTS) * STEP_BYTES);
-    for (long k = 0; k < n; k++) {
-        const uint16_t *v = rows[k] + d0;
-        uint16_t *pair = panel + (k / STEP_ELEMENTS) * (STEP_BYTES / 2) + (k % STEP_ELEMENTS / 2) * (TILE_ROW_BYTES / 2)
-                         + k % 2;
-        for (int c = 0; c < cols; c++) pair[(c / TILE_COLUMNS) * (TILE_BYTES / 2) + 2 * (c % TILE_COLUMNS)] = v[c];
     }
 }
+
+static uint16_t *panel_row(uint16_t *panel, long pair) {
+    return panel + (2 * pair / STEP_ELEMENTS) * (STEP_BYTES / 2) + (pair % TILE_ROWS) * (TILE_ROW_BYTES / 2);
+}
+
+static void pack_value_panel(const uint16_t *const *rows, long n, long np, long d0, int cols, uint16_t *panel) {
+    for (long pair = 0; pair < np / 2; pair++) {
+        uint16_t *row = panel_row(panel, pair);
+        for (int c = 0; c < DIM_BLOCK; c++)
+            for (int e = 0; e < 2; e++) {
+                long k = 2 * pair + e;
+                row[(c / TILE_COLUMNS) * (TILE_BYTES / 2) + 2 * (c % TILE_COLUMNS) + e] =
+                    k < n && c < cols ? rows[k][d0 + c] : 0;
+            }
+    }
+}
+#else
+#include <immintrin.h>
+
+/* r[i] = row i of a 16 x 16 fp32 block -> r[j] = its column j (unpacks within 128-bit lanes, then lane shuffles). */
+static inline void transpose16(__m512 r[16]) {
+    __m512 t[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) {
+        __m512d a = _mm512_castps_pd(t[4 * i]), b = _mm512_castps_pd(t[4 * i + 2]);
+        __m512d c = _mm512_castps_pd(t[4 * i + 1]), d = _mm512_castps_pd(t[4 * i + 3]);
+        r[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, b));
+        r[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, b));
+        r[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(c, d));
+        r[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(c, d));
+    }
+    for (int j = 0; j < 4; j++) {
+        t[j] = _mm512_shuffle_f32x4(r[j], r[4 + j], 0x88);
+        t[4 + j] = _mm512_shuffle_f32x4(r[j], r[4 + j], 0xDD);
+        t[8 + j] = _mm512_shuffle_f32x4(r[8 + j], r[12 + j], 0x88);
+        t[12 + j] = _mm512_shuffle_f32x4(r[8 + j], r[12 + j], 0xDD);
+    }
+    for (int j = 0; j < 4; j++) {
+        r[j] = _mm512_shuffle_f32x4(t[j], t[8 + j], 0x88);
+        r[8 + j] = _mm512_shuffle_f32x4(t[j], t[8 + j], 0xDD);
+        r[4 + j] = _mm512_shuffle_f32x4(t[4 + j], t[12 + j], 0x88);
+        r[12 + j] = _mm512_shuffle_f32x4(t[4 + j], t[12 + j], 0xDD);
+    }
+}
+
+/* Blocks of 16 keys x 16 heads: each key's P computed along the heads (a row of the workspace), the block transposed
+   in registers, each head's 16 hi and lo parts stored along the keys. The portable build's values, bit for bit. */
+static void pack_probability_rows(const float *s, long n, long np, long hp, long heads, const float *denominator,
+                                  uint16_t *pa) {
+    const __m512 zero = _mm512_setzero_ps();
+    for (long h0 = 0; h0 < hp; h0 += 16) {
+        const __mmask16 live = (__mmask16)live_lanes(heads, h0);
+        const __m512 den = _mm512_loadu_ps(denominator + h0);
+        for (long k0 = 0; k0 < np; k0 += 16) {
+            __m512 r[16];
+            for (int k = 0; k < 16; k++) /* dead heads read as 0 (their lanes of s were never written) */
+                r[k] = k0 + k < n ? _mm512_div_ps(_mm512_maskz_loadu_ps(live, s + (k0 + k) * hp + h0), den) : zero;
+            transpose16(r);
+            for (int h = 0; h < 16; h++) {
+                __m512i hi = bf16_lanes(r[h]);
+                __m512 rest = _mm512_sub_ps(r[h], _mm512_castsi512_ps(_mm512_slli_epi32(hi, 16)));
+                __mmask16 finite = _mm512_cmp_ps_mask(_mm512_sub_ps(rest, rest), zero, _CMP_EQ_OQ);
+                uint16_t *row = pa + (h0 + h) * 2 * np + k0;
+                _mm256_storeu_si256((__m256i *)row, _mm512_cvtepi32_epi16(hi));
+                _mm256_storeu_si256((__m256i *)(row + np), _mm512_cvtepi32_epi16(_mm512_maskz_mov_epi32(finite, bf16_lanes(rest))));
+            }
+        }
+    }
+}
+
+/* Per pair of keys: both rows' 32 dims loaded (masked past cols), interleaved into the two B tiles' rows. */
+static void pack_value_panel(const uint16_t *const *rows, long n, long np, long d0, int cols, uint16_t *panel) {
+    const __m512i first = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6,
+                                           37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+    const __m512i second = _mm512_add_epi16(first, _mm512_set1_epi16(16));
+    const __mmask32 mask = cols >= DIM_BLOCK ? 0xFFFFFFFFu : (1u << cols) - 1u;
+    for (long pair = 0; pair < np / 2; pair++) {
+        long k = 2 * pair;
+        __m512i r0 = k < n ? _mm512_maskz_loadu_epi16(mask, rows[k] + d0) : _mm512_setzero_si512();
+        __m512i r1 = k + 1 < n ? _mm512_maskz_loadu_epi16(mask, rows[k + 1] + d0) : _mm512_setzero_si512();
+        uint16_t *row = panel + (k / STEP_ELEMENTS) * (STEP_BYTES / 2) + (pair % TILE_ROWS) * (TILE_ROW_BYTES / 2);
+        _mm512_storeu_si512(row, _mm512_permutex2var_epi16(r0, first, r1));
+        _mm512_storeu_si512(row + TILE_BYTES / 2, _mm512_permutex2var_epi16(r0, second, r1));
+    }
+}
+#endif
 
 /* The scores, softmax and values of tokens t_begin .. t_end - 1 over the rows `keys` selects (sparse_attention.c's
    attend, the same arguments). q: [T][H][D] bf16 at element strides q_token, q_head (dims contiguous); rows:

@@ -1,6 +1,7 @@
 /* AMX tile operations, written once for every AMX kernel: the real instructions (built with -mamx-tile -mamx-bf16
- * -mamx-int8), or, with GLM5_PORTABLE, scalar C that does each tile instruction's arithmetic in the order the Intel
- * SDM's pseudocode gives, so the portable build checks a kernel's blocking, staging and padding on any CPU.
+ * -mamx-int8), or, with GLM5_PORTABLE or GLM5_EMULATE_TILES, scalar C that does each tile instruction's arithmetic in
+ * the order the Intel SDM's pseudocode gives, so the portable build checks a kernel's blocking, staging and padding
+ * on any CPU (and the amx_emulated build, AVX-512 around emulated tiles, the AMX build's vector code).
  *
  * Tiles. Eight tile registers, each configured here as TILE_ROWS rows of TILE_ROW_BYTES bytes (palette 1; the
  * configuration is per thread, so every kernel entry point calls tiles_begin() first and tiles_end() last).
@@ -30,7 +31,7 @@
 #define TILE_COLUMNS 16   /* fp32 / int32 outputs per C-tile row, and pairs (quads) per A-tile row */
 #define TILE_REGISTERS 8
 
-#ifndef GLM5_PORTABLE
+#if !defined(GLM5_PORTABLE) && !defined(GLM5_EMULATE_TILES)
 #include <errno.h>
 #include <immintrin.h>
 #include <sys/syscall.h>
@@ -73,7 +74,8 @@ static inline void tiles_end(void) { _tile_release(); }
 #define TILE_DPBF16PS(c, a, b) _tile_dpbf16ps(c, a, b)
 #define TILE_DPBSSD(c, a, b) _tile_dpbssd(c, a, b)
 
-#else /* GLM5_PORTABLE: the tile registers are this thread's memory, the instructions scalar loops */
+#else /* GLM5_PORTABLE, GLM5_EMULATE_TILES: the tile registers are this thread's memory, the instructions
+         scalar loops */
 #include <float.h>
 #include <math.h>
 

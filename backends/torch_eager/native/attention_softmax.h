@@ -129,8 +129,16 @@ static void exponentiate(float *s, long n, long hp, long heads, float *lse, floa
     }
 }
 
-/* o [heads][dv] fp32 -> out[h][d] (row stride out_head), fp32 or bf16 rounded as torch rounds (to nearest even,
-   every NaN 0x7FC0, subnormals kept). */
+/* float_to_bf16 (bf16.h) of 16 lanes, in the low half of each 32-bit lane: to nearest even, every NaN 0x7FC0,
+   subnormals kept (torch's rounding). */
+static inline __m512i bf16_lanes(__m512 x) {
+    __m512i bits = _mm512_castps_si512(x);
+    __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
+    return _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+}
+
+/* o [heads][dv] fp32 -> out[h][d] (row stride out_head), fp32 or bf16 rounded as torch rounds (bf16_lanes). */
 static void store_output(const float *o, long heads, long dv, void *out, int out_fp32, long out_head) {
     for (long h = 0; h < heads; h++)
         for (long d0 = 0; d0 < dv; d0 += 16) {
@@ -140,11 +148,7 @@ static void store_output(const float *o, long heads, long dv, void *out, int out
                 _mm512_mask_storeu_ps((float *)out + h * out_head + d0, mask, x);
                 continue;
             }
-            __m512i bits = _mm512_castps_si512(x);
-            __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-            __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
-            rounded = _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
-            _mm512_mask_cvtepi32_storeu_epi16((uint16_t *)out + h * out_head + d0, mask, rounded);
+            _mm512_mask_cvtepi32_storeu_epi16((uint16_t *)out + h * out_head + d0, mask, bf16_lanes(x));
         }
 }
 #else

@@ -86,6 +86,14 @@ ISAS: dict[str, Isa] = {
             ("-mamx-tile", "-mamx-bf16", "-mamx-int8", "-mavx512f", "-mavx512bw"),
             ("amx_tile", "amx_bf16", "amx_int8", "avx512f", "avx512bw"),
         ),
+        # Tests only: the AMX sources with the tile instructions emulated in scalar C (amx_tiles.h) and everything else
+        # built for AVX-512 as in the AMX build, so that code (the AMX kernels' packing and softmax) runs on any AVX-512
+        # CPU. No route takes it (capabilities.NATIVE_ISAS).
+        Isa(
+            "amx_emulated",
+            ("-mavx512f", "-mavx512bw", "-mavx512vl", "-DGLM5_EMULATE_TILES"),
+            ("avx512f", "avx512bw", "avx512vl"),
+        ),
         # 256-bit FMA on fp32 lanes, bf16 widened exactly (the 16 bits moved to the top of an fp32): the float kernels
         # for CPUs without AVX-512 (AVX2 EPYCs). No masked 16-bit loads: edges are copied or handled in scalar code.
         # F16C (every AVX2 CPU has it) widens e4m3 codes through fp16 in quantized_index_scores.c.
