@@ -18,6 +18,12 @@
 
 #include "head_pairs.h" /* live_lanes, bf16.h */
 
+/* Head h's lse and softmax denominator from its peak and total (a padding head, h >= heads: denominator 1). */
+static inline void head_statistics(long h, long heads, float peak, float total, float *lse, float *denominator) {
+    if (h < heads) lse[h] = peak + logf(total);
+    denominator[h] = h < heads ? fmaxf(total, FLT_MIN) : 1.0f;
+}
+
 #if defined(GLM5_AVX2)
 /* All-ones in the lanes i < live (of 8). */
 static inline __m256 lanes_below(long live) {
@@ -71,10 +77,7 @@ static void exponentiate(float *s, long n, long hp, long heads, float *lse, floa
         float peaks[8], totals[8];
         _mm256_storeu_ps(peaks, peak);
         _mm256_storeu_ps(totals, total);
-        for (int i = 0; i < 8; i++) {
-            if (h0 + i < heads) lse[h0 + i] = peaks[i] + logf(totals[i]);
-            denominator[h0 + i] = h0 + i < heads ? fmaxf(totals[i], FLT_MIN) : 1.0f;
-        }
+        for (int i = 0; i < 8; i++) head_statistics(h0 + i, heads, peaks[i], totals[i], lse, denominator);
     }
 }
 #elif !defined(GLM5_PORTABLE)
@@ -122,10 +125,7 @@ static void exponentiate(float *s, long n, long hp, long heads, float *lse, floa
         float peaks[16], totals[16];
         _mm512_storeu_ps(peaks, peak);
         _mm512_storeu_ps(totals, total);
-        for (int i = 0; i < 16; i++) {
-            if (h0 + i < heads) lse[h0 + i] = peaks[i] + logf(totals[i]);
-            denominator[h0 + i] = h0 + i < heads ? fmaxf(totals[i], FLT_MIN) : 1.0f;
-        }
+        for (int i = 0; i < 16; i++) head_statistics(h0 + i, heads, peaks[i], totals[i], lse, denominator);
     }
 }
 
@@ -171,8 +171,7 @@ static void exponentiate(float *s, long n, long hp, long heads, float *lse, floa
             s[k * hp + h] = expf(s[k * hp + h] - peak);
             total += s[k * hp + h];
         }
-        lse[h] = peak + logf(total);
-        denominator[h] = fmaxf(total, FLT_MIN);
+        head_statistics(h, heads, peak, total, lse, denominator);
     }
 }
 #endif

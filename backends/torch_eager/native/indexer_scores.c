@@ -127,8 +127,7 @@ int glm5_indexer_scores(long heads, long dims, const uint16_t *q, const float *w
             const float *wt = w + t * hp;
             const int32_t *tt = table + t * table_width;
             float *st = scores + t * score_row;
-            long visible_end = limit[t] < c1 ? (limit[t] > c0 ? limit[t] : c0) : c1;
-            for (long s = visible_end; s < c1; s++) st[s] = -INFINITY;
+            long visible_end = visible_in_chunk(st, limit[t], c0, c1);
             for (long s = c0; s < visible_end; s += KEYS) {
                 int n = visible_end - s < KEYS ? (int)(visible_end - s) : KEYS;
                 const uint16_t *keys[KEYS];

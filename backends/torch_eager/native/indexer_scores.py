@@ -211,7 +211,7 @@ def _cpu_op(
     out: Tensor,
     isa: str = FAST,
     kernel: str = KERNEL,
-) -> None:
+) -> None:  # the op returns nothing: it writes `out`
     _run(q, weights, cache, tables, limits, out, isa, None, kernel)
 
 

@@ -31,6 +31,14 @@ static inline const uint16_t *key_row(const uint16_t *cache, long block_stride, 
     return cache + (long)table[s / block_size] * block_stride + (s % block_size) * row_stride;
 }
 
+/* A token's scores st over the chunk of key positions c0 .. c1 - 1: those from `limit` on are not visible to it and
+   get -inf here; returns where its visible ones end. */
+static inline long visible_in_chunk(float *st, long limit, long c0, long c1) {
+    long end = limit < c1 ? (limit > c0 ? limit : c0) : c1;
+    for (long s = end; s < c1; s++) st[s] = -INFINITY;
+    return end;
+}
+
 /* The sequence of query token t (torch.searchsorted(cu_seqlens_q[1:], t, right=True): a sequence without new
    tokens is skipped), kept inside 0 .. batch - 1 whatever the prefix sums hold. */
 static inline long token_sequence(const int32_t *cu_seqlens_q, long batch, long t) {

@@ -557,8 +557,7 @@ static int score_tokens(long heads, long dims, int code, const float *q, const f
             const int32_t *tt = tables[t - t_begin];
             float *st = scores + t * score_row;
             long limit = limits[t - t_begin];
-            long visible_end = limit < c1 ? (limit > c0 ? limit : c0) : c1;
-            for (long s = visible_end; s < c1; s++) st[s] = -INFINITY;
+            long visible_end = visible_in_chunk(st, limit, c0, c1);
             long needed = visible_end - c0;
             if (needed <= 0) continue;
             const float *qt = q + t * hp * dims, *wt = w + t * hp;
