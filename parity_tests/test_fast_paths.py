@@ -38,7 +38,7 @@ from backends.torch_eager.capabilities import (
 )
 from backends.torch_eager.gemm import FP32, Gemm, RoutedGemm, forced_route, from_route, gemm_for
 from backends.torch_eager.indexer import scoring_kernel
-from backends.torch_eager.native import bf16_gemm, build, indexer_scores, int8_gemm
+from backends.torch_eager.native import bf16_gemm, build, indexer_scores, int8_gemm, quantized_index_scores
 from backends.torch_eager.native import sparse_attention as native_attention
 from backends.torch_eager.sparse_attention import native_kernel_runs
 from conftest import parity_backends
@@ -345,9 +345,10 @@ def test_the_amx_attention_route_runs_amx_attention_c_and_passes_every_parity_ca
 def test_the_amx_indexer_route_runs_amx_index_scores_c_and_passes_every_parity_case(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """On AMX's route the indexer's scores over bf16 rows run amx_index_scores.c (the products on tiles), the portable
-    build standing in as above; every bf16 parity case of indexer_logits and lightning_indexer passes on the route
-    (those over quantized rows run on their own family's route, which the probe picks)."""
+    """On AMX's route the indexer's scores run its AMX kernels (the products on tiles): amx_index_scores.c over bf16
+    rows, amx_quantized_index_scores.c over quantized index rows (the route of their own family, forced too), the
+    portable builds standing in as above; every bf16 parity case of indexer_logits and lightning_indexer passes on
+    the route."""
     monkeypatch.setenv("GLM5_HAL_NATIVE", "portable")
     ok, why = indexer_scores.availability(indexer_scores.AMX)
     if not ok:
@@ -367,10 +368,17 @@ def test_the_amx_indexer_route_runs_amx_index_scores_c_and_passes_every_parity_c
         OPS["indexer_logits"](q, weights, cache, batch.block_table, batch.seq_lens_k, batch.cu_seqlens_q)
     assert spy.functions == [torch.ops.glm5_hal.native_indexer_scores.default]
     assert indexer_scores.AMX_KERNEL in loaded and indexer_scores.KERNEL not in loaded, loaded
+    loaded.clear()
+    fp8 = encode_cache(cache.float(), FORMATS["fp8_index"], reference=False)
+    with forced_route(QUANTIZED_INDEXER, amx), _GemmSpy() as spy:
+        batch_args = (batch.block_table, batch.seq_lens_k, batch.cu_seqlens_q)
+        OPS["indexer_logits"](q, weights, fp8, *batch_args, kv_cache_dtype="fp8_index")
+    assert spy.functions == [torch.ops.glm5_hal.native_quantized_index_scores_paged.default]
+    assert loaded == {quantized_index_scores.AMX_KERNEL}, loaded
     ops = ("indexer_logits", "lightning_indexer")
     cases = [case for case in CASES if case.op in ops and torch.bfloat16 in case.dtypes]
     assert cases
-    with forced_route(INDEXER, amx):
+    with forced_route(INDEXER, amx), forced_route(QUANTIZED_INDEXER, amx):
         for case in cases:
             result = run_case(case, "torch", torch.bfloat16)
             assert result.passed, f"{case.name}: {result.status}: {result.detail}"

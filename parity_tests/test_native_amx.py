@@ -1,9 +1,9 @@
 """backends.torch_eager.native.amx_gemm: the GEMMs on AMX tiles, for every build that runs here: the AMX one where
 the CPU has amx_bf16 / amx_int8 and Linux grants the tile state (skipped elsewhere, with the reason), and the
 portable one (the same blocking around scalar tile operations, amx_tiles.h) on any CPU with a compiler, so the
-blocking, staging and padding are checked on every machine. (amx_attention.c and amx_index_scores.c, sparse attention
-and the indexer's scores on tiles, are checked with the vector kernels' tests in test_native_kernels.py and on their
-route in test_fast_paths.py; their builds and ops here.)
+blocking, staging and padding are checked on every machine. (amx_attention.c, amx_index_scores.c and
+amx_quantized_index_scores.c, sparse attention and the indexer's scores on tiles, are checked with the vector
+kernels' tests in test_native_kernels.py and on their routes in test_fast_paths.py; their builds and ops here.)
 
 - bf16: within the fp32 summation bound of the float64 product on hypothesis shapes that cross the tile (16), block
   (32) and K-step (32) edges, strided, transposed, batch-stride-0 and empty operands, NaN / inf; and bit for bit the
@@ -27,7 +27,9 @@ from test_native_kernels import _assert_within_fp32_sums, _same_bits
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from backends.torch_eager.native import amx_gemm, amx_tiles, build, indexer_scores, sparse_attention
+from backends.torch_eager.native import quantized_index_scores as quantized
 from glm5_hal.cpu_flags import this_cpu
+from glm5_hal.kv_formats import FORMATS, encode_rows
 
 ISAS = (amx_gemm.FAST, amx_gemm.PORTABLE)
 SETTINGS = settings(max_examples=25, deadline=None, derandomize=True)
@@ -213,6 +215,10 @@ def test_the_custom_ops_are_what_the_defaults_call_and_their_fakes_give_the_shap
     weights, limits, out = torch.rand(3, 5, generator=gen), torch.tensor([48, 49, 50]), torch.empty(3, 64)
     args = (q, weights, cache, table.expand(3, -1), limits, out, indexer_scores.AMX, indexer_scores.AMX_KERNEL)
     torch.library.opcheck(torch.ops.glm5_hal.native_indexer_scores, args)
+    fp8 = encode_rows(torch.randn(64, 128, generator=gen), FORMATS["fp8_index"]).view(4, 16, 132)
+    q, out = _bf16(gen, 3, 5, 128), torch.empty(3, 64)
+    args = (q, weights, fp8, table, lens, cu, out, "fp8_index", 0, quantized.AMX, quantized.AMX_KERNEL)
+    torch.library.opcheck(torch.ops.glm5_hal.native_quantized_index_scores_paged, args)
 
 
 @pytest.fixture
@@ -229,14 +235,15 @@ def test_the_amx_build_compiles_here_and_without_amx_it_is_a_reason(fresh_builds
     lacks AMX). Where the CPU lacks it, availability says why; with the flags faked, the library loads and Linux's
     refusal of the tile state is the reason, before any tile instruction could run."""
     try:
-        for kernel in (amx_gemm.KERNEL, sparse_attention.AMX_KERNEL, indexer_scores.AMX_KERNEL):  # every AMX source
+        for kernel in (amx_gemm.KERNEL, *[m.AMX_KERNEL for m in (sparse_attention, indexer_scores, quantized)]):
             build._build(kernel, build.ISAS[amx_gemm.FAST])
     except build.NativeUnavailable as exc:
         pytest.skip(f"no AMX build here: {exc}")
     _model, flags = this_cpu()
     if flags is not None and "amx_tile" in flags:
         pytest.skip("this CPU has AMX: the refusals below cannot happen here")
-    builds = (amx_gemm.availability, *[lambda m=m: m.availability(m.AMX) for m in (sparse_attention, indexer_scores)])
+    modules = (sparse_attention, indexer_scores, quantized)
+    builds = (amx_gemm.availability, *[lambda m=m: m.availability(m.AMX) for m in modules])
     for availability in builds:
         ok, why = availability()
         assert not ok and "needs CPU flags amx_tile" in why

@@ -235,7 +235,7 @@ def _quantized_index_cache(gen: torch.Generator, kv_cache_dtype: str, blocks: in
     return encode_rows(keys, fmt).view(blocks, block_size, fmt.row_bytes)
 
 
-@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("kernel, isa", _builds(quantized_index_scores))
 @SETTINGS
 @given(
     kv_cache_dtype=st.sampled_from(sorted(quantized_index_scores.CODES)),
@@ -253,13 +253,13 @@ def _quantized_index_cache(gen: torch.Generator, kv_cache_dtype: str, blocks: in
 @example(kv_cache_dtype="fp8_index", q_dtype="mixed", tokens=4, heads=35, block_size=1, width=118, one_sequence=True,
          raw=False, seed=0)  # fmt: skip
 def test_quantized_index_scores_are_the_fp32_scores_over_the_decoded_rows(
-    isa, kv_cache_dtype, q_dtype, tokens, heads, block_size, width, one_sequence, raw, seed
+    kernel, isa, kv_cache_dtype, q_dtype, tokens, heads, block_size, width, one_sequence, raw, seed
 ):
     """Widths past the kernel's 256-key chunk, tokens sharing one block table (the decoded chunk is reused) or each
     their own (decoded again), rows of random bytes (NaN codes, any scale) or as the writer encodes them; bf16
     queries (the bf16 route over e4m3 codes), fp32 ones, or "mixed": fp32 queries of which every other token holds
     bf16 values, so tokens sharing a decoded chunk alternate between the two routes, each taking its own."""
-    _runs(quantized_index_scores, isa)
+    _runs(quantized_index_scores, isa, kernel)
     gen = torch.Generator().manual_seed(seed)
     blocks = -(-max(width, 1) // block_size)
     cache = _quantized_index_cache(gen, kv_cache_dtype, blocks + 2, block_size, raw)
@@ -275,21 +275,25 @@ def test_quantized_index_scores_are_the_fp32_scores_over_the_decoded_rows(
     limits = torch.randint(0, width + 2, (tokens,), generator=gen)
     keys = decode_rows(cache, FORMATS[kv_cache_dtype])  # fp32, exactly what the kernel multiplies
     want, magnitude = _indexer_want(q, weights, keys, tables, limits, width)
-    got = quantized_index_scores.scores(q, weights, cache, tables, limits, width, kv_cache_dtype, isa=isa, threads=1)
+    got = quantized_index_scores.scores(
+        q, weights, cache, tables, limits, width, kv_cache_dtype, isa=isa, kernel=kernel, threads=1
+    )
     _assert_within_fp32_sums(got, want, magnitude, heads * 128)
-    three = quantized_index_scores.scores(q, weights, cache, tables, limits, width, kv_cache_dtype, isa=isa, threads=3)
+    three = quantized_index_scores.scores(
+        q, weights, cache, tables, limits, width, kv_cache_dtype, isa=isa, kernel=kernel, threads=3
+    )
     assert _same_bits(three, got)
 
 
-@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("kernel, isa", _builds(quantized_index_scores))
 @pytest.mark.parametrize("kv_cache_dtype", sorted(quantized_index_scores.CODES))
 @pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16])
-def test_every_code_decodes_to_kv_formats_value_bit_for_bit(isa, kv_cache_dtype, q_dtype):
+def test_every_code_decodes_to_kv_formats_value_bit_for_bit(kernel, isa, kv_cache_dtype, q_dtype):
     """Token d's query is the unit vector e_d (one head), so its score over a row is relu(key[d]) exactly, and with
     -e_d relu(-key[d]): every one of the 256 codes, at a scale of 1, a plain one and one that makes products
     subnormal, against kv_formats.decode_rows. NaN codes sit in rows of their own (0 x NaN would spread them). With
     bf16 queries e4m3 codes take the bf16 route (value times scale after the dot: here the same rounding)."""
-    _runs(quantized_index_scores, isa)
+    _runs(quantized_index_scores, isa, kernel)
     fmt = FORMATS[kv_cache_dtype]
     finite = [c for c in range(256) if kv_cache_dtype != "fp8_index" or c & 0x7F != 0x7F]
     codes = torch.tensor(finite + [0] * (-len(finite) % 128), dtype=torch.uint8).view(-1, 128)
@@ -309,16 +313,16 @@ def test_every_code_decodes_to_kv_formats_value_bit_for_bit(isa, kv_cache_dtype,
         q = (sign * torch.eye(128, dtype=q_dtype))[:, None, :]  # token d: q = sign e_d
         expected = (sign * want).T.clamp_min(0.0)  # [token d, row]
         nan_rows = want.isnan().any(dim=1)
-        for got in _together_and_alone(q, torch.ones(128, 1), cache, table, limits, width, kv_cache_dtype, isa):
+        for got in _together_and_alone(q, torch.ones(128, 1), cache, table, limits, width, kv_cache_dtype, isa, kernel):
             assert got[:, nan_rows].isnan().all()
             assert torch.equal(got[:, ~nan_rows], expected[:, ~nan_rows])  # equal values (a zero's sign aside)
 
 
-def _together_and_alone(q, weights, cache, tables, limits, width, kv_cache_dtype, isa):
+def _together_and_alone(q, weights, cache, tables, limits, width, kv_cache_dtype, isa, kernel):
     """The scores of every token of one call (which decodes each chunk into the workspace once for the tokens that
     share it), then each token's in a call of its own (a decode step's route: the codes decoded in the tiles)."""
     together = quantized_index_scores.scores(
-        q, weights, cache, tables, limits, width, kv_cache_dtype, isa=isa, threads=1
+        q, weights, cache, tables, limits, width, kv_cache_dtype, isa=isa, kernel=kernel, threads=1
     )
     alone = torch.cat(
         [
@@ -331,6 +335,7 @@ def _together_and_alone(q, weights, cache, tables, limits, width, kv_cache_dtype
                 width,
                 kv_cache_dtype,
                 isa=isa,
+                kernel=kernel,
                 threads=1,
             )
             for t in range(q.shape[0])
@@ -339,14 +344,14 @@ def _together_and_alone(q, weights, cache, tables, limits, width, kv_cache_dtype
     return together, alone
 
 
-@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("kernel, isa", _builds(quantized_index_scores))
 @pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16])
-def test_e4m3_codes_decode_bit_for_bit_at_scales_near_the_fp32_range_ends(isa, q_dtype):
+def test_e4m3_codes_decode_bit_for_bit_at_scales_near_the_fp32_range_ends(kernel, isa, q_dtype):
     """The fp32 route multiplies an e4m3 code's fp16-widened value by 256 x scale in one step where 256 x scale is
     finite, and by 256 then by the scale where it is not (quantized_index_scores.c, row_scale). Scales on both sides
     of FLT_MAX / 256 (with codes small enough that no key overflows) and scales that make keys subnormal or flush them
     to zero: every token's score is kv_formats.decode_rows' value, in the workspace and in a lone token's tiles."""
-    _runs(quantized_index_scores, isa)
+    _runs(quantized_index_scores, isa, kernel)
     fmt = FORMATS["fp8_index"]
     small = [c for c in range(256) if c & 0x7F <= 0x6F]  # |value| <= 120: x 2^121 stays below FLT_MAX
     codes = torch.tensor(small + [0] * (-len(small) % 128), dtype=torch.uint8).view(-1, 128)
@@ -361,16 +366,16 @@ def test_e4m3_codes_decode_bit_for_bit_at_scales_near_the_fp32_range_ends(isa, q
     limits = torch.full((128,), width)
     for sign in (1.0, -1.0):
         q = (sign * torch.eye(128, dtype=q_dtype))[:, None, :]
-        for got in _together_and_alone(q, torch.ones(128, 1), cache, table, limits, width, "fp8_index", isa):
+        for got in _together_and_alone(q, torch.ones(128, 1), cache, table, limits, width, "fp8_index", isa, kernel):
             assert torch.equal(got, (sign * want).T.clamp_min(0.0))
 
 
-@pytest.mark.parametrize("isa", ISAS)
-def test_every_e4m3_code_decodes_the_same_with_subnormals_flushed(isa):
+@pytest.mark.parametrize("kernel, isa", _builds(quantized_index_scores))
+def test_every_e4m3_code_decodes_the_same_with_subnormals_flushed(kernel, isa):
     """The decode never holds a subnormal fp32 (the e4m3 subnormal codes go through integer operations or through
     fp16, whose widening MXCSR's DAZ does not touch), so a process that flushes subnormals (FTZ / DAZ, as oneDNN and
     many inference stacks set) decodes every code to the same value. Scale 1: no result is subnormal either."""
-    _runs(quantized_index_scores, isa)
+    _runs(quantized_index_scores, isa, kernel)
     finite = [c for c in range(256) if c & 0x7F != 0x7F]
     codes = torch.tensor(finite + [0] * (-len(finite) % 128), dtype=torch.uint8).view(-1, 128)
     cache = torch.cat([codes, torch.ones(codes.shape[0], 1).view(torch.uint8)], dim=1)[:, None, :]
@@ -382,7 +387,9 @@ def test_every_e4m3_code_decodes_the_same_with_subnormals_flushed(isa):
         pytest.skip("this CPU cannot flush subnormals (no FTZ / DAZ)")
     try:
         assert (torch.tensor(1e-30) * 1e-10).item() == 0.0  # subnormals are flushed now
-        got = quantized_index_scores.scores(q, ones, cache, table, limits, width, "fp8_index", isa=isa, threads=1)
+        got = quantized_index_scores.scores(
+            q, ones, cache, table, limits, width, "fp8_index", isa=isa, kernel=kernel, threads=1
+        )
     finally:
         torch.set_flush_denormal(False)
     assert torch.equal(got, want.T.clamp_min(0.0))
@@ -391,13 +398,13 @@ def test_every_e4m3_code_decodes_the_same_with_subnormals_flushed(isa):
 BF16_ROUTE_ISAS = ("avx512_bf16", "portable")  # the builds of quantized_index_scores.c with the bf16 route
 
 
-@pytest.mark.parametrize("isa", ISAS)
-def test_bf16_queries_over_e4m3_codes_take_the_bf16_route_where_the_build_has_it(isa):
+@pytest.mark.parametrize("kernel, isa", _builds(quantized_index_scores))
+def test_bf16_queries_over_e4m3_codes_take_the_bf16_route_where_the_build_has_it(kernel, isa):
     """q = e_0 + e_1 over a row with codes of value 2^-9 and 3 x 2^-8 at dims 0 and 1, scale 0.3712: the bf16 route
     scales the exact sum once, (v0 + v1) x s, the fp32 route sums the scaled keys, v0 s + v1 s, and the two differ in
     the last bit here. So the score says which route ran: the bf16 one in the builds that have it (a guard or a
     decode that sent every token to the fp32 route fails this), the fp32 one in the others."""
-    _runs(quantized_index_scores, isa)
+    _runs(quantized_index_scores, isa, kernel)
     codes = torch.zeros(1, 128, dtype=torch.uint8)
     codes[0, 0], codes[0, 1] = 0x01, 0x06
     scale = torch.tensor([[0.3712]])
@@ -411,19 +418,22 @@ def test_bf16_queries_over_e4m3_codes_take_the_bf16_route_where_the_build_has_it
     q = torch.zeros(1, 1, 128, dtype=torch.bfloat16)
     q[0, 0, :2] = 1.0
     table, limits = torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int64)
-    got = quantized_index_scores.scores(q, torch.ones(1, 1), cache, table, limits, 1, "fp8_index", isa=isa, threads=1)
-    assert got.item() == (bf16_route if isa in BF16_ROUTE_ISAS else fp32_route).item()
+    got = quantized_index_scores.scores(
+        q, torch.ones(1, 1), cache, table, limits, 1, "fp8_index", isa=isa, kernel=kernel, threads=1
+    )
+    has_route = isa in BF16_ROUTE_ISAS or kernel == quantized_index_scores.AMX_KERNEL  # every AMX build has it
+    assert got.item() == (bf16_route if has_route else fp32_route).item()
 
 
-@pytest.mark.parametrize("isa", ISAS)
-def test_bf16_queries_the_bf16_route_cannot_take_exactly_get_the_fp32_scores(isa):
+@pytest.mark.parametrize("kernel, isa", _builds(quantized_index_scores))
+def test_bf16_queries_the_bf16_route_cannot_take_exactly_get_the_fp32_scores(kernel, isa):
     """The bf16 route (quantized_index_scores.c's top) scales after the dot and runs VDPBF16PS, which flushes
     subnormals. Token 0's bf16 query is +-2^-120 (and its negation, a second head): its products with the e4m3
     subnormal codes (m 2^-9) are subnormal, so that route would give 0 where the scores are m 2^-29 sums (scale
     2^100). Token 1's bf16 query e_0 - e_1 meets rows whose keys overflow (448 x 1e38: inf - inf, NaN) or hold
     0 x inf (scale inf), where scaling after the dot would give 0 and inf. Each must equal the scores over the
     decoded rows: the fp32 route."""
-    _runs(quantized_index_scores, isa)
+    _runs(quantized_index_scores, isa, kernel)
     gen = torch.Generator().manual_seed(7)
     fmt = FORMATS["fp8_index"]
     codes = torch.randint(1, 8, (4, 128), generator=gen, dtype=torch.uint8)  # subnormal magnitudes
@@ -455,17 +465,18 @@ def test_bf16_queries_the_bf16_route_cannot_take_exactly_get_the_fp32_scores(isa
             keys,
             "fp8_index",
             isa=isa,
+            kernel=kernel,
             threads=1,
         )
         _assert_within_fp32_sums(got, want[t : t + 1, :keys], magnitude[t : t + 1, :keys], 2 * 128)
 
 
-@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("kernel, isa", _builds(quantized_index_scores))
 @pytest.mark.parametrize("heads", [1, 4, 5])
 @pytest.mark.parametrize("block_size", [1, 16])
 @pytest.mark.parametrize("kv_cache_dtype", sorted(quantized_index_scores.CODES))
 def test_a_lone_tokens_scores_are_the_bits_it_gets_beside_a_token_of_its_sequence(
-    isa, heads, block_size, kv_cache_dtype
+    kernel, isa, heads, block_size, kv_cache_dtype
 ):
     """A token alone with its keys (a decode step) and at most 4 heads has its tiles decode the codes on the way;
     beside a token of its own sequence (prefill) it reads the chunk that token decoded into the workspace. Both
@@ -473,7 +484,7 @@ def test_a_lone_tokens_scores_are_the_bits_it_gets_beside_a_token_of_its_sequenc
     swap the operands of a sum in one copy of the tile, and x86 then keeps the other NaN's sign), over 3 chunks of
     random codes (NaN codes and scales included) with bf16 queries (the bf16 route over e4m3 codes), fp32 ones (the
     fp32 route) and a limit inside a chunk, for both quantized formats."""
-    _runs(quantized_index_scores, isa)
+    _runs(quantized_index_scores, isa, kernel)
     gen = torch.Generator().manual_seed(heads * 31 + block_size)
     width = 600
     blocks = -(-width // block_size)
@@ -483,7 +494,7 @@ def test_a_lone_tokens_scores_are_the_bits_it_gets_beside_a_token_of_its_sequenc
     weights = torch.randn(2, heads, generator=gen)
     for q_dtype in (torch.bfloat16, torch.float32):
         q = torch.randn(2, heads, 128, generator=gen).to(q_dtype)
-        together, alone = _together_and_alone(q, weights, cache, table, limits, width, kv_cache_dtype, isa)
+        together, alone = _together_and_alone(q, weights, cache, table, limits, width, kv_cache_dtype, isa, kernel)
         for t in range(2):
             nan = together[t].isnan()
             assert torch.equal(alone[t].isnan(), nan), (q_dtype, t)
@@ -510,7 +521,7 @@ def test_quantized_index_scores_reject_bad_arguments():
         scores(q, w, strided, tables, limits, 8, "fp8_index")
 
 
-@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("kernel, isa", _builds(quantized_index_scores))
 @SETTINGS
 @given(
     kv_cache_dtype=st.sampled_from(sorted(quantized_index_scores.CODES)),
@@ -524,13 +535,13 @@ def test_quantized_index_scores_reject_bad_arguments():
     seed=st.integers(0, 2**31 - 1),
 )
 def test_paged_quantized_index_scores_find_each_tokens_keys_as_the_torch_side_did(
-    isa, kv_cache_dtype, q_lens, extra_keys, heads, block_size, spare_columns, outside, first_token, seed
+    kernel, isa, kv_cache_dtype, q_lens, extra_keys, heads, block_size, spare_columns, outside, first_token, seed
 ):
     """The paged entry against the per-token one fed as the torch backend fed it (glm5_hal.paged's sequences and
     positions, table rows clamped into the cache, keys of entries outside the cache -inf after), bit for bit:
     ragged batches with sequences without new tokens, spare table columns, entries outside the cache (negative and
     past the end), a tile of the batch from first_token on, one thread and three."""
-    _runs(quantized_index_scores, isa)
+    _runs(quantized_index_scores, isa, kernel)
     gen = torch.Generator().manual_seed(seed)
     q_len = torch.tensor(q_lens)
     k_len = q_len + torch.tensor(extra_keys[: len(q_lens)])
@@ -549,7 +560,16 @@ def test_paged_quantized_index_scores_find_each_tokens_keys_as_the_torch_side_di
     positions = token_positions(seq_lens, cu, seqs)
     raw = table[seqs]
     want = quantized_index_scores.scores(
-        q, weights, cache, raw.clamp(0, blocks - 1), positions + 1, width, kv_cache_dtype, isa=isa, threads=1
+        q,
+        weights,
+        cache,
+        raw.clamp(0, blocks - 1),
+        positions + 1,
+        width,
+        kv_cache_dtype,
+        isa=isa,
+        kernel=kernel,
+        threads=1,
     )
     key_blocks = torch.arange(width) // block_size
     visible = torch.arange(width)[None, :] <= positions[:, None]
@@ -558,20 +578,22 @@ def test_paged_quantized_index_scores_find_each_tokens_keys_as_the_torch_side_di
     for threads in (1, 3):
         got = quantized_index_scores.paged_scores(
             q[first:], weights[first:], cache, table, seq_lens, cu, width, kv_cache_dtype,
-            first_token=first, isa=isa, threads=threads,
+            first_token=first, isa=isa, kernel=kernel, threads=threads,
         )  # fmt: skip
         assert _same_bits(got, want[first:])
 
 
-@pytest.mark.parametrize("isa", ISAS)
-def test_paged_quantized_index_scores_of_tokens_without_a_sequence_see_no_key(isa):
+@pytest.mark.parametrize("kernel, isa", _builds(quantized_index_scores))
+def test_paged_quantized_index_scores_of_tokens_without_a_sequence_see_no_key(kernel, isa):
     """Value checks off, a batch of no sequence can come with tokens (cu_seqlens_q [0] while T = 2): every score is
     -inf and nothing of the (empty) per-sequence tensors is read (the ASan run checks the reading)."""
-    _runs(quantized_index_scores, isa)
+    _runs(quantized_index_scores, isa, kernel)
     q, w = torch.randn(2, 4, 128).bfloat16(), torch.randn(2, 4)
     cache = encode_rows(torch.randn(12, 128), FORMATS["fp8_index"]).view(3, 4, 132)
     table, lens, cu = torch.zeros(0, 2, dtype=torch.int32), torch.zeros(0, dtype=torch.int32), torch.zeros(1)
-    got = quantized_index_scores.paged_scores(q, w, cache, table, lens, cu.int(), 8, "fp8_index", isa=isa, threads=2)
+    got = quantized_index_scores.paged_scores(
+        q, w, cache, table, lens, cu.int(), 8, "fp8_index", isa=isa, kernel=kernel, threads=2
+    )
     assert torch.equal(got, torch.full((2, 8), float("-inf")))
 
 

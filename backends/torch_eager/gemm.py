@@ -122,11 +122,10 @@ class Gemm:
 
     @property
     def vector_kernels(self) -> bool:
-        """Whether the vector ISAs' fused kernels run on this path (built from the same sources as bf16_gemm.c: the
-        indexer prolog, the scores over quantized index rows): a native route other than AMX's. AMX's route has
-        kernels of its own for sparse attention and the scores over bf16 rows (amx_attention.c,
-        amx_index_scores.c; the backend's sparse_attention.native_kernel_runs, indexer.scoring_kernel) and runs the
-        rest as torch code over its GEMM."""
+        """Whether the vector ISAs' fused kernels without an AMX build run on this path (the indexer prolog,
+        indexer_prolog.c): a native route other than AMX's, which runs that op as torch code over its GEMM. Sparse
+        attention and the indexer's scores have AMX kernels of their own (amx_attention.c, amx_index_scores.c,
+        amx_quantized_index_scores.c; the backend's sparse_attention.native_kernel_runs, indexer.scoring_kernel)."""
         return self.native and self.native_isa != amx_gemm.FAST
 
     def takes_native(self, b: Tensor, output: bool, rows: int) -> bool:

@@ -6,8 +6,8 @@ reduction done inside the tile, so the [T, HI, S] product never exists (only [to
 chose a native route for the family (capabilities: `indexer` over bf16 rows, `quantized_indexer` over fp8_index /
 int8_index rows), one native kernel does a token tile's products, ReLU and head reduction with the keys read in place
 from the cache (same fp32 arithmetic, no gathered copy and no [tokens, HI, chunk] intermediate): indexer_scores.c over
-bf16 rows (amx_index_scores.c on AMX's route), quantized_index_scores.c over quantized rows, decoded in the kernel
-exactly as kv_formats decodes them (the vector builds; AMX's route decodes them in torch).
+bf16 rows, quantized_index_scores.c over quantized rows, decoded in the kernel exactly as kv_formats decodes them (on
+AMX's route, amx_index_scores.c and amx_quantized_index_scores.c: the products on tiles).
 """
 
 from __future__ import annotations
@@ -88,14 +88,14 @@ def indexer_prolog(
 
 def scoring_kernel(gemm: Gemm, kv_cache_dtype: str) -> ModuleType | None:
     """The native module whose kernel scores a call on route `gemm` over a cache of kv_cache_dtype (bf16 q and rows
-    for a float cache; the caller checks those), where it runs here: indexer_scores over bf16 rows (its vector builds,
-    or amx_index_scores.c on AMX's route), quantized_index_scores over quantized index rows (the vector builds only:
-    AMX's route decodes them in torch); None for the torch code."""
+    for a float cache; the caller checks those), where it runs here: indexer_scores over bf16 rows,
+    quantized_index_scores over quantized index rows (each with its vector builds, and an AMX kernel for AMX's route:
+    amx_index_scores.c, amx_quantized_index_scores.c); None for the torch code."""
     if not gemm.native:
         return None
     if kv_cache_dtype == AUTO:
         module = native_scores
-    elif kv_cache_dtype in native_quantized_scores.CODES and gemm.vector_kernels:
+    elif kv_cache_dtype in native_quantized_scores.CODES:
         module = native_quantized_scores
     else:
         return None

@@ -7,7 +7,15 @@ from __future__ import annotations
 import torch
 
 from backends.torch_eager.capabilities import capabilities, native_isas
-from backends.torch_eager.native import amx_gemm, bf16_gemm, build, indexer_scores, int8_gemm, sparse_attention
+from backends.torch_eager.native import (
+    amx_gemm,
+    bf16_gemm,
+    build,
+    indexer_scores,
+    int8_gemm,
+    quantized_index_scores,
+    sparse_attention,
+)
 from backends.torch_eager.native import topk as native_topk
 from glm5_hal.registry import BackendReport
 
@@ -28,10 +36,10 @@ def native_kernels() -> dict[str, object]:
     """The native kernels' state: on or off, the build cache (and why it is where it is, or why there is none), and
     each kernel build the routes use on this CPU, asked for here (built on first use): loaded, or why not."""
     # Every build a native route may take. AMX's: its GEMM, and sparse attention's and the indexer's own AMX kernels
-    # (amx_attention.c, amx_index_scores.c: those modules pick them for the AMX build).
+    # (amx_attention.c, amx_index_scores.c, amx_quantized_index_scores.c: those modules pick them for the AMX build).
+    fused = (sparse_attention, indexer_scores, quantized_index_scores)
     for isa in native_isas():
-        amx = (amx_gemm, sparse_attention, indexer_scores)
-        for module in amx if isa == amx_gemm.FAST else (bf16_gemm, indexer_scores, sparse_attention):
+        for module in (amx_gemm, *fused) if isa == amx_gemm.FAST else (bf16_gemm, *fused):
             module.availability(isa)  # the answer lands in build.status()
     for module in (int8_gemm, native_topk):
         module.availability()

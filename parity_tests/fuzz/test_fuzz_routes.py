@@ -19,7 +19,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 
 from backends.torch_eager.capabilities import ATTENTION, INDEXER, QUANTIZED_INDEXER, Route
-from backends.torch_eager.gemm import forced_route, from_route, gemm_for
+from backends.torch_eager.gemm import forced_route, from_route
 from backends.torch_eager.native import amx_gemm, bf16_gemm, build
 from fuzz.strategies import QUANTIZED_CASES, VALID_CASES, FuzzCase, examples
 from fuzz.test_fuzz_parity import check_on_backends, check_quantized_on_backends
@@ -94,6 +94,8 @@ AMX_KERNELS = {
     "indexer_logits": (INDEXER, "amx_index_scores"),
     "lightning_indexer": (INDEXER, "amx_index_scores"),
 }
+# The same over quantized index rows (the quantized_indexer family's AMX kernel).
+AMX_QUANTIZED_KERNEL = (QUANTIZED_INDEXER, "amx_quantized_index_scores")
 
 
 @pytest.mark.parametrize("op", AMX_KERNELS)
@@ -117,6 +119,28 @@ def test_amx_kernels_hold_on_amx_route_anywhere(op: str, monkeypatch: pytest.Mon
     assert kernel in used, f"AMX's route never reached {kernel} (ran {used})"
 
 
+@pytest.mark.parametrize("op", ["indexer_logits", "lightning_indexer"])
+def test_amx_quantized_kernel_holds_on_amx_route_anywhere(op: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same for the indexer over quantized index rows on AMX's route (amx_quantized_index_scores.c: the bf16
+    route's dots on tiles), its portable build standing in, with the NaN / inf and zeroed tiles of the quantized
+    configs."""
+    family, kernel = AMX_QUANTIZED_KERNEL
+    used = _forced("native", monkeypatch)
+    monkeypatch.setenv(build.ENV_NATIVE, build.PORTABLE_ONLY)
+    amx = from_route(torch.bfloat16, Route("native", fp32_output=True, isa=amx_gemm.FAST, torch_half=False))
+
+    @settings(
+        max_examples=examples(QUANTIZED_CONFIGS_PER_ROUTE), suppress_health_check=[HealthCheck.function_scoped_fixture]
+    )
+    @given(case=QUANTIZED_CASES[op].filter(lambda case: case.dtype == torch.bfloat16))
+    def holds(case: FuzzCase) -> None:
+        check_quantized_on_backends(case, ["torch"], kind="route native:amx (portable build)")
+
+    with forced_route(family, amx):
+        holds()
+    assert kernel in used, f"AMX's route never reached {kernel} (ran {used})"
+
+
 @pytest.mark.parametrize("route", ROUTES)
 @pytest.mark.parametrize("op", ["indexer_logits", "lightning_indexer"])
 def test_quantized_index_rows_hold_on_every_forced_route(op: str, route: str, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -132,12 +156,8 @@ def test_quantized_index_rows_hold_on_every_forced_route(op: str, route: str, mo
         check_quantized_on_backends(case, ["torch"], kind=f"route {route}")
 
     holds()
-    forced = gemm_for(torch.bfloat16, torch.device("cpu"), QUANTIZED_INDEXER)
-    if route == "native" and forced.native_isa == amx_gemm.FAST:
-        # AMX's route has no kernel over quantized rows (quantized_index_scores.c is built for the vector ISAs): the
-        # rows are decoded in torch and multiplied on torch's GEMM.
-        assert used <= {"topk", "amx_gemm"}, f"AMX's route ran {used}"
-    elif route == "native":
-        assert "quantized_index_scores" in used, "the native route never reached quantized_index_scores"
+    if route == "native":  # the vector kernel, or on a CPU with AMX (the forced route then is AMX's) its AMX build
+        wanted = {"quantized_index_scores", "amx_quantized_index_scores"}
+        assert used & wanted, f"the native route never reached any of {wanted}"
     elif route in ("half", "fp32"):
         assert used <= {"topk"}, f"the {route} route ran {used}"

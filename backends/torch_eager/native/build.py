@@ -29,6 +29,7 @@ import ctypes
 import hashlib
 import json
 import os
+import re
 import shutil
 import signal
 import stat
@@ -78,21 +79,22 @@ ISAS: dict[str, Isa] = {
             ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"),
             ("avx512f", "avx512bw", "avx512vl", "avx512_vnni"),
         ),
-        # AMX tiles: TDPBF16PS / TDPBSSD on 16 x 64-byte tiles (amx_tiles.h). AVX-512F/BW only let gcc vectorise the
-        # operand staging and packing loops (every CPU with AMX has them). The process must also ask Linux for the
-        # tile state before the first tile instruction: amx_tiles.py does that once per library.
+        # AMX tiles: TDPBF16PS / TDPBSSD on 16 x 64-byte tiles (amx_tiles.h). AVX-512 (every CPU with AMX has F, BW,
+        # VL and BF16) for the code around the tiles: the staging and packing loops, and the decode and fp32 route of
+        # amx_quantized_index_scores.c. The process must also ask Linux for the tile state before the first tile
+        # instruction: amx_tiles.py does that once per library.
         Isa(
             "amx",
-            ("-mamx-tile", "-mamx-bf16", "-mamx-int8", "-mavx512f", "-mavx512bw"),
-            ("amx_tile", "amx_bf16", "amx_int8", "avx512f", "avx512bw"),
+            ("-mamx-tile", "-mamx-bf16", "-mamx-int8", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"),
+            ("amx_tile", "amx_bf16", "amx_int8", "avx512f", "avx512bw", "avx512vl", "avx512_bf16"),
         ),
         # Tests only: the AMX sources with the tile instructions emulated in scalar C (amx_tiles.h) and everything else
-        # built for AVX-512 as in the AMX build, so that code (the AMX kernels' packing and softmax) runs on any AVX-512
-        # CPU. No route takes it (capabilities.NATIVE_ISAS).
+        # built for AVX-512 as in the AMX build, so that code (the AMX kernels' packing, softmax, decode) runs on any
+        # AVX-512 BF16 CPU. No route takes it (capabilities.NATIVE_ISAS).
         Isa(
             "amx_emulated",
-            ("-mavx512f", "-mavx512bw", "-mavx512vl", "-DGLM5_EMULATE_TILES"),
-            ("avx512f", "avx512bw", "avx512vl"),
+            ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-DGLM5_EMULATE_TILES"),
+            ("avx512f", "avx512bw", "avx512vl", "avx512_bf16"),
         ),
         # 256-bit FMA on fp32 lanes, bf16 widened exactly (the 16 bits moved to the top of an fp32): the float kernels
         # for CPUs without AVX-512 (AVX2 EPYCs). No masked 16-bit loads: edges are copied or handled in scalar code.
@@ -114,8 +116,14 @@ SYMBOLS: dict[str, tuple[str, ...]] = {
     "amx_gemm": ("glm5_amx_init", "glm5_amx_bf16_gemm_nt", "glm5_amx_s8_gemm_nt"),
     "amx_attention": ("glm5_amx_init", "glm5_sparse_attention", "glm5_sparse_attention_paged"),
     "amx_index_scores": ("glm5_amx_init", "glm5_indexer_scores"),
+    "amx_quantized_index_scores": (
+        "glm5_amx_init",
+        "glm5_quantized_index_scores",
+        "glm5_quantized_index_scores_paged",
+    ),
 }
 KERNELS = tuple(SYMBOLS)
+INCLUDED_SOURCE = re.compile(rb'^#include "([A-Za-z0-9_]+\.c)"', re.MULTILINE)  # a source another source builds
 RECORD_SUFFIX = ".record"  # <library>.record: {"size": bytes, "sha256": hex} of the library as built
 
 _lock = threading.Lock()
@@ -292,9 +300,13 @@ def _build(kernel: str, isa: Isa) -> Path:
     compiler = _compiler()
     source = SOURCE_DIR / f"{kernel}.c"
     flags = (*BASE_FLAGS, *isa.compile_flags, f"-I{SOURCE_DIR}")
+    text = source.read_bytes()
+    # What the library is built from: the source, every header, and any source it includes (a build of another
+    # kernel's source with a switch, as amx_quantized_index_scores.c is): an edit to any of them builds anew.
+    included = [(SOURCE_DIR / name.decode()).read_bytes() for name in INCLUDED_SOURCE.findall(text)]
     headers = [h.read_bytes() for h in sorted(SOURCE_DIR.glob("*.h"))]
     key = hashlib.sha256(
-        b"\0".join([source.read_bytes(), *headers, shutil.which(compiler).encode(), " ".join(flags).encode()])
+        b"\0".join([text, *included, *headers, shutil.which(compiler).encode(), " ".join(flags).encode()])
     ).hexdigest()[:16]
     name = f"{kernel}_{isa.name}"
     directory = cache_dir()

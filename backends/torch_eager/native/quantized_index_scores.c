@@ -38,6 +38,13 @@
  * (lone_token_chunk, lone_token_chunk_fp32; the same values in the same order, so the same bits) while the next
  * chunk's rows are prefetched. The portable build runs the same routes in scalar code (lane sums in VDPBF16PS's
  * order), so the choice between the routes is tested on every CPU.
+ *
+ * amx_quantized_index_scores.c builds this file with GLM5_AMX_DOTS (the AMX build, its portable and amx_emulated
+ * ones): the bf16 route's dots then run on AMX tiles (amx_chunk_scores: the chunk's decoded values as the A side, read
+ * in place, against q as panels of 32 heads), each key's dots times its scale, then the weighted ReLU; TDPBF16PS
+ * reads subnormals as zero and flushes subnormal sums as VDPBF16PS does, so the same guards keep a token or chunk on
+ * it. Every bf16 token goes through the decoded chunk there (no lone-token path: its bits are the same beside a token
+ * of its sequence); the fp32 route is this file's.
  */
 #include <float.h>
 #include <math.h>
@@ -476,6 +483,7 @@ static inline __attribute__((always_inline)) void bf16_chunk_scores(
     }
 }
 
+#if !defined(GLM5_AMX_DOTS)
 /* The bf16 route for one token over keys c0 .. c0 + n - 1 (a chunk) when no other token reads them: the tiles decode
    each key's codes on the way instead of the chunk being decoded into the workspace first and read back (one token,
    4 heads, Zen 4: 0.35 -> 0.30 ms over 16K keys in cache, 0.85 -> 0.73 ms over 32K from memory). The same values
@@ -497,6 +505,38 @@ static int lone_token_chunk(long dims, const uint16_t *qb, const float *wt, long
                       row_stride, block_size, tt, st);
     return 1;
 }
+#else
+/* q's panels for the tiles (amx_blocks.h's layout): per block of 32 heads, its rows of qb [heads][dims] bf16. */
+static void amx_query_panels(const uint16_t *qb, long heads, long dims, long steps, uint16_t *panels) {
+    for (long h0 = 0; h0 < heads; h0 += NB)
+        pack_bf16_panel(qb + h0 * dims, dims, heads - h0 < NB ? (int)(heads - h0) : NB, dims, steps,
+                        panels + (h0 / NB) * steps * (STEP_BYTES / 2));
+}
+
+/* st[c0 + k] for k < n: the bf16 route's scores of one token on AMX tiles, from the chunk's decoded values [n][dims]
+   (32 keys a block, in place) and q's panels (amx_query_panels, `steps` K steps of 32 dims each): per key and head
+   dot = (q_h . value(key)) x scale, then sum over the real heads of w[h] relu(dot), in fp32, head by head. */
+static void amx_chunk_scores(const uint16_t *values, long n, const float *scales, const uint16_t *panels, long steps,
+                             const float *wt, long heads, long dims, long c0, float *st) {
+    for (long k0 = 0; k0 < n; k0 += MB) {
+        int rows = n - k0 < MB ? (int)(n - k0) : MB;
+        float out[MB] = {0.0f};
+        for (long h0 = 0; h0 < heads; h0 += NB) {
+            int cols = heads - h0 < NB ? (int)(heads - h0) : NB;
+            float dots[MB][NB];
+            block(OP_BF16, (const uint8_t *)(values + k0 * dims), 2 * dims, 2 * dims, rows,
+                  (const uint8_t *)(panels + (h0 / NB) * steps * (STEP_BYTES / 2)), steps, steps, cols,
+                  (uint8_t *)dots, sizeof dots[0]);
+            for (int j = 0; j < rows; j++)
+                for (int h = 0; h < cols; h++) {
+                    float dot = dots[j][h] * scales[k0 + j];
+                    out[j] += wt[h0 + h] * (dot > 0.0f || dot != dot ? dot : 0.0f); /* relu keeps NaN */
+                }
+        }
+        for (int j = 0; j < rows; j++) st[c0 + k0 + j] = out[j];
+    }
+}
+#endif
 #endif
 
 /* The fp32 route for one token over keys c0 .. c0 + n - 1 (a chunk) when no other token reads them, with one tile of
@@ -549,6 +589,13 @@ static int score_tokens(long heads, long dims, int code, const float *q, const f
     long qb_token = -1; /* the token whose q is in qb (a decode call has one token and many chunks) */
     int qb_ok = 0;
 #endif
+#if defined(GLM5_AMX_DOTS)
+    const long amx_steps = (dims + 2 * TILE_ROWS - 1) / (2 * TILE_ROWS); /* K steps of 32 dims */
+    const long amx_panel_size = (heads + NB - 1) / NB * amx_steps * STEP_BYTES;
+    uint16_t *amx_panels = malloc(amx_panel_size > 0 ? amx_panel_size : 1);
+    if (!amx_panels) status = -1;
+    tiles_begin();
+#endif
     for (long c0 = s_begin; c0 < s_end && status == 0; c0 += CHUNK) {
         long c1 = c0 + CHUNK < s_end ? c0 + CHUNK : s_end, first_block = c0 / block_size;
         long decoded = 0; /* keys c0 .. c0 + decoded - 1 are in `keys`, from the blocks in decoded_blocks */
@@ -566,6 +613,9 @@ static int score_tokens(long heads, long dims, int code, const float *q, const f
             if (code == CODE_E4M3 && qb_token != t) {
                 qb_ok = bf16_query(qt, hp * dims, qb);
                 qb_token = t;
+#if defined(GLM5_AMX_DOTS)
+                if (qb_ok) amx_query_panels(qb, heads, dims, amx_steps, amx_panels);
+#endif
             }
             bf16 = code == CODE_E4M3 && qb_ok;
 #endif
@@ -576,7 +626,7 @@ static int score_tokens(long heads, long dims, int code, const float *q, const f
                next token reads other blocks), with one tile of heads: its tiles decode the codes on the way. */
             int next_elsewhere = t + 1 == t_end || memcmp(tables[t + 1 - t_begin] + first_block, tt + first_block,
                                                           sizeof *tt * blocks_spanned(c0, needed, block_size));
-#if defined(BF16_DOTS)
+#if defined(BF16_DOTS) && !defined(GLM5_AMX_DOTS)
             if (bf16 && next_elsewhere && (decoded == 0 || !decoded_bf16) && hp == HEADS && dims <= BF16_MAX_DIMS &&
                 lone_token_chunk(dims, qb, wt, heads, table, cache, block_stride, row_stride, block_size, tt, c0,
                                  needed, limit < s_end ? limit : s_end, key_scales, st)) {
@@ -618,8 +668,12 @@ static int score_tokens(long heads, long dims, int code, const float *q, const f
             }
 #if defined(BF16_DOTS)
             if (decoded_bf16) { /* (the next chunk's visible keys end before the token's limit) */
+#if defined(GLM5_AMX_DOTS)
+                amx_chunk_scores(values, needed, key_scales, amx_panels, amx_steps, wt, heads, dims, c0, st);
+#else
                 bf16_chunk_scores(values, NULL, table, needed, key_scales, qb, wt, heads, dims, c0,
                                   limit < s_end ? limit : s_end, cache, block_stride, row_stride, block_size, tt, st);
+#endif
                 continue;
             }
 #endif
@@ -640,6 +694,10 @@ static int score_tokens(long heads, long dims, int code, const float *q, const f
 #if defined(BF16_DOTS)
     free(key_scales);
     free(qb);
+#endif
+#if defined(GLM5_AMX_DOTS)
+    tiles_end();
+    free(amx_panels);
 #endif
     return status;
 }

@@ -23,6 +23,10 @@ dot, so each term is within 2^-24 of the fp32 route's), where nothing subnormal 
 with a scale it cannot take, run the fp32 route. On torch's intra-op thread count, split by tokens or by key
 ranges. The custom op torch.ops.glm5_hal.native_quantized_index_scores is what aten-level spies, FakeTensor and
 torch.compile see.
+
+The AMX build is amx_quantized_index_scores.c: this source with the bf16 route's dots on AMX tiles (its TDPBF16PS
+flushes subnormals as VDPBF16PS does, so the same guards apply); `isa` picks the build and, by default, the kernel
+(kernel_for); `kernel=AMX_KERNEL, isa=PORTABLE` runs the AMX blocking on any CPU.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ import ctypes
 import torch
 from torch import Tensor
 
-from backends.torch_eager.native import build
+from backends.torch_eager.native import amx_tiles
 from backends.torch_eager.native import threads as threads_
 from backends.torch_eager.native.indexer_scores import check_score_arguments, check_score_operands, score_shares
 from glm5_hal.checks import check
@@ -40,7 +44,10 @@ from glm5_hal.kv_formats import FORMATS
 from glm5_hal.ops.common import plain_eager
 
 AVX2 = "avx2"
+AMX = "amx"  # the AMX kernel's build (AMX_KERNEL: the bf16 route's dots on tiles)
 PORTABLE = "portable"
+KERNEL = "quantized_index_scores"  # quantized_index_scores.c: the vector builds (AVX-512 BF16, AVX2, portable)
+AMX_KERNEL = "amx_quantized_index_scores"  # the same source with its bf16 route on AMX tiles (AMX, PORTABLE, ...)
 # kv_cache_dtype -> the kernel's code (CODE_* in quantized_index_scores.c)
 CODES = {"fp8_index": 0, "int8_index": 1}
 HEADS = 4  # HEADS in quantized_index_scores.c: q is padded with zero heads to a multiple of it
@@ -52,17 +59,24 @@ _PAGED_ARGTYPES = [_L, _L, ctypes.c_int, _P, _P, _P, _L, _L, _L, _L, _P, _L, _L,
 _PAGED_ARGTYPES += [_L, _L, _L, _L]
 
 
-def _kernel(isa: str, paged: bool = False):
+def kernel_for(isa: str, kernel: str | None = None) -> str:
+    """The C kernel that runs for `isa`: `kernel` where given (KERNEL or AMX_KERNEL), else AMX_KERNEL for the AMX
+    build and KERNEL for the others."""
+    return amx_tiles.source_for(isa, KERNEL, AMX_KERNEL, kernel)
+
+
+def _kernel(isa: str, paged: bool = False, kernel: str | None = None):
     if paged:
         name, argtypes = "glm5_quantized_index_scores_paged", _PAGED_ARGTYPES
     else:
         name, argtypes = "glm5_quantized_index_scores", _ARGTYPES
-    return build.function("quantized_index_scores", isa, name, argtypes, ctypes.c_int)
+    return amx_tiles.any_function(kernel_for(isa, kernel), isa, name, argtypes, ctypes.c_int)
 
 
-def availability(isa: str = AVX2) -> tuple[bool, str]:
-    """(True, what runs) or (False, why not) for the kernel built for `isa` here (built on first use)."""
-    return build.availability("quantized_index_scores", isa)
+def availability(isa: str = AVX2, kernel: str | None = None) -> tuple[bool, str]:
+    """(True, what runs) or (False, why not) for the kernel (kernel_for) built for `isa` here (built on first use;
+    for the AMX kernel, Linux's grant of the tile state included)."""
+    return amx_tiles.any_availability(kernel_for(isa, kernel), isa)
 
 
 def _padded(t: Tensor, heads: int) -> Tensor:
@@ -84,6 +98,7 @@ def _run(
     kv_cache_dtype: str,
     isa: str,
     threads: int | None,
+    kernel: str | None = None,
 ) -> Tensor:
     tokens, heads, dims = q.shape
     width = out.shape[1]
@@ -96,7 +111,7 @@ def _run(
     args += (cache.stride(1), cache.shape[1], tables.data_ptr(), tables.stride(0), limits.data_ptr(), out.data_ptr())
     args += (out.stride(0),)
     shares = score_shares(tokens, heads, dims, width, KEY_CHUNK, threads)
-    failed = threads_.failed_shares(_kernel(isa), args, shares)
+    failed = threads_.failed_shares(_kernel(isa, kernel=kernel), args, shares)
     check(not failed, MemoryError, lambda: f"quantized index scores: no memory for a workspace of {dims}-wide keys")
     return out
 
@@ -132,16 +147,20 @@ def scores(
     out: Tensor | None = None,
     isa: str = AVX2,
     threads: int | None = None,
+    kernel: str | None = None,
 ) -> Tensor:
     """The scores described in the module docstring, written into `out` ([T, width] fp32, rows contiguous) if
-    given. isa: the build (backends.torch_eager.native.build.ISAS). threads: default torch's."""
+    given. isa: the build (backends.torch_eager.native.build.ISAS). threads: default torch's. kernel: KERNEL or
+    AMX_KERNEL (default: kernel_for(isa); the tests run AMX_KERNEL's portable build, its blocking on any CPU)."""
     _check_format(q, cache, kv_cache_dtype)
     out = check_score_arguments(q, weights, cache, tables, limits, width, out)
     # The build is an argument of the op: torch.compile and FakeTensor see every build (plain eager: run directly).
     if threads is None and not plain_eager((q, weights, cache, out)):
-        torch.ops.glm5_hal.native_quantized_index_scores(q, weights, cache, tables, limits, out, kv_cache_dtype, isa)
+        torch.ops.glm5_hal.native_quantized_index_scores(
+            q, weights, cache, tables, limits, out, kv_cache_dtype, isa, kernel_for(isa, kernel)
+        )
         return out
-    return _run(q, weights, cache, tables, limits, out, kv_cache_dtype, isa, threads)
+    return _run(q, weights, cache, tables, limits, out, kv_cache_dtype, isa, threads, kernel)
 
 
 def _run_paged(
@@ -156,6 +175,7 @@ def _run_paged(
     first_token: int,
     isa: str,
     threads: int | None,
+    kernel: str | None = None,
 ) -> Tensor:
     tokens, heads, dims = q.shape
     width = out.shape[1]
@@ -169,7 +189,7 @@ def _run_paged(
     args += (seq_lens_k.data_ptr(), cu_seqlens_q.data_ptr(), table.shape[0], first_token, out.data_ptr())
     args += (out.stride(0), width)
     shares = score_shares(tokens, heads, dims, width, KEY_CHUNK, threads)
-    failed = threads_.failed_shares(_kernel(isa, paged=True), args, shares)
+    failed = threads_.failed_shares(_kernel(isa, paged=True, kernel=kernel), args, shares)
     check(not failed, MemoryError, lambda: f"quantized index scores: no memory for a workspace of {dims}-wide keys")
     return out
 
@@ -189,10 +209,11 @@ def paged_scores(
     isa: str = AVX2,
     threads: int | None = None,
     validated: bool = False,
+    kernel: str | None = None,
 ) -> Tensor:
     """The paged form of `scores` (module docstring), written into `out` ([T, width] fp32, rows contiguous) if
     given: block_table [B, max_blocks] int32 (max_blocks * block_size >= width), seq_lens_k [B] and cu_seqlens_q
-    [B + 1] int32, as the op takes them. isa: the build. threads: default torch's. validated: the caller has
+    [B + 1] int32, as the op takes them. isa, kernel: as `scores`. threads: default torch's. validated: the caller has
     established what this would check (the kinds and shapes of every argument, CPU tensors, the cache's rows
     contiguous, out as above): the torch backend, behind glm5_hal.lightning_indexer's validation and its native
     route's conditions (a decode step otherwise runs every check twice, ~0.03 ms a layer inside an engine). The
@@ -223,19 +244,20 @@ def paged_scores(
             check(t.device.type == "cpu", ValueError, lambda t=t, n=name: f"{n}: expected a CPU tensor, got {t.device}")
         out = check_score_operands(q, weights, cache, width, out)
     if threads is None and not plain_eager((q, weights, cache, out)):
+        batch = (block_table, seq_lens_k, cu_seqlens_q)
         torch.ops.glm5_hal.native_quantized_index_scores_paged(
-            q, weights, cache, block_table, seq_lens_k, cu_seqlens_q, out, kv_cache_dtype, first_token, isa
+            q, weights, cache, *batch, out, kv_cache_dtype, first_token, isa, kernel_for(isa, kernel)
         )
         return out
     return _run_paged(
-        q, weights, cache, block_table, seq_lens_k, cu_seqlens_q, out, kv_cache_dtype, first_token, isa, threads
+        q, weights, cache, block_table, seq_lens_k, cu_seqlens_q, out, kv_cache_dtype, first_token, isa, threads, kernel
     )
 
 
 _LIBRARY = torch.library.Library("glm5_hal", "FRAGMENT")
 _LIBRARY.define(
     "native_quantized_index_scores(Tensor q, Tensor weights, Tensor cache, Tensor tables, Tensor limits, "
-    f"Tensor(a!) out, str kv_cache_dtype, str isa='{AVX2}') -> ()"
+    f"Tensor(a!) out, str kv_cache_dtype, str isa='{AVX2}', str kernel='{KERNEL}') -> ()"
 )
 
 
@@ -248,8 +270,9 @@ def _cpu_op(
     out: Tensor,
     kv_cache_dtype: str,
     isa: str = AVX2,
+    kernel: str = KERNEL,
 ) -> None:
-    _run(q, weights, cache, tables, limits, out, kv_cache_dtype, isa, None)
+    _run(q, weights, cache, tables, limits, out, kv_cache_dtype, isa, None, kernel)
 
 
 _LIBRARY.impl("native_quantized_index_scores", _cpu_op, "CPU")
@@ -265,6 +288,7 @@ def _fake(
     out: Tensor,
     kv_cache_dtype: str,
     isa: str = AVX2,
+    kernel: str = KERNEL,
 ) -> None:
     return None
 
@@ -272,7 +296,7 @@ def _fake(
 _LIBRARY.define(
     "native_quantized_index_scores_paged(Tensor q, Tensor weights, Tensor cache, Tensor block_table, "
     "Tensor seq_lens_k, Tensor cu_seqlens_q, Tensor(a!) out, str kv_cache_dtype, int first_token, "
-    f"str isa='{AVX2}') -> ()"
+    f"str isa='{AVX2}', str kernel='{KERNEL}') -> ()"
 )
 
 
@@ -287,8 +311,10 @@ def _paged_cpu_op(
     kv_cache_dtype: str,
     first_token: int,
     isa: str = AVX2,
+    kernel: str = KERNEL,
 ) -> None:
-    _run_paged(q, weights, cache, block_table, seq_lens_k, cu_seqlens_q, out, kv_cache_dtype, first_token, isa, None)
+    batch = (block_table, seq_lens_k, cu_seqlens_q)
+    _run_paged(q, weights, cache, *batch, out, kv_cache_dtype, first_token, isa, None, kernel)
 
 
 _LIBRARY.impl("native_quantized_index_scores_paged", _paged_cpu_op, "CPU")
@@ -306,5 +332,6 @@ def _paged_fake(
     kv_cache_dtype: str,
     first_token: int,
     isa: str = AVX2,
+    kernel: str = KERNEL,
 ) -> None:
     return None
