@@ -1151,6 +1151,25 @@ def test_builds_are_cached_by_source(fresh_builds):
         build.load("nope", "portable")
 
 
+def test_a_build_of_a_source_that_includes_another_is_keyed_by_both(fresh_builds, monkeypatch: pytest.MonkeyPatch):
+    """amx_quantized_index_scores.c is quantized_index_scores.c with a switch: an edit to the included source must
+    build the including one anew (its library's name hashes both), not load the library of the old code."""
+    sources = fresh_builds / "sources"
+    sources.mkdir()
+    (sources / "inner.c").write_text("int glm5_answer(void) { return 1; }\n")
+    (sources / "outer.c").write_text('#include "inner.c"\n')
+    monkeypatch.setattr(build, "SOURCE_DIR", sources)
+    portable = build.ISAS["portable"]
+    try:
+        first = build._build("outer", portable)
+    except build.NativeUnavailable as exc:
+        pytest.skip(f"no compiler here: {exc}")
+    assert build._build("outer", portable) == first  # the same sources: the same library
+    (sources / "inner.c").write_text("int glm5_answer(void) { return 2; }\n")
+    second = build._build("outer", portable)
+    assert second != first and second.exists()
+
+
 def _product_in_child(queue) -> None:
     a = torch.ones(1, 128, 256, dtype=torch.bfloat16)
     queue.put(float(bf16_gemm.bmm_nt(a, a, isa="portable", threads=2).sum()))
