@@ -6,8 +6,8 @@
  * with each token's q . key products as tile GEMMs (amx_blocks.h's block): A = KEY_GROUP keys' rows, read in place
  * where the group lies in one cache block (its rows one stride apart), else gathered; B = the token's q as panels of
  * 32 heads, copied from the packed q [pairs][hp][2] the caller passes (already the tiles' pair layout: a panel adds
- * the zeros past the pairs). Then per key the weighted relu over the real heads, added head by head in fp32; heads
- * past H are never added (their dots may be NaN where a key holds inf). Keys are taken in chunks of CHUNK positions
+ * the zeros past the pairs). Then per key the weighted relu over the real heads in fp32 (head_sums.h); heads past H
+ * are never added (their dots may be NaN where a key holds inf). Keys are taken in chunks of CHUNK positions
  * for a group of TOKEN_GROUP tokens whose panels are packed once (a chunk's rows stay in L2 across the group's tokens,
  * as in indexer_scores.c).
  *
@@ -20,6 +20,7 @@
 
 #include "amx_blocks.h"
 #include "head_pairs.h"   /* prefetch */
+#include "head_sums.h"    /* add_head_sums */
 #include "paged_tokens.h" /* key_row */
 
 #define CHUNK 256                     /* key positions per chunk (indexer_scores.c's; a thread's share is whole chunks) */
@@ -97,11 +98,7 @@ int glm5_indexer_scores(long heads, long dims, const uint16_t *q, const float *w
                               (const uint8_t *)(panels + (t - g0) * token_panels + b * dim_steps * (STEP_BYTES / 2)),
                               dim_steps, dim_steps, cols, (uint8_t *)dots, sizeof dots[0]);
                         long real = heads - h0 < HEAD_BLOCK ? heads - h0 : HEAD_BLOCK;
-                        for (int j = 0; j < n; j++)
-                            for (long h = 0; h < real; h++) {
-                                float dot = dots[j][h];
-                                out[j] += wt[h0 + h] * (dot > 0.0f || dot != dot ? dot : 0.0f); /* relu keeps NaN */
-                            }
+                        add_head_sums((const float(*)[NB])dots, n, real, NULL, wt + h0, out);
                     }
                     for (int j = 0; j < n; j++) st[s + j] = out[j];
                 }

@@ -7,4 +7,5 @@
  */
 #define GLM5_AMX_DOTS 1
 #include "amx_blocks.h"
+#include "head_sums.h"
 #include "quantized_index_scores.c"

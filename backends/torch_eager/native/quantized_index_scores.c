@@ -515,7 +515,7 @@ static void amx_query_panels(const uint16_t *qb, long heads, long dims, long ste
 
 /* st[c0 + k] for k < n: the bf16 route's scores of one token on AMX tiles, from the chunk's decoded values [n][dims]
    (32 keys a block, in place) and q's panels (amx_query_panels, `steps` K steps of 32 dims each): per key and head
-   dot = (q_h . value(key)) x scale, then sum over the real heads of w[h] relu(dot), in fp32, head by head. */
+   dot = (q_h . value(key)) x scale, then sum over the real heads of w[h] relu(dot), in fp32 (head_sums.h). */
 static void amx_chunk_scores(const uint16_t *values, long n, const float *scales, const uint16_t *panels, long steps,
                              const float *wt, long heads, long dims, long c0, float *st) {
     for (long k0 = 0; k0 < n; k0 += MB) {
@@ -527,11 +527,7 @@ static void amx_chunk_scores(const uint16_t *values, long n, const float *scales
             block(OP_BF16, (const uint8_t *)(values + k0 * dims), 2 * dims, 2 * dims, rows,
                   (const uint8_t *)(panels + (h0 / NB) * steps * (STEP_BYTES / 2)), steps, steps, cols,
                   (uint8_t *)dots, sizeof dots[0]);
-            for (int j = 0; j < rows; j++)
-                for (int h = 0; h < cols; h++) {
-                    float dot = dots[j][h] * scales[k0 + j];
-                    out[j] += wt[h0 + h] * (dot > 0.0f || dot != dot ? dot : 0.0f); /* relu keeps NaN */
-                }
+            add_head_sums((const float(*)[NB])dots, rows, cols, scales + k0, wt + h0, out);
         }
         for (int j = 0; j < rows; j++) st[c0 + k0 + j] = out[j];
     }
