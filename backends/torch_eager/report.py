@@ -68,5 +68,6 @@ def report() -> BackendReport:
     )
     if native["cache_note"]:
         lines.append(f"  cache: {native['cache_note']}")
-    lines += [f"  {kernel:<28} {how}" for kernel, how in native["kernels"].items()]
+    width = max(map(len, native["kernels"]), default=0)  # the longest build name, so the reasons line up
+    lines += [f"  {kernel:<{width}} {how}" for kernel, how in native["kernels"].items()]
     return BackendReport(tuple(lines), data)
