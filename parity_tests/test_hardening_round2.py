@@ -844,6 +844,20 @@ def test_edge_tiny_cache_rows_on_every_backend(edge_backend: str, dtype: torch.d
 
 
 # ------------------------------------------------------------- the long fuzz profile's comparisons (edge rules)
+def _one_block_attention_inputs(q: torch.Tensor, cache: torch.Tensor, indices: list, sm_scale: float) -> dict:
+    """sparse_flash_attention's inputs for q's tokens as one sequence over the 16 keys of cache's one block."""
+    return {
+        "q": q,
+        "kv_cache": cache,
+        "indices": torch.tensor(indices, dtype=torch.int32),
+        "block_table": torch.tensor([[0]], dtype=torch.int32),
+        "seq_lens_k": torch.tensor([16], dtype=torch.int32),
+        "cu_seqlens_q": torch.tensor([0, q.shape[0]], dtype=torch.int32),
+        "sm_scale": sm_scale,
+        "d_v": 512,
+    }
+
+
 def _lse_near_zero_inputs() -> dict:
     """Sparse attention whose every lse is ~0: two keys per token, each scoring ~log(1/2) (q's first dim against
     rows whose first dim is 1, the rest 0), so sum exp ~ 1. An fp32 sum's rounding is absolute in lse (~1e-7)."""
@@ -851,16 +865,7 @@ def _lse_near_zero_inputs() -> dict:
     cache[..., 0] = 1.0
     q = torch.zeros(3, 4, 576)
     q[..., 0] = math.log(0.5) / 0.05 + torch.linspace(-1e-3, 1e-3, 12).view(3, 4)
-    return {
-        "q": q,
-        "kv_cache": cache,
-        "indices": torch.tensor([[0, 1], [2, 3], [4, 5]], dtype=torch.int32),
-        "block_table": torch.tensor([[0]], dtype=torch.int32),
-        "seq_lens_k": torch.tensor([16], dtype=torch.int32),
-        "cu_seqlens_q": torch.tensor([0, 3], dtype=torch.int32),
-        "sm_scale": 0.05,
-        "d_v": 512,
-    }
+    return _one_block_attention_inputs(q, cache, [[0, 1], [2, 3], [4, 5]], 0.05)
 
 
 @pytest.mark.parametrize("edge_backend", ["reference", "torch", "triton", "ascend"], indirect=True)
@@ -896,16 +901,7 @@ def _cancelling_attention_inputs() -> dict:
     q[..., 512:] = torch.randn(64, generator=gen, dtype=torch.float64)
     p = torch.softmax(0.1 * rows[0, :3] @ q[0, 0], dim=0)
     rows[0, 2, :512] = -(p[0] * rows[0, 0, :512] + p[1] * rows[0, 1, :512]) / p[2]
-    return {
-        "q": q.float(),
-        "kv_cache": rows.float(),
-        "indices": torch.tensor([[0, 1, 2]], dtype=torch.int32),
-        "block_table": torch.tensor([[0]], dtype=torch.int32),
-        "seq_lens_k": torch.tensor([16], dtype=torch.int32),
-        "cu_seqlens_q": torch.tensor([0, 1], dtype=torch.int32),
-        "sm_scale": 0.1,
-        "d_v": 512,
-    }
+    return _one_block_attention_inputs(q.float(), rows.float(), [[0, 1, 2]], 0.1)
 
 
 @pytest.mark.parametrize("edge_backend", ["reference", "torch", "triton", "ascend"], indirect=True)

@@ -320,7 +320,8 @@ def test_every_code_decodes_to_kv_formats_value_bit_for_bit(kernel, isa, kv_cach
 
 def _together_and_alone(q, weights, cache, tables, limits, width, kv_cache_dtype, isa, kernel):
     """The scores of every token of one call (which decodes each chunk into the workspace once for the tokens that
-    share it), then each token's in a call of its own (a decode step's route: the codes decoded in the tiles)."""
+    share it), then each token's in a call of its own (a decode step's route: the codes decoded in the tiles; the AMX
+    kernel, which has no such path, decodes the chunk for the lone token too)."""
     together = quantized_index_scores.scores(
         q, weights, cache, tables, limits, width, kv_cache_dtype, isa=isa, kernel=kernel, threads=1
     )

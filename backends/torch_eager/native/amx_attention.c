@@ -188,10 +188,7 @@ static int attend(long heads, long dims, long dv, long topk, const uint16_t *q, 
         }
         const long np = round_up(n, KEY_BLOCK);
         const uint16_t *q_t = q + t * q_token;
-        for (long b = 0; b < head_blocks; b++) {
-            long h0 = b * HEAD_BLOCK, real = heads - h0 < HEAD_BLOCK ? heads - h0 : HEAD_BLOCK;
-            pack_bf16_panel(q_t + h0 * q_head, q_head, real > 0 ? (int)real : 0, dims, dim_steps, q_panels + b * q_panel);
-        }
+        pack_head_panels(q_t, q_head, heads, dims, dim_steps, q_panels); /* head_blocks panels of q_panel */
         for (long n0 = 0; n0 < n; n0 += KEY_BLOCK) {
             int n_keys = n - n0 < KEY_BLOCK ? (int)(n - n0) : KEY_BLOCK;
             for (int j = 0; j < n_keys; j++) memcpy(gathered + j * dims, valid_rows[n0 + j], sizeof *gathered * dims);

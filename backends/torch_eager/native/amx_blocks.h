@@ -111,4 +111,14 @@ static inline void pack_bf16_panel(const uint16_t *B, long b_row, int cols, long
         }
     }
 }
+
+/* The B side of products with every head's q as a column: q [heads][dims] bf16 (head h at q + h * q_head, its dims
+   contiguous) as one panel per block of NB heads (pack_bf16_panel), `steps` K steps of 2 * TILE_ROWS dims each,
+   block b at panels + b * steps * STEP_BYTES / 2. */
+static inline void pack_head_panels(const uint16_t *q, long q_head, long heads, long dims, long steps,
+                                    uint16_t *panels) {
+    for (long h0 = 0; h0 < heads; h0 += NB)
+        pack_bf16_panel(q + h0 * q_head, q_head, heads - h0 < NB ? (int)(heads - h0) : NB, dims, steps,
+                        panels + (h0 / NB) * steps * (STEP_BYTES / 2));
+}
 #endif

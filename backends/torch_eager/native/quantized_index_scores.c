@@ -506,15 +506,8 @@ static int lone_token_chunk(long dims, const uint16_t *qb, const float *wt, long
     return 1;
 }
 #else
-/* q's panels for the tiles (amx_blocks.h's layout): per block of 32 heads, its rows of qb [heads][dims] bf16. */
-static void amx_query_panels(const uint16_t *qb, long heads, long dims, long steps, uint16_t *panels) {
-    for (long h0 = 0; h0 < heads; h0 += NB)
-        pack_bf16_panel(qb + h0 * dims, dims, heads - h0 < NB ? (int)(heads - h0) : NB, dims, steps,
-                        panels + (h0 / NB) * steps * (STEP_BYTES / 2));
-}
-
 /* st[c0 + k] for k < n: the bf16 route's scores of one token on AMX tiles, from the chunk's decoded values [n][dims]
-   (32 keys a block, in place) and q's panels (amx_query_panels, `steps` K steps of 32 dims each): per key and head
+   (32 keys a block, in place) and q's panels (pack_head_panels, `steps` K steps of 32 dims each): per key and head
    dot = (q_h . value(key)) x scale, then sum over the real heads of w[h] relu(dot), in fp32 (head_sums.h). */
 static void amx_chunk_scores(const uint16_t *values, long n, const float *scales, const uint16_t *panels, long steps,
                              const float *wt, long heads, long dims, long c0, float *st) {
@@ -610,7 +603,7 @@ static int score_tokens(long heads, long dims, int code, const float *q, const f
                 qb_ok = bf16_query(qt, hp * dims, qb);
                 qb_token = t;
 #if defined(GLM5_AMX_DOTS)
-                if (qb_ok) amx_query_panels(qb, heads, dims, amx_steps, amx_panels);
+                if (qb_ok) pack_head_panels(qb, dims, heads, dims, amx_steps, amx_panels);
 #endif
             }
             bf16 = code == CODE_E4M3 && qb_ok;
