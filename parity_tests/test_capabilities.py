@@ -63,8 +63,8 @@ class FakeProbe:
     def route_times(self, dtype: torch.dtype, family: str, routes: tuple, rows: int) -> dict[str, float]:
         self.asked.append(f"route_times {dtype} {family} {rows}")
         key = (family, rows) if (family, rows) in self.times else (family, 0)  # 0: the same at every count
-        if key in self.times:
-            times = {r.label: self.times[key][r.name] for r in routes}
+        if key in self.times:  # by label where the fake has it (a native route's row prefetch), else by name
+            times = {r.label: self.times[key].get(r.label, self.times[key].get(r.name)) for r in routes}
             # The half route's product as an op's output, where the fake has it (the weight family).
             return times | {n: t for n, t in self.times[key].items() if n == f"{caps.HALF} output"}
         return {r.label: 1.0 / self.speed.get(r.name, 1.0) if r.name != caps.FP32 else 1.0 for r in routes}
@@ -274,13 +274,54 @@ def test_attention_routes_split_by_head_count():
 
     got = decide(_cpu(AVX2_ZEN3), Avx2Build(times=times), AUTO)
     attention = got.half_choice(torch.bfloat16, caps.ATTENTION)
-    assert (attention.small.label, attention.large.name) == ("native:avx2", "fp32")
-    # native: 1.45 + (h - 8) 5.95 / 56, fp32: 1.9 + (h - 8) 2.9 / 56 -> equal at h = 8 + 0.45 * 56 / 3.05 = 16.3
-    assert attention.split_rows == 17 and "cross at 17 heads" in attention.reason
-    assert "below 17 heads" in attention.path
+    # (the row prefetch: every hint alike in this fake, so the kernel's default)
+    assert (attention.small.label, attention.large.name) == ("native:avx2+l2", "fp32")
+    # native: 1.45 + (h - 4) 5.95 / 60, fp32: 1.9 + (h - 4) 2.9 / 60 -> equal at h = 4 + 0.45 * 60 / 3.05 = 12.9
+    assert attention.split_rows == 13 and "cross at 13 heads" in attention.reason
+    assert "below 13 heads" in attention.path
     assert got.measured[f"bfloat16 attention fp32 {caps.ALL_HEADS} heads (ms)"] == 4800.0
-    routed = RoutedGemm(*(from_route(torch.bfloat16, r) for r in (attention.small, attention.large)), 17)
-    assert routed.at(16).native_isa == "avx2" and not routed.at(17).half
+    routed = RoutedGemm(*(from_route(torch.bfloat16, r) for r in (attention.small, attention.large)), 13)
+    assert routed.at(12).native_isa == "avx2" and not routed.at(13).half
+
+
+def test_the_native_attention_route_takes_the_row_prefetch_measured_fastest_from_memory():
+    """Which prefetch hint reads scattered rows from memory fastest is the CPU's (head_pairs.h): each native attention
+    route is timed with every hint on the from-memory workload at the head count it serves, and keeps the fastest;
+    a route that serves every call sums both counts; fp32 is not timed for it. The hint reaches the backend's Gemm."""
+    few, many = caps.FEW_HEADS, caps.ALL_HEADS
+    split = {
+        (caps.ATTENTION, few): {"fp32": 1.9, "native": 1.45},
+        (caps.ATTENTION, many): {"fp32": 4.8, "native": 7.4},
+        # times as measured on a Zen 5 at 4 heads (ms): into L2 the slowest there
+        (caps.ATTENTION_FROM_MEMORY, few): {"native:avx2+l2": 0.58, "native:avx2+l1": 0.40, "native:avx2+nta": 0.39},
+    }
+
+    class Avx2Build(FakeProbe):
+        def native_gemm(self, dtype: torch.dtype, isa: str) -> tuple[bool, str]:
+            return (True, "bf16_gemm_avx2") if isa == "avx2" else (False, f"no {isa} here")
+
+    probe = Avx2Build(times=split)
+    got = decide(_cpu(AVX2_ZEN3), probe, AUTO)
+    attention = got.half_choice(torch.bfloat16, caps.ATTENTION)
+    assert attention.small.label == "native:avx2+nta" and attention.large == caps.FP32_ROUTE
+    assert f"route_times torch.bfloat16 {caps.ATTENTION_FROM_MEMORY} {few}" in probe.asked
+    assert f"route_times torch.bfloat16 {caps.ATTENTION_FROM_MEMORY} {many}" not in probe.asked
+    assert "native:avx2 rows non-temporally (1.49x the default from memory)" in attention.reason
+    assert "rows prefetched non-temporally" in attention.path
+    assert got.measured[f"bfloat16 attention native:avx2+l1 {few} heads, rows from memory (ms)"] == 400.0
+    assert from_route(torch.bfloat16, attention.small).row_prefetch == "nta"
+    # One native route for every head count: the hint with the least time over both counts (l1 wins at few heads
+    # by less than l2 wins at many).
+    one_route = {
+        (caps.ATTENTION, 0): {"fp32": 4.0, "native": 1.0},
+        (caps.ATTENTION_FROM_MEMORY, few): {"native:avx2+l2": 0.50, "native:avx2+l1": 0.45, "native:avx2+nta": 0.47},
+        (caps.ATTENTION_FROM_MEMORY, many): {"native:avx2+l2": 1.00, "native:avx2+l1": 1.20, "native:avx2+nta": 1.10},
+    }
+    attention = decide(_cpu(AVX2_ZEN3), Avx2Build(times=one_route), AUTO).half_choice(torch.bfloat16, caps.ATTENTION)
+    assert attention.small == attention.large and attention.large.prefetch == "l2"
+    # Forcing the fast paths times nothing: the kernel's default hint.
+    forced = decide(_cpu(AVX2_ZEN3), Avx2Build(times=split), FORCE).half_choice(torch.bfloat16, caps.ATTENTION)
+    assert forced.large.prefetch == "" and from_route(torch.bfloat16, forced.large).row_prefetch == ""
 
 
 def test_a_native_kernel_that_is_slow_or_missing_is_not_used():

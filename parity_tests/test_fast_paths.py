@@ -311,6 +311,30 @@ def test_sparse_attention_takes_the_route_for_its_head_count() -> None:
             assert set(spy.functions) == {want}, heads
 
 
+def test_sparse_attention_hands_its_kernel_the_row_prefetch_of_its_route(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The row prefetch the probe measured fastest here (capabilities._with_row_prefetch) is what the kernel is told
+    ("": the kernel's default, into L2); every hint gives the same bits."""
+    ok, why = native_attention.availability("portable")
+    if not ok:
+        pytest.skip(f"no native build here: {why}")
+    told = []
+    real = native_attention.paged_attention
+
+    def spy(*args: object, **kwargs: object) -> tuple[torch.Tensor, torch.Tensor]:
+        told.append(kwargs.get("prefetch"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(native_attention, "paged_attention", spy)
+    inputs = _sparse_attention_inputs(torch.bfloat16)
+    results = []
+    for hint in ("", "l2", "l1", "nta"):
+        route = Route("native", fp32_output=True, isa="portable", torch_half=False, prefetch=hint)
+        with forced_route(ATTENTION, from_route(torch.bfloat16, route)):
+            results.append(OPS["sparse_flash_attention"](*inputs))
+    assert told == ["l2", "l2", "l1", "nta"]
+    assert all(torch.equal(out, results[0][0]) and _same_bits(lse, results[0][1]) for out, lse in results)
+
+
 def test_the_amx_attention_route_runs_amx_attention_c_and_passes_every_parity_case(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -332,7 +356,7 @@ def test_the_amx_attention_route_runs_amx_attention_c_and_passes_every_parity_ca
     vectors = native_attention.paged_attention(*inputs, isa="portable", threads=1)
     assert torch.equal(out, tiles[0]) and _same_bits(lse, tiles[1])
     assert not _same_bits(lse, vectors[1])  # so the bits above say which kernel ran
-    op_args = (*inputs, native_attention.AMX, native_attention.AMX_KERNEL)
+    op_args = (*inputs, native_attention.AMX, native_attention.AMX_KERNEL, "nta")
     torch.library.opcheck(torch.ops.glm5_hal.native_paged_sparse_attention, op_args)  # its schema and fake
     cases = [case for case in CASES if case.op == "sparse_flash_attention" and torch.bfloat16 in case.dtypes]
     assert cases

@@ -890,13 +890,15 @@ def _attention_reference(q, rows, slots, scale, d_v):
     d_v=st.sampled_from([0, 1, 17, 32, 48]),
     invalid=st.floats(0.0, 1.0),
     scale=st.sampled_from([0.125, 0.01]),
+    prefetch=st.sampled_from(tuple(native_attention.ROW_PREFETCHES)),
     seed=st.integers(0, 2**31 - 1),
 )
 def test_sparse_attention_is_the_softmax_over_only_the_selected_rows(
-    kernel, isa, tokens, heads, dims, topk, d_v, invalid, scale, seed
+    kernel, isa, tokens, heads, dims, topk, d_v, invalid, scale, prefetch, seed
 ):
     """out and lse against float64, with unused slots (-1) and NaN in every row no valid key selects: it must reach
-    no result. The bf16 out is the fp32 out rounded once; the split over threads changes no bit."""
+    no result. The bf16 out is the fp32 out rounded once; the split over threads and the rows' prefetch hint change
+    no bit."""
     _runs(native_attention, isa, kernel)
     d_v = min(d_v, dims)
     gen = torch.Generator().manual_seed(seed)
@@ -910,7 +912,7 @@ def test_sparse_attention_is_the_softmax_over_only_the_selected_rows(
     want, want_lse, bound, lse_bound = _attention_reference(q, rows, slots, scale, d_v)
 
     got, lse = native_attention.attention(
-        q, rows, slots, scale, d_v, out_dtype=torch.float32, isa=isa, kernel=kernel, threads=1
+        q, rows, slots, scale, d_v, out_dtype=torch.float32, isa=isa, kernel=kernel, threads=1, prefetch=prefetch
     )
     assert got.shape == (tokens, heads, d_v) and lse.shape == (tokens, heads)
     assert ((got.double() - want).abs() <= bound).all(), "out off by more than the fp32 path's bound"
@@ -954,6 +956,20 @@ def test_sparse_attention_over_many_blocks_of_keys_whose_peak_keeps_rising(kerne
         )
         assert ((got.double() - want).abs() <= bound).all(), "out off by more than the fp32 path's bound"
         assert ((lse.double() - want_lse).abs() <= lse_bound).all()
+        for prefetch in ("l1", "nta"):  # the rows asked for another way: the same bits
+            again, lse_again = native_attention.attention(
+                q,
+                rows,
+                slots,
+                scale,
+                d_v,
+                out_dtype=torch.float32,
+                isa=isa,
+                kernel=kernel,
+                threads=1,
+                prefetch=prefetch,
+            )
+            assert _same_bits(again, got) and _same_bits(lse_again, lse), prefetch
     slots = ascending[:, -topk:]
     late = slots[0, 250]
     rows[late, 0] = float("inf")
@@ -968,6 +984,23 @@ def test_sparse_attention_over_many_blocks_of_keys_whose_peak_keeps_rising(kerne
         else:  # a -inf score: probability 0, whose product with the row's inf is NaN in that dim only
             assert got[0, h, 0].isnan() and ((got[0, h, 1:].double() - want[0, h, 1:]).abs() <= bound[0, h, 1:]).all()
             assert (lse[0, h].double() - want_lse[0, h]).abs() <= lse_bound[0, h]
+
+
+@pytest.mark.parametrize("kernel, isa", [b for b in _builds(native_attention) if b.values[1] != "portable"])
+def test_sparse_attention_builds_carry_every_row_prefetch_hint(kernel, isa):
+    """The row prefetch the probe chooses must exist in the machine code: gcc 12 once merged the three hints' loops
+    of _mm_prefetch into one whose hint was not a constant and emitted no prefetch at all, which no result shows."""
+    import shutil
+    import subprocess
+
+    _runs(native_attention, isa, kernel)
+    objdump = shutil.which("objdump")
+    if objdump is None:
+        pytest.skip("no objdump here to read the build's machine code")
+    library = build._build(kernel, build.ISAS[isa])
+    code = subprocess.run([objdump, "-d", str(library)], capture_output=True, text=True, check=True).stdout
+    for instruction in ("prefetcht2", "prefetcht0", "prefetchnta"):
+        assert instruction in code, (library.name, instruction)
 
 
 @pytest.mark.parametrize("kernel, isa", _builds(native_attention))
@@ -1043,7 +1076,7 @@ def test_paged_sparse_attention_reads_the_keys_the_slots_would(
     want, want_lse = native_attention.attention(
         q, view.rows, slots, 0.1, 32, out_dtype=torch.float32, isa=isa, kernel=kernel, threads=1
     )
-    for threads in (1, 3):
+    for threads, prefetch in ((1, "l2"), (3, "l2"), (1, "l1"), (2, "nta")):
         got, lse = native_attention.paged_attention(
             q,
             cache,
@@ -1057,8 +1090,9 @@ def test_paged_sparse_attention_reads_the_keys_the_slots_would(
             isa=isa,
             kernel=kernel,
             threads=threads,
+            prefetch=prefetch,
         )
-        assert _same_bits(got, want) and _same_bits(lse, want_lse), threads
+        assert _same_bits(got, want) and _same_bits(lse, want_lse), (threads, prefetch)
     rounded, _ = native_attention.paged_attention(q, cache, indices, table, lens, cu, 0.1, 32, isa=isa, kernel=kernel)
     assert torch.equal(rounded.view(torch.int16), want.bfloat16().view(torch.int16))
 
@@ -1083,6 +1117,8 @@ def test_paged_sparse_attention_kernel_rejects_bad_arguments():
         native_attention.paged_attention(*good[:4], lens.long(), *good[5:])
     with pytest.raises(ValueError, match=r"d_v: expected 0 .. 8, got 9"):
         native_attention.paged_attention(*good[:7], 9)
+    with pytest.raises(ValueError, match=r"prefetch: expected one of \('l2', 'l1', 'nta'\), got 'l3'"):
+        native_attention.paged_attention(*good, isa="portable", prefetch="l3")
 
 
 def test_sparse_attention_kernel_rejects_bad_arguments():
@@ -1092,6 +1128,8 @@ def test_sparse_attention_kernel_rejects_bad_arguments():
         native_attention.attention(q, rows, slots.int(), 1.0, 8)
     with pytest.raises(ValueError, match=r"d_v: expected 0 .. 8, got 9"):
         native_attention.attention(q, rows, slots, 1.0, 9)
+    with pytest.raises(ValueError, match=r"prefetch: expected one of \('l2', 'l1', 'nta'\), got 'T0'"):
+        native_attention.attention(q, rows, slots, 1.0, 8, prefetch="T0")
     with pytest.raises(TypeError, match=r"rows: expected \[num_slots, D\] bf16 with contiguous rows"):
         native_attention.attention(q, rows.T.contiguous().T, slots, 1.0, 8)
     with pytest.raises(ValueError, match=r"rows: expected 8 wide \(q's D\), got 4"):

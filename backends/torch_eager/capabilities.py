@@ -12,7 +12,9 @@ Per device and mode, answered from known device facts and, where facts are not e
   fp32 result, one route per build that runs here and is exact (NATIVE_ISAS: AMX, AVX-512 BF16, AVX2). fp16 needs
   an fp32 result (an fp16 one could overflow where fp32 does not). The weight family is timed at a decode and a
   prefill row count, sparse attention at two head counts (MEASURED_COUNTS), and their products or calls switch route
-  where the lines through the two cross.
+  where the lines through the two cross. Sparse attention's native kernel also gets the prefetch hint for the rows it
+  reads next that measured fastest here with the rows coming from memory (`_with_row_prefetch`: the best hint is the
+  CPU's, not the code's).
 - an exact int8 GEMM (int8 x int8 -> int32, backends.torch_eager.int8_gemms): which route runs here, is it bit-exact at
   large K with extreme codes, and is it faster than the fp32 GEMM? Otherwise the quantized ops keep their exact
   chunked-fp32 path.
@@ -46,6 +48,7 @@ import torch
 
 from backends.torch_eager import int8_gemms, probe_store
 from backends.torch_eager.native import amx_gemm, bf16_gemm, build
+from backends.torch_eager.native.sparse_attention import ROW_PREFETCHES
 from glm5_hal.checks import check
 from glm5_hal.cpu_flags import cache_flush_bytes, parse_cpuinfo, this_cpu
 from glm5_hal.environment import parsed_setting, raw_setting
@@ -77,15 +80,23 @@ FAMILY_OPS = {
     QUANTIZED_INDEXER: "indexer_logits, lightning_indexer over fp8_index / int8_index keys",
 }
 DECODE_ROWS, PREFILL_ROWS = 4, 256  # the weight family's two measured row counts
-# Sparse attention's two measured head counts: an 8-way tensor-parallel share of GLM-5's 64 heads, and all 64. A
-# kernel that reads each selected row once for every head wins at few heads, torch's GEMM over gathered rows at many
-# (this probe on an AVX2 Zen 3, docs/perf.md: native:avx2 2.5x faster than fp32 at 8 heads, 1.4x slower at 64).
-FEW_HEADS, ALL_HEADS = 8, 64
+# Sparse attention's two measured head counts: a 16-way tensor-parallel share of GLM-5's 64 heads (glm5-mini's 4, the
+# vLLM plugin's), and all 64. A kernel that reads each selected row once for every head wins at few heads, torch's
+# GEMM over gathered rows at many (this probe on an AVX2 Zen 3, docs/perf.md: native:avx2 2.5x faster than fp32 at 8
+# heads, 1.4x slower at 64). Few is 4, not 8: at most 4 heads the AVX2 build reads the rows once (its one-pass route),
+# which a line through 8 heads cannot see (on a Zen 5 it took half the AVX-512 build's time at 4 heads and 1.1x its
+# time at 8, so the probe measured at 8 sent 4-head calls to the slower build).
+FEW_HEADS, ALL_HEADS = 4, 64
 # The two counts a family is measured at (a line through its times at both gives the count where two routes cross;
 # each product, or each call, then takes the route for its own count), and what the count counts. The other families
 # are measured at one decode-sized call.
 MEASURED_COUNTS: dict[str, tuple[int, int]] = {WEIGHTS: (DECODE_ROWS, PREFILL_ROWS), ATTENTION: (FEW_HEADS, ALL_HEADS)}
 COUNT_UNITS: dict[str, str] = {WEIGHTS: "rows", ATTENTION: "heads"}
+# The workload route_times runs to choose sparse attention's row prefetch (_with_row_prefetch): the attention family's
+# call at one decode token, the last-level cache overwritten before each call, so that its selected rows come from
+# memory as at a long context's decode step (where the hint matters: in cache every hint took the same time).
+ATTENTION_FROM_MEMORY = "attention_from_memory"
+PREFETCH_WORDS = {"l2": "into L2", "l1": "into L1", "nta": "non-temporally"}
 # The routes: fp32 operands; torch's GEMM with half-precision operands (fp32 result by out_dtype, else rounded plus
 # the residual GEMM: backends/torch_eager/gemm.py); the native kernel's fp32 result (CPU bf16).
 FP32, HALF, NATIVE = "fp32", "half", "native"
@@ -238,8 +249,9 @@ class Probe(Protocol):
     """What the decision may measure on the device (faked in the unit tests)."""
 
     def route_times(self, dtype: torch.dtype, family: str, routes: tuple[Route, ...], rows: int) -> dict[str, float]:
-        """Per route (by Route.label): the best time of `family`'s workload with `dtype` activations on that route, the
-        routes timed alternately (route_workloads.py); `rows`: the weight family's row count (the others ignore it)."""
+        """Per route (by Route.label): the best time of `family`'s workload (of FAMILIES, or ATTENTION_FROM_MEMORY)
+        with `dtype` activations on that route, the routes timed alternately (route_workloads.py); `rows`: the weight
+        family's row count, or sparse attention's heads (the others ignore it)."""
 
     def fp32_output(self, dtype: torch.dtype) -> bool:
         """Whether a GEMM of `dtype` operands can hand back fp32 (torch.mm(..., out_dtype=torch.float32))."""
@@ -434,11 +446,15 @@ class Route:
     # NATIVE, where torch_half: the op's outputs too take the native kernel in products of fewer rows of work than
     # this, where it measured faster than one pass of torch's half GEMM (_native_outputs_below); 0: never.
     outputs_below: float = 0.0
+    # NATIVE, sparse attention: how its kernel asks for the rows it reads next (ROW_PREFETCHES), as measured fastest
+    # here (_with_row_prefetch); "": the kernel's default.
+    prefetch: str = ""
 
     @property
     def label(self) -> str:
-        """What the probe's times and `info` call the route: its name, and a native route's build."""
-        return f"{self.name}:{self.isa}" if self.isa else self.name
+        """What the probe's times and `info` call the route: its name, and a native route's build (and row prefetch)."""
+        label = f"{self.name}:{self.isa}" if self.isa else self.name
+        return f"{label}+{self.prefetch}" if self.prefetch else label
 
     def describe(self, dtype: torch.dtype) -> str:
         unit = _unit(dtype)
@@ -450,7 +466,8 @@ class Route:
                 outputs = "; the op's outputs too"
             elif self.outputs_below > 0:
                 outputs = f"; the op's outputs too, below {self.outputs_below:.0f} rows"
-            text = f"{unit} operands, native kernels' fp32 result ({self.isa} build{outputs})"
+            prefetch = f", rows prefetched {PREFETCH_WORDS[self.prefetch]}" if self.prefetch else ""
+            text = f"{unit} operands, native kernels' fp32 result ({self.isa} build{outputs}{prefetch})"
         elif self.fp32_output:
             text = f"{unit} operands, fp32 result"
         else:
@@ -819,6 +836,41 @@ def _measured_choice(
     return HalfChoice(dtype, family, small, large, f"{why}{reason}", split)
 
 
+def _with_row_prefetch(choice: HalfChoice, probe: Probe, measured: dict[str, float]) -> HalfChoice:
+    """Sparse attention's `choice` with each native route's row prefetch (ROW_PREFETCHES) the one that measured
+    fastest with the selected rows coming from memory (ATTENTION_FROM_MEMORY), at the head count the route serves
+    (summed over both counts where it serves every call). The hints give the same results; which is fastest is the
+    CPU's: over 2048 scattered rows out of L3, into L2 was the fastest on a Zen 4 and the slowest on a Zen 5
+    (head_pairs.h). Ties keep the first hint, the kernel's default."""
+    unit, counts = _unit(choice.dtype), MEASURED_COUNTS[ATTENTION]
+    found = []
+
+    def fastest_hint(route: Route, heads: tuple[int, ...]) -> Route:
+        if route.name != NATIVE:
+            return route
+        hinted = tuple(replace(route, prefetch=hint) for hint in ROW_PREFETCHES)
+        totals = dict.fromkeys(ROW_PREFETCHES, 0.0)
+        for count in heads:
+            times = probe.route_times(choice.dtype, ATTENTION_FROM_MEMORY, hinted, count)
+            for r in hinted:
+                totals[r.prefetch] += times[r.label]
+                measured[f"{unit} attention {r.label} {count} heads, rows from memory (ms)"] = round(
+                    times[r.label] * 1e3, 4
+                )
+        best = min(ROW_PREFETCHES, key=totals.__getitem__)
+        ratio = totals[next(iter(ROW_PREFETCHES))] / totals[best]
+        found.append(f"{route.label} rows {PREFETCH_WORDS[best]} ({ratio:.2f}x the default from memory)")
+        return replace(route, prefetch=best)
+
+    if choice.small == choice.large:
+        route = fastest_hint(choice.large, counts)
+        small = large = route
+    else:
+        small, large = fastest_hint(choice.small, counts[:1]), fastest_hint(choice.large, counts[1:])
+    reason = f"{choice.reason}; {', '.join(found)}" if found else choice.reason
+    return replace(choice, small=small, large=large, reason=reason)
+
+
 def _decide_half(
     dtype: torch.dtype, facts: DeviceFacts, probe: Probe, mode: str, measured: dict[str, float]
 ) -> dict[str, HalfChoice]:
@@ -848,6 +900,8 @@ def _decide_half(
     for family in FAMILIES:
         try:
             choices[family] = _measured_choice(dtype, family, routes, probe, measured, f"{known}{notes}")
+            if family == ATTENTION:
+                choices[family] = _with_row_prefetch(choices[family], probe, measured)
         except RUNTIME_ERRORS as exc:  # an unknown device without such a GEMM
             reason = f"{unit} products do not run here ({str(exc).splitlines()[0][:160]})"
             choices[family] = HalfChoice(dtype, family, FP32_ROUTE, FP32_ROUTE, reason)

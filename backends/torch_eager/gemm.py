@@ -102,6 +102,9 @@ class Gemm:
     # this (rows of work: an fp32 operand's two parts count twice), where the probe measured it faster than one
     # pass of torch's GEMM (decode, where the weight's bytes set the time); 0: never.
     outputs_below: float = 0.0
+    # Sparse attention's native kernel: how it asks for the rows it reads next (native.sparse_attention.ROW_PREFETCHES;
+    # "": the kernel's default), as the probe measured fastest here from memory. The results are the same bits.
+    row_prefetch: str = ""
 
     @property
     def half(self) -> bool:
@@ -263,7 +266,9 @@ def from_route(activation: torch.dtype, route: Route) -> Gemm:
     if route.name == FP32_NAME:
         return FP32
     if route.name == NATIVE:
-        return Gemm(activation, True, route.max_work, True, route.isa, route.torch_half, route.outputs_below)
+        return Gemm(
+            activation, True, route.max_work, True, route.isa, route.torch_half, route.outputs_below, route.prefetch
+        )
     return Gemm(activation, route.fp32_output, route.max_work)
 
 

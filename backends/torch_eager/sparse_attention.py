@@ -68,8 +68,9 @@ def sparse_flash_attention(
         # (the tests of key_slots below), so no slot tensor and no mask is made in torch. The op validated every
         # argument and the conditions above are the rest of what the kernel's wrapper would check again (validated).
         batch = (block_table, seq_lens_k, cu_seqlens_q)
+        prefetch = gemm.row_prefetch or native_attention.DEFAULT_PREFETCH  # as the probe measured it here
         return native_attention.paged_attention(
-            q, kv_cache, indices, *batch, sm_scale, d_v, isa=gemm.native_isa, validated=True
+            q, kv_cache, indices, *batch, sm_scale, d_v, isa=gemm.native_isa, validated=True, prefetch=prefetch
         )
     view = slot_rows(kv_cache)  # the cache read in place as rows [R, D] (or [R, row_bytes] uint8)
     rows = view.rows

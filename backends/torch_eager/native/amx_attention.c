@@ -23,7 +23,7 @@
  */
 #include "amx_blocks.h"
 #include "attention_softmax.h" /* exponentiate, store_output */
-#include "head_pairs.h"        /* live_lanes, prefetch_to_l2 */
+#include "head_pairs.h"        /* live_lanes, prefetch_row */
 #include "selected_rows.h"     /* struct key_source, select_rows */
 
 #define KEY_BLOCK MB          /* keys per score block: the rows of its two A tiles */
@@ -152,8 +152,8 @@ static void pack_value_panel(const uint16_t *const *rows, long n, long np, long 
    allocated. */
 static int attend(long heads, long dims, long dv, long topk, const uint16_t *q, long q_token, long q_head,
                   const uint16_t *rows, long num_slots, long row_stride, const struct key_source *keys, float scale,
-                  void *out, int out_fp32, long out_token, long out_head, float *lse, long lse_token, long t_begin,
-                  long t_end) {
+                  void *out, int out_fp32, long out_token, long out_head, float *lse, long lse_token, int row_prefetch,
+                  long t_begin, long t_end) {
     const long hp = round_up(heads, TILE_COLUMNS), np_max = round_up(topk, KEY_BLOCK);
     const long dim_steps = (dims + STEP_ELEMENTS - 1) / STEP_ELEMENTS, head_blocks = (hp + HEAD_BLOCK - 1) / HEAD_BLOCK;
     const long q_panel = dim_steps * (STEP_BYTES / 2); /* uint16 per head block's panel of q */
@@ -193,7 +193,7 @@ static int attend(long heads, long dims, long dv, long topk, const uint16_t *q, 
             int n_keys = n - n0 < KEY_BLOCK ? (int)(n - n0) : KEY_BLOCK;
             for (int j = 0; j < n_keys; j++) memcpy(gathered + j * dims, valid_rows[n0 + j], sizeof *gathered * dims);
             for (long ahead = n0 + KEY_BLOCK; ahead < n0 + 2 * KEY_BLOCK && ahead < n; ahead++) /* the next block */
-                prefetch_to_l2(valid_rows[ahead], dims);
+                prefetch_row(valid_rows[ahead], dims, row_prefetch);
             for (long b = 0; b < head_blocks; b++) {
                 long h0 = b * HEAD_BLOCK;
                 int cols = hp - h0 < HEAD_BLOCK ? (int)(hp - h0) : HEAD_BLOCK;

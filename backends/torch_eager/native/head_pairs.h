@@ -108,11 +108,23 @@ static inline void prefetch(const uint16_t *from, long elements) {
     for (long e = 0; e < elements; e += 32) _mm_prefetch((const char *)(from + e), _MM_HINT_T0);
 }
 
-/* The same into L2 (T2), not L1: sparse_attention.c asks for several whole 1 KiB rows at once, more lines than L1
-   can have in flight; on a Zen 4 (AVX-512 BF16) its scores over 2048 rows of a 16K cache that is out of L3 took
-   1.04-1.22x less time so (4 to 64 heads, both builds), and the same time where the rows are in cache. */
-static inline void prefetch_to_l2(const uint16_t *from, long elements) {
-    for (long e = 0; e < elements; e += 32) _mm_prefetch((const char *)(from + e), _MM_HINT_T2);
+/* How sparse attention asks for the whole rows it reads next (its entry points' `row_prefetch`): into L2 (T2), into
+   L1 (T0) or non-temporally (NTA). Which is fastest is the CPU's, so the torch backend's probe measures it: over 2048
+   scattered rows of a cache out of L3, on a Zen 4 (AVX-512 BF16) L2 took 1.04-1.22x less time than L1 (4 to 64
+   heads, both builds: more lines than L1 can have in flight), while on a Zen 5 L1 and NTA took ~1.45x less than L2
+   at 4 heads (AVX2 build) and 1.07-1.17x less at 16 and 64 (AVX-512); where the rows are in cache, the same time. */
+enum { PREFETCH_L2 = 0, PREFETCH_L1 = 1, PREFETCH_NTA = 2 };
+
+/* One loop per hint, each an asm instruction: gcc 12 merged three loops of _mm_prefetch into one whose hint was no
+   longer a constant, and then emitted no prefetch at all (the kernel's objdump showed none). */
+static inline void prefetch_row(const uint16_t *from, long elements, int hint) {
+    const char *bytes = (const char *)from;
+    if (hint == PREFETCH_NTA)
+        for (long e = 0; e < elements; e += 32) __asm__ volatile("prefetchnta %0" : : "m"(bytes[2 * e]));
+    else if (hint == PREFETCH_L1)
+        for (long e = 0; e < elements; e += 32) __asm__ volatile("prefetcht0 %0" : : "m"(bytes[2 * e]));
+    else
+        for (long e = 0; e < elements; e += 32) __asm__ volatile("prefetcht2 %0" : : "m"(bytes[2 * e]));
 }
 #else
 static inline void prefetch(const uint16_t *from, long elements) {
@@ -120,9 +132,10 @@ static inline void prefetch(const uint16_t *from, long elements) {
     (void)elements;
 }
 
-static inline void prefetch_to_l2(const uint16_t *from, long elements) {
+static inline void prefetch_row(const uint16_t *from, long elements, int hint) {
     (void)from;
     (void)elements;
+    (void)hint;
 }
 #endif
 #endif

@@ -122,15 +122,16 @@ static void row_dot_tile(const uint16_t *const *rows, int n_keys, const float *q
 }
 
 /* s [k1 - k0][hp] for the valid rows k0 .. k1 - 1 (of n), at most ROW_HEADS real heads (row_dot_tile); rows ahead
-   are prefetched up to n. Not inlined into the token loop: there it changed how gcc compiled the heads-in-lanes
+   are prefetched up to n (as row_prefetch says: head_pairs.h). Not inlined into the token loop: there it changed how gcc compiled the heads-in-lanes
    tiles, which then ran ~12% slower at 5 to 8 heads. */
 static __attribute__((noinline)) void score_few_heads(const uint16_t *const *valid_rows, long n, long k0, long k1,
-                                                      const float *qf, long dims, float scale, float *s, long hp) {
+                                                      const float *qf, long dims, float scale, float *s, long hp,
+                                                      int row_prefetch) {
     for (long n0 = k0; n0 < k1; n0 += ROW_KEYS) {
         const uint16_t *keys[ROW_KEYS];
         for (int j = 0; j < ROW_KEYS; j++) keys[j] = valid_rows[n0 + j < k1 ? n0 + j : n0]; /* spare lanes: a real row */
         for (long ahead = n0 + 4 * ROW_KEYS; ahead < n0 + 5 * ROW_KEYS && ahead < n; ahead++)
-            prefetch_to_l2(valid_rows[ahead], dims);
+            prefetch_row(valid_rows[ahead], dims, row_prefetch);
         row_dot_tile(keys, k1 - n0 < ROW_KEYS ? (int)(k1 - n0) : ROW_KEYS, qf, dims, scale, s + (n0 - k0) * hp, hp);
     }
 }
@@ -212,14 +213,14 @@ static void value_tile(const uint16_t *const *rows, const uint16_t *vp, long n_v
    top semantics: returns 0 at once, having written nothing, and the caller runs the two passes). o [ROW_HEADS][dv]
    fp32, s: VALUE_KEY_BLOCK x hp floats of workspace; lse: the token's H values. */
 static int attend_few_heads_online(const uint16_t *const *valid_rows, long n, const float *qf, long dims, long dv,
-                                   long heads, long hp, float scale, float *s, float *o, float *lse) {
+                                   long heads, long hp, float scale, float *s, float *o, float *lse, int row_prefetch) {
     const __m256 live = lanes_below(heads);
     const __m256 zero = _mm256_setzero_ps(), infinity = _mm256_set1_ps(INFINITY);
     __m256 peak = _mm256_set1_ps(-INFINITY), total = zero;
     memset(o, 0, sizeof *o * ROW_HEADS * dv);
     for (long k0 = 0; k0 < n; k0 += VALUE_KEY_BLOCK) {
         long block = n - k0 < VALUE_KEY_BLOCK ? n - k0 : VALUE_KEY_BLOCK;
-        score_few_heads(valid_rows, n, k0, k0 + block, qf, dims, scale, s, hp);
+        score_few_heads(valid_rows, n, k0, k0 + block, qf, dims, scale, s, hp, row_prefetch);
         __m256 block_peak = peak, not_finite = zero;
         for (long k = 0; k < block; k++) {
             __m256 x = _mm256_and_ps(live, _mm256_loadu_ps(s + k * hp)); /* dead lanes: 0 */
@@ -430,10 +431,12 @@ static void pack_probabilities(float *s, long n, long hp, long heads, const floa
    q: [T][H][D] bf16 at element strides q_token, q_head (dims contiguous), packed per token as [pairs + odd][hp][2]
    (hp = H rounded up to 16; head_pairs.h) into the workspace; rows: [num_slots] rows of row_stride elements; out:
    [T][H][dv] (element strides out_token, out_head), fp32 if out_fp32 else bf16; lse: [T][H] fp32 (stride
-   lse_token). Returns 0, or -1 if the per-thread workspace could not be allocated. */
+   lse_token); row_prefetch: how rows read next are asked for (head_pairs.h). Returns 0, or -1 if the per-thread
+   workspace could not be allocated. */
 static int attend(long heads, long dims, long dv, long topk, const uint16_t *q, long q_token, long q_head,
                   const uint16_t *rows, long num_slots, long row_stride, const struct key_source *keys, float scale, void *out, int out_fp32,
-                  long out_token, long out_head, float *lse, long lse_token, long t_begin, long t_end) {
+                  long out_token, long out_head, float *lse, long lse_token, int row_prefetch,
+                  long t_begin, long t_end) {
     long pairs = dims / 2, odd = dims % 2, hp = (heads + 15) / 16 * 16;
     long value_heads = (heads + VALUE_HEADS - 1) / VALUE_HEADS * VALUE_HEADS, key_pairs = (topk + 1) / 2 + 1;
     size_t out_size = out_fp32 ? sizeof(float) : sizeof(uint16_t);
@@ -470,11 +473,12 @@ static int attend(long heads, long dims, long dv, long topk, const uint16_t *q, 
 #if defined(GLM5_AVX2)
         if (heads <= ROW_HEADS) {
             widen_heads(qt, hp, heads, dims, qf);
-            if (attend_few_heads_online(valid_rows, n, qf, dims, dv, heads, hp, scale, s, o, lse + t * lse_token)) {
+            if (attend_few_heads_online(valid_rows, n, qf, dims, dv, heads, hp, scale, s, o, lse + t * lse_token,
+                                        row_prefetch)) {
                 store_output(o, heads, dv, out_t, out_fp32, out_head);
                 continue;
             }
-            score_few_heads(valid_rows, n, 0, n, qf, dims, scale, s, hp);
+            score_few_heads(valid_rows, n, 0, n, qf, dims, scale, s, hp, row_prefetch);
         } else
 #endif
         for (long n0 = 0; n0 < n; n0 += KEYS) {
@@ -482,7 +486,7 @@ static int attend(long heads, long dims, long dv, long topk, const uint16_t *q, 
             const uint16_t *keys[KEYS];
             for (int j = 0; j < KEYS; j++) keys[j] = valid_rows[j < n_keys ? n0 + j : n0]; /* spare lanes: a real row */
             for (long ahead = n0 + 2 * KEYS; ahead < n0 + 3 * KEYS && ahead < n; ahead++) /* two tiles ahead */
-                prefetch_to_l2(valid_rows[ahead], dims);
+                prefetch_row(valid_rows[ahead], dims, row_prefetch);
             for (long h0 = 0; h0 < hp; h0 += HEAD_GROUP) {
                 int nv = (int)((hp - h0) / 16 < HEAD_GROUP / 16 ? (hp - h0) / 16 : HEAD_GROUP / 16);
 #if !defined(GLM5_PORTABLE) && !defined(GLM5_AVX2)

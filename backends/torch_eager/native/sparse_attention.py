@@ -54,10 +54,15 @@ AMX = "amx"  # the AMX kernel's build (AMX_KERNEL: both products on tiles)
 PORTABLE = "portable"
 KERNEL = "sparse_attention"  # sparse_attention.c: the vector builds (FAST, AVX2, PORTABLE)
 AMX_KERNEL = "amx_attention"  # amx_attention.c: the same entry points on AMX tiles (AMX, PORTABLE: its blocking)
+# How the kernel asks for the rows it reads next (head_pairs.h's codes): into L2, into L1, or non-temporally. Which
+# is fastest from memory is the CPU's (the torch backend's probe measures it); the results are the same bits.
+ROW_PREFETCHES: dict[str, int] = {"l2": 0, "l1": 1, "nta": 2}
+DEFAULT_PREFETCH = "l2"
 
 _L, _P, _F, _I = ctypes.c_long, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
 _HEAD = [_L, _L, _L, _L, _P, _L, _L, _P, _L, _L]  # heads, dims, dv, topk, q, its strides, rows, num_slots, row_stride
-_TAIL = [_F, _P, _I, _L, _L, _P, _L, _L, _L]  # scale, out, out_fp32, out strides, lse, lse stride, token range
+# scale, out, out_fp32, out strides, lse, lse stride, row prefetch (ROW_PREFETCHES), token range
+_TAIL = [_F, _P, _I, _L, _L, _P, _L, _I, _L, _L]
 _ARGTYPES = [*_HEAD, _P, *_TAIL]  # slots
 # indices, index stride, block table, its stride, max_blocks, seq_lens_k, cu_seqlens_q, B, block_size, num_blocks,
 # block_step, row_step
@@ -80,6 +85,14 @@ def availability(isa: str = FAST, kernel: str | None = None) -> tuple[bool, str]
     """(True, what runs) or (False, why not) for the kernel (kernel_for) built for `isa` here (built on first use;
     for the AMX kernel, Linux's grant of the tile state included)."""
     return amx_tiles.any_availability(kernel_for(isa, kernel), isa)
+
+
+def _check_prefetch(prefetch: str) -> None:
+    check(
+        prefetch in ROW_PREFETCHES,
+        ValueError,
+        lambda: f"sparse attention: prefetch: expected one of {tuple(ROW_PREFETCHES)}, got {prefetch!r}",
+    )
 
 
 def _check_query(q: Tensor) -> tuple[int, int]:
@@ -175,10 +188,11 @@ def _attention(
     isa: str,
     threads: int | None,
     kernel: str | None = None,
+    prefetch: str = DEFAULT_PREFETCH,
 ) -> tuple[Tensor, Tensor]:
     slots = slots.contiguous()
     function = _kernel(isa, kernel=kernel)
-    return _run(function, q, rows, (slots.data_ptr(),), slots.shape[1], scale, d_v, out_dtype, threads)
+    return _run(function, q, rows, (slots.data_ptr(),), slots.shape[1], scale, d_v, out_dtype, threads, prefetch)
 
 
 def _run(
@@ -191,6 +205,7 @@ def _run(
     d_v: int,
     out_dtype: torch.dtype,
     threads: int | None,
+    prefetch: str,
 ) -> tuple[Tensor, Tensor]:
     """The kernel over every token, split by tokens across threads; `keys`: the arguments that say where each
     token's rows are (the slots, or the paged batch; the caller keeps their tensors alive)."""
@@ -203,6 +218,7 @@ def _run(
     args = (heads, dims, d_v, topk, q.data_ptr(), q.stride(0), q.stride(1), rows.data_ptr(), rows.shape[0])
     args += (rows.stride(0), *keys, scale)
     args += (out.data_ptr(), int(out_dtype == torch.float32), out.stride(0), out.stride(1), lse.data_ptr(), heads)
+    args += (ROW_PREFETCHES[prefetch],)
     flops = 2 * tokens * topk * heads * (dims + d_v)
     shares = threads_.split(tokens, threads_.thread_count(flops, threads))
     failed = threads_.failed_shares(kernel, args, shares)
@@ -223,6 +239,7 @@ def _paged_attention(
     isa: str,
     threads: int | None,
     kernel: str | None = None,
+    prefetch: str = DEFAULT_PREFETCH,
 ) -> tuple[Tensor, Tensor]:
     view = slot_rows(cache)  # the cache's rows in place, whatever its block and slot strides
     # Rows of the index tensors are read at their stride; each row itself must be contiguous.
@@ -233,7 +250,7 @@ def _paged_attention(
     keys += (seq_lens_k.data_ptr(), cu_seqlens_q.data_ptr(), table.shape[0], cache.shape[1], cache.shape[0])
     keys += (view.block_step, view.row_step)
     function = _kernel(isa, paged=True, kernel=kernel)
-    return _run(function, q, view.rows, keys, indices.shape[1], scale, d_v, out_dtype, threads)
+    return _run(function, q, view.rows, keys, indices.shape[1], scale, d_v, out_dtype, threads, prefetch)
 
 
 def attention(
@@ -247,12 +264,15 @@ def attention(
     isa: str = FAST,
     threads: int | None = None,
     kernel: str | None = None,
+    prefetch: str = DEFAULT_PREFETCH,
 ) -> tuple[Tensor, Tensor]:
     """(out, lse) as described in the module docstring. out_dtype: bf16 (the op's) or fp32 (the unrounded result,
     for tests). isa: the build (backends.torch_eager.native.build.ISAS). threads: default torch's. kernel: KERNEL or
-    AMX_KERNEL (default: kernel_for(isa); the tests run AMX_KERNEL's portable build, its blocking on any CPU)."""
+    AMX_KERNEL (default: kernel_for(isa); the tests run AMX_KERNEL's portable build, its blocking on any CPU).
+    prefetch: how the kernel asks for the rows it reads next (ROW_PREFETCHES; the same results, at another speed)."""
     _check_arguments(q, rows, slots, d_v, out_dtype)
-    return _attention(q, rows, slots, scale, d_v, out_dtype, isa, threads, kernel)
+    _check_prefetch(prefetch)
+    return _attention(q, rows, slots, scale, d_v, out_dtype, isa, threads, kernel, prefetch)
 
 
 def paged_attention(
@@ -270,33 +290,37 @@ def paged_attention(
     threads: int | None = None,
     validated: bool = False,
     kernel: str | None = None,
+    prefetch: str = DEFAULT_PREFETCH,
 ) -> tuple[Tensor, Tensor]:
-    """(out, lse) as `attention`, over the op's paged batch (module docstring). isa, threads, out_dtype, kernel: as
-    `attention`. validated: the caller has established what this would check (the kinds and shapes of every argument,
-    bf16 q and cache with contiguous rows, CPU tensors): the torch backend, behind glm5_hal.sparse_flash_attention's
-    validation and its native route's conditions (a decode step otherwise runs every check twice, ~0.02 ms a layer
-    inside an engine). The kernel itself drops keys whose block or position the table and cache do not hold."""
+    """(out, lse) as `attention`, over the op's paged batch (module docstring). isa, threads, out_dtype, kernel,
+    prefetch: as `attention`. validated: the caller has established what this would check (the kinds and shapes of
+    every argument, bf16 q and cache with contiguous rows, CPU tensors, the prefetch name): the torch backend, behind
+    glm5_hal.sparse_flash_attention's validation and its native route's conditions (a decode step otherwise runs
+    every check twice, ~0.02 ms a layer inside an engine). The kernel itself drops keys whose block or position
+    the table and cache do not hold."""
     if not validated:
         _check_paged_arguments(q, cache, indices, block_table, seq_lens_k, cu_seqlens_q, d_v, out_dtype)
+        _check_prefetch(prefetch)
     # The build is an argument of the op: compile sees each; in plain eager mode the implementation runs directly.
     if threads is None and out_dtype == torch.bfloat16 and not plain_eager((q, cache, indices)):
         return torch.ops.glm5_hal.native_paged_sparse_attention(
-            q, cache, indices, block_table, seq_lens_k, cu_seqlens_q, scale, d_v, isa, kernel_for(isa, kernel)
+            q, cache, indices, block_table, seq_lens_k, cu_seqlens_q, scale, d_v, isa, kernel_for(isa, kernel), prefetch
         )
     return _paged_attention(
-        q, cache, indices, block_table, seq_lens_k, cu_seqlens_q, scale, d_v, out_dtype, isa, threads, kernel
+        q, cache, indices, block_table, seq_lens_k, cu_seqlens_q, scale, d_v, out_dtype, isa, threads, kernel, prefetch
     )
 
 
 _LIBRARY = torch.library.Library("glm5_hal", "FRAGMENT")
 _LIBRARY.define(
     "native_paged_sparse_attention(Tensor q, Tensor cache, Tensor indices, Tensor block_table, Tensor seq_lens_k, "
-    f"Tensor cu_seqlens_q, float scale, int d_v, str isa='{FAST}', str kernel='{KERNEL}') -> (Tensor, Tensor)"
+    f"Tensor cu_seqlens_q, float scale, int d_v, str isa='{FAST}', str kernel='{KERNEL}', "
+    f"str prefetch='{DEFAULT_PREFETCH}') -> (Tensor, Tensor)"
 )
 _LIBRARY.impl(
     "native_paged_sparse_attention",
-    lambda q, cache, indices, table, lens, cu, scale, d_v, isa=FAST, kernel=KERNEL: _paged_attention(
-        q, cache, indices, table, lens, cu, scale, d_v, torch.bfloat16, isa, None, kernel
+    lambda q, cache, indices, table, lens, cu, scale, d_v, isa=FAST, kernel=KERNEL, prefetch=DEFAULT_PREFETCH: (
+        _paged_attention(q, cache, indices, table, lens, cu, scale, d_v, torch.bfloat16, isa, None, kernel, prefetch)
     ),
     "CPU",
 )
@@ -314,6 +338,7 @@ def _fake_paged_attention(
     d_v: int,
     isa: str = FAST,
     kernel: str = KERNEL,
+    prefetch: str = DEFAULT_PREFETCH,
 ) -> tuple[Tensor, Tensor]:
     tokens, heads, _ = q.shape
     return q.new_empty(tokens, heads, d_v), q.new_empty(tokens, heads, dtype=torch.float32)
