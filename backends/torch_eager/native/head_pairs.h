@@ -111,7 +111,7 @@ static inline void prefetch(const uint16_t *from, long elements) {
 /* How sparse attention asks for the whole rows it reads next (its entry points' `row_prefetch`): into L2 (T2), into
    L1 (T0) or non-temporally (NTA). Which is fastest is the CPU's, so the torch backend's probe measures it: over 2048
    scattered rows of a cache out of L3, on a Zen 4 (AVX-512 BF16) L2 took 1.04-1.22x less time than L1 (4 to 64
-   heads, both builds: more lines than L1 can have in flight), while on a Zen 5 L1 and NTA took ~1.45x less than L2
+   heads, both builds: more lines than L1 can have in flight), while on a Zen 5 L1 and NTA took ~1.5x less than L2
    at 4 heads (AVX2 build) and 1.07-1.17x less at 16 and 64 (AVX-512); where the rows are in cache, the same time. */
 enum { PREFETCH_L2 = 0, PREFETCH_L1 = 1, PREFETCH_NTA = 2 };
 

@@ -122,8 +122,8 @@ static void row_dot_tile(const uint16_t *const *rows, int n_keys, const float *q
 }
 
 /* s [k1 - k0][hp] for the valid rows k0 .. k1 - 1 (of n), at most ROW_HEADS real heads (row_dot_tile); rows ahead
-   are prefetched up to n (as row_prefetch says: head_pairs.h). Not inlined into the token loop: there it changed how gcc compiled the heads-in-lanes
-   tiles, which then ran ~12% slower at 5 to 8 heads. */
+   are prefetched up to n (as row_prefetch says: head_pairs.h). Not inlined into the token loop: there it changed how
+   gcc compiled the heads-in-lanes tiles, which then ran ~12% slower at 5 to 8 heads. */
 static __attribute__((noinline)) void score_few_heads(const uint16_t *const *valid_rows, long n, long k0, long k1,
                                                       const float *qf, long dims, float scale, float *s, long hp,
                                                       int row_prefetch) {
