@@ -159,7 +159,7 @@ def int8_tile_matmul(
             mask=k_mask[:, None] & col_mask[None, :],
             other=0,
         )
-        acc = tl.dot(a, b, acc)
+        acc = tl.dot(a, b, acc, out_dtype=tl.int32)  # an int32 accumulator must be named (Triton 3.6 asserts)
     return acc
 
 
@@ -212,7 +212,7 @@ def w4a8_tile_matmul(
                 mask=k_mask[:, None] & col_mask[None, :],
                 other=0,
             )
-            group_acc = tl.dot(a, unpack_int4_tile(packed, ks), group_acc)
+            group_acc = tl.dot(a, unpack_int4_tile(packed, ks), group_acc, out_dtype=tl.int32)
         group_scale = tl.load(w_scale_ptr + cols * stride_sn + (g0 // group_size) * stride_sg, mask=col_mask, other=0.0)
         acc += group_acc.to(tl.float32) * group_scale[None, :]
     return acc

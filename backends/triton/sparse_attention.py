@@ -159,9 +159,16 @@ def _sparse_attention_kernel(
         key_ok = (pos >= 0) & (pos < key_limit) & addressed
         num_valid += tl.sum(key_ok.to(tl.int32), axis=0)
         kv_rows = kv_ptr + rows[:, None]
-        layout = (q_ptr.dtype.element_ty, KV_CODE, QUANT_DIMS, SCALES_OFFSET, ROPE_OFFSET)
-        kv_v = load_cache_values(kv_rows, dv[None, :], key_ok[:, None] & dv_ok[None, :], stride_kv_d, *layout)
-        kv_r = load_cache_values(kv_rows, d_v + dr[None, :], key_ok[:, None] & dr_ok[None, :], stride_kv_d, *layout)
+        # The layout arguments are spelled out: Triton 3.6's compiler cannot build a tuple holding a dtype (it
+        # raised "'dtype' object has no attribute 'type'" on an H200); the interpreter never noticed.
+        kv_v = load_cache_values(
+            kv_rows, dv[None, :], key_ok[:, None] & dv_ok[None, :], stride_kv_d,
+            q_ptr.dtype.element_ty, KV_CODE, QUANT_DIMS, SCALES_OFFSET, ROPE_OFFSET,
+        )  # fmt: skip
+        kv_r = load_cache_values(
+            kv_rows, d_v + dr[None, :], key_ok[:, None] & dr_ok[None, :], stride_kv_d,
+            q_ptr.dtype.element_ty, KV_CODE, QUANT_DIMS, SCALES_OFFSET, ROPE_OFFSET,
+        )  # fmt: skip
         if DOT_UPCAST:
             kv_v = kv_v.to(tl.float32)
             kv_r = kv_r.to(tl.float32)
