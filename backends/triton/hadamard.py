@@ -3,7 +3,10 @@
 One program per row, fp32 throughout. The row is held as a [K, P] tile (K on the slow index, as QuaRot builds
 H = kron(H_K, H_P)); since kron(H_K, H_P) = (H_K kron I_P)(I_K kron H_P), the kernel
   1. mixes the K sub-rows with the small K x K matrix: acc[i, :] = sum_j H_K[i, j] * x[j*P : (j+1)*P]
-     (K FMAs per element, read straight from global memory; K = 1 is a copy),
+     (K FMAs per element, one sub-row of x and one column of H_K per step, read straight from global memory;
+     K = 1 is a copy). Written as 2-D multiply-adds on purpose: the earlier form, a [K, BLOCK_J, P] product summed
+     over its middle axis, came out 8 / BLOCK_J times too large for BLOCK_J < 8 on an H200 with Triton 3.6
+     (measured; the interpreter got it right), as if replicated lanes were summed;
   2. runs the m radix-2 butterfly stages of the fast Walsh-Hadamard transform along P in registers
      (O(n log n); each stage pairs p with p + h by a reshape / split / join, no shared-memory round trip
      written by hand),
@@ -57,7 +60,6 @@ def _hadamard_kernel(
     # Meta-parameters
     BASE: tl.constexpr,  # K
     BLOCK_BASE: tl.constexpr,  # next power of two >= K
-    BLOCK_J: tl.constexpr,  # sub-rows mixed per step: the step holds a [BLOCK_BASE, BLOCK_J, P] product
     P: tl.constexpr,  # 2^m
     LOG_P: tl.constexpr,
 ):
@@ -66,14 +68,10 @@ def _hadamard_kernel(
     p = tl.arange(0, P)
     base_ok = i < BASE
     acc = tl.zeros((BLOCK_BASE, P), tl.float32)
-    for j0 in range(0, BASE, BLOCK_J):  # BLOCK_J sub-rows of x at a time
-        j = j0 + tl.arange(0, BLOCK_J)
-        j_ok = j < BASE
-        h = tl.load(h_base_ptr + i[:, None] * BASE + j[None, :], mask=base_ok[:, None] & j_ok[None, :], other=0.0)
-        x_sub = tl.load(
-            x_ptr + row * stride_xr + (j[:, None] * P + p[None, :]) * stride_xn, mask=j_ok[:, None], other=0.0
-        )
-        acc += tl.sum(h[:, :, None] * x_sub.to(tl.float32)[None, :, :], axis=1)
+    for j in range(0, BASE):  # sub-row j of x, weighted by column j of H_K, into every output sub-row
+        h_col = tl.load(h_base_ptr + i * BASE + j, mask=base_ok, other=0.0)
+        x_sub = tl.load(x_ptr + row * stride_xr + (j * P + p) * stride_xn)
+        acc += h_col[:, None] * x_sub.to(tl.float32)[None, :]
     acc = walsh_hadamard_rows(acc, BLOCK_BASE, P, LOG_P) * scale
     tl.store(
         y_ptr + row * stride_yr + (i[:, None] * P + p[None, :]) * stride_yn,
@@ -103,11 +101,8 @@ def hadamard_transform(x: Tensor, *, scale: float | None = None) -> Tensor:
     y = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
     if rows.shape[0] > 0:
         block_base = triton.next_power_of_2(base)
-        # GPU: a row tile of BLOCK_BASE * P fp32, with more warps for big ones so each thread keeps <= ~64 values,
-        # and a mixing step of at most ~4K products. Interpreted: the whole mix in one step (each step costs
-        # Python time there, the array sizes do not).
+        # GPU: a row tile of BLOCK_BASE * P fp32, with more warps for big ones so each thread keeps <= ~64 values.
         num_warps = 4 if interpreting() else max(4, min(16, block_base * pow2 // 2048))
-        block_j = block_base if interpreting() else max(1, min(block_base, 4096 // (block_base * pow2)))
         _hadamard_kernel[(rows.shape[0],)](
             rows,
             _base_matrix(base, x.device),
@@ -119,7 +114,6 @@ def hadamard_transform(x: Tensor, *, scale: float | None = None) -> Tensor:
             stride_yn=y.stride(1),
             BASE=base,
             BLOCK_BASE=block_base,
-            BLOCK_J=block_j,
             P=pow2,
             LOG_P=pow2.bit_length() - 1,
             num_warps=num_warps,
