@@ -34,7 +34,7 @@ import glm5_hal
 from backends.triton.runtime import use_interpreter_if_no_gpu
 from glm5_hal.config import GLM5, GLM5_MINI, ModelConfig
 from glm5_hal.parity import cases as builders
-from glm5_hal.parity.compare import compare_float, compare_topk, to_numpy
+from glm5_hal.parity.compare import compare_float, compare_int8_codes, compare_topk, to_numpy
 from glm5_hal.parity.inputs import SeqSpec
 from glm5_hal.registry import OP_NAMES
 from glm5_hal.selection import use_backend
@@ -93,6 +93,10 @@ def _check_against_torch(op: str, inputs: dict) -> str:
         return "ok" if verdict.passed else verdict.detail
     problems = []
     for i, (g, w) in enumerate(zip(got, want)):
+        if op == "dynamic_quant" and i == 0:  # codes may differ by one where x / scale is a rounding tie
+            verdict = compare_int8_codes("q", g, to_numpy(w), to_numpy(inputs["x"]), to_numpy(want[1]))
+            problems += [] if verdict.passed else [f"output 0: {verdict.detail}"]
+            continue
         if not g.is_floating_point():
             if not torch.equal(g, w):
                 problems.append(f"output {i}: integers differ")
@@ -101,6 +105,12 @@ def _check_against_torch(op: str, inputs: dict) -> str:
         if not verdict.passed:
             problems.append(f"output {i}: {verdict.detail}")
     return "ok" if not problems else "; ".join(problems)
+
+
+def _failure(exc: BaseException) -> str:
+    """One line for a kernel that raised on this device (compile error, out of resources, a CUDA fault)."""
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return f"ERROR {type(exc).__name__}: {first[:300]}"
 
 
 def measure(
@@ -169,7 +179,9 @@ def _attention_targets(cfg: ModelConfig, prefill: SeqSpec, decode_batch: int, co
     return [
         Target("sfa prefill: bandwidth", "sparse_flash_attention", attn_prefill, _bandwidth_fraction),
         Target("sfa prefill: vs torch", "sparse_flash_attention", attn_prefill, _speedup),
-        Target("sfa decode: bandwidth", "sparse_flash_attention", attn_decode, _bandwidth_fraction),
+        # One input set: its cache (4.8 GB at GLM-5 dims) is ~80x an H100's L2 and time_calls overwrites the
+        # caches before each call anyway, while building a second set costs half a minute of host time.
+        Target("sfa decode: bandwidth", "sparse_flash_attention", attn_decode, _bandwidth_fraction, sets=1),
         Target(
             "indexer prefill: tensor cores",
             "lightning_indexer",
@@ -243,9 +255,11 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cpu" and not args.mini:
         print("no GPU here: run with --mini for a smoke test; CPU interpreter timings are not performance")
         return 2
-    peaks = table_peaks(device) or measure_peaks(device, DTYPE)
-    print(f"device: {peaks.name}; peaks ({peaks.source}): {peaks.flops / 1e12:.0f} TFLOP/s bf16, "
-          f"{peaks.int8_ops / 1e12:.0f} TOP/s int8, {peaks.bandwidth / 1e9:.0f} GB/s")  # fmt: skip
+    table, measured_peaks = table_peaks(device), measure_peaks(device, DTYPE)
+    peaks = table or measured_peaks  # the roofline below: the vendor's figures where the table has the device
+    for shown in (table, measured_peaks) if table else (measured_peaks,):
+        print(f"device: {shown.name}; peaks ({shown.source}): {shown.flops / 1e12:.0f} TFLOP/s bf16, "
+              f"{shown.int8_ops / 1e12:.0f} TOP/s int8, {shown.bandwidth / 1e9:.0f} GB/s")  # fmt: skip
     reps = 3 if args.mini else args.reps
 
     if args.mini:
@@ -258,21 +272,32 @@ def main(argv: list[str] | None = None) -> int:
     verdicts: list[tuple[str, float, float, str]] = []
     print("\n== targets ==\n" + HEADER)
     measured: dict[tuple[str, int], tuple[Measured, dict]] = {}
+    errors: dict[tuple[str, int], str] = {}
     for target in targets:
         key = (target.op, id(target.build))
-        if key not in measured:  # the prefill target is judged twice on one measurement
-            measured[key] = measure(
-                target.name, target.op, target.build, device, peaks, sets=target.sets, reps=reps, with_torch=True
-            )
-            print(_row(measured[key][0]))
+        if key not in measured and key not in errors:  # the prefill target is judged twice on one measurement
+            try:
+                measured[key] = measure(
+                    target.name, target.op, target.build, device, peaks, sets=target.sets, reps=reps, with_torch=True
+                )
+                print(_row(measured[key][0]), flush=True)
+            except Exception as exc:  # a kernel that fails here is a result: report it, go on with the others
+                errors[key] = _failure(exc)
+                print(f"{target.name:<34} {target.op:<24} {errors[key]}", flush=True)
+        if key in errors:
+            verdicts.append((target.name, 0.0, 1.0, f"CHECK FAILED: {errors[key]}"))
+            continue
         m, inputs = measured[key]
         value, goal, what = target.judge(m, peaks, inputs)
         verdicts.append((target.name, value, goal, what + ("" if m.check == "ok" else f"; CHECK FAILED: {m.check}")))
-    verdicts += _grouped_gemm_targets(*gemm, device)
+    try:
+        verdicts += _grouped_gemm_targets(*gemm, device)
+    except Exception as exc:
+        verdicts.append(("grouped GEMMs", 0.0, 1.0, f"CHECK FAILED: {_failure(exc)}"))
 
     print("\n== issue #3 targets ==")
     failed = 0
-    mismatches = sum(m.check != "ok" for m, _ in measured.values())
+    mismatches = sum(m.check != "ok" for m, _ in measured.values()) + len(errors)
     for name, value, goal, what in verdicts:
         ok = value >= goal and "CHECK FAILED" not in what
         failed += not ok
@@ -282,16 +307,25 @@ def main(argv: list[str] | None = None) -> int:
     cfg, context, batch = (GLM5_MINI, 300, 4) if args.mini else (GLM5, 65536, 64)
     topk_case = builders.indexer_inputs(cfg, [SeqSpec(1, context)] * batch, BLOCK, cfg.index_topk)
     print("\n== top-k share of the indexer ==")
-    print(_topk_share(f"decode b{batch} at {context} keys, topk {cfg.index_topk}", topk_case, device, reps))
+    try:
+        print(_topk_share(f"decode b{batch} at {context} keys, topk {cfg.index_topk}", topk_case, device, reps))
+    except Exception as exc:
+        mismatches += 1
+        print(f"top-k share: {_failure(exc)}")
 
     if not args.targets_only:
         print("\n== every op: triton vs torch ==\n" + HEADER)
         sets = ["mini-prefill", "mini-decode"] if args.mini else ["prefill", "decode"]
         scenarios: list[Scenario] = [s for s in select(sets) if s.op in OP_NAMES]  # public ops, no baselines
         for s in scenarios:
-            m = measure(s.name, s.op, s.build, device, peaks, sets=3, reps=reps, with_torch=True)[0]
+            try:
+                m = measure(s.name, s.op, s.build, device, peaks, sets=3, reps=reps, with_torch=True)[0]
+            except Exception as exc:
+                mismatches += 1
+                print(f"{s.name:<34} {s.op:<24} {_failure(exc)}", flush=True)
+                continue
             mismatches += m.check != "ok"
-            print(_row(m))
+            print(_row(m), flush=True)
     if args.mini:
         print("\n(--mini: shapes and timings are a smoke test of this script, not performance)")
         return 1 if mismatches else 0  # mini timings mean nothing: only the checks against torch count
