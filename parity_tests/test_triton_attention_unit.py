@@ -165,14 +165,15 @@ def test_quantized_cache_of_one_padded_slot_is_written_and_read(fmt):
     from glm5_hal.kv_formats import FORMATS  # noqa: PLC0415
 
     row_bytes = FORMATS[fmt].row_bytes
-    storage = torch.full((row_bytes + 1,), 7, dtype=torch.uint8)
+    storage = torch.full((row_bytes + 1,), 7, dtype=torch.uint8, device=DEVICE)
     cache = storage.as_strided((1, 1, row_bytes), (row_bytes + 1, row_bytes + 1, 1))
     assert cache.is_contiguous() and cache.contiguous() is cache
-    rows = torch.randn(1, 576, generator=torch.Generator().manual_seed(3))
-    quantize_into_cache(rows, cache, torch.tensor([0]), FORMATS[fmt])
+    rows = torch.randn(1, 576, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    slot = torch.tensor([0], device=DEVICE)
+    quantize_into_cache(rows, cache, slot, FORMATS[fmt])
     assert storage[-1] == 7  # the padding byte untouched
-    plain = torch.zeros(1, 1, row_bytes, dtype=torch.uint8)  # the same row written into an ordinary cache
-    quantize_into_cache(rows, plain, torch.tensor([0]), FORMATS[fmt])
+    plain = torch.zeros(1, 1, row_bytes, dtype=torch.uint8, device=DEVICE)  # the same row in an ordinary cache
+    quantize_into_cache(rows, plain, slot, FORMATS[fmt])
     assert torch.equal(cache, plain)
     dense = aligned_cache(cache, fmt)  # what the readers take
     assert dense is not cache and torch.equal(dense, plain) and dense.stride() == plain.stride()
