@@ -14,8 +14,10 @@ in the query's dtype) and each key's score is multiplied by its scale afterwards
 Why torch.topk rather than a Triton radix select: a topk of 2048 of 64K+ keys per row is what torch.topk's
 CUDA path (a radix select over the row for large k, then a sort of the k winners) is built for; it reads each
 logit row once or twice, which is small next to the logits kernel's key reads and dot products (HI * DI FMAs per
-key), so a hand-written select could at best shave the smaller of the two costs. perf/triton_gpu.py times the
-split; no GPU was available in the session that wrote this, so the claim is still to be measured.
+key), so a hand-written select could at best shave the smaller of the two costs. That was the argument; measured on
+an H200 (Triton 3.6, perf/triton_gpu.py, docs/backends.md) it does not hold at decode: at 64 tokens over 64K keys
+torch.topk and its bookkeeping took 40-61% of the op in two runs (1.76 / 1.93 ms, the logits kernel alone 1.05 /
+0.76 ms). A select fused with the logits, or over fewer candidates, is the next step there.
 Reference: ops_reference/indexer.py
 """
 

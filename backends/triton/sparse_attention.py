@@ -215,7 +215,8 @@ def _tuned_kernel():
     """The kernel autotuned over head tiles (all 64 GLM-5 heads sharing a gathered tile, or 32 / 16 with more
     programs), key tiles and pipelining, per (heads, widths, dtype, topk). Configurations that exceed the
     device's shared memory or registers (the fp32 ones at 64 heads) fail to compile and are skipped by the
-    autotuner, so every dtype has a working one. Not tuned on hardware yet: no GPU in the writing session."""
+    autotuner, so every dtype has a working one. Not tuned on hardware yet: the one H200 run (docs/backends.md)
+    timed these as they are."""
     configs = [
         triton.Config({"BLOCK_H": h, "BLOCK_N": n}, num_warps=w, num_stages=s)
         for h, n, w, s in [
