@@ -86,8 +86,8 @@ def test_every_triton_kernel_compiles_for_sm90(triton_site: str, tmp_path: Path)
 
 def test_the_check_reports_what_the_gpu_compiler_rejects_and_what_does_not_fit(tmp_path: Path) -> None:
     """Calling a plain Python function from a kernel: the interpreter runs it, the compiler refuses it. A bf16 dot of
-    [128, 1024] x [1024, 128] tiles compiles but wants 512 KiB of shared memory, over an sm_90 block's 227 KiB: as an
-    autotuner's only configuration, the check reports it."""
+    [128, 1024] x [1024, 128] tiles compiles but wants 512 KiB of shared memory, over an sm_90 block's 227 KiB: the
+    check reports it launched as it is, and as an autotuner's only configuration."""
     proc = _python(
         """
         import torch, triton, triton.language as tl
@@ -106,7 +106,6 @@ def test_the_check_reports_what_the_gpu_compiler_rejects_and_what_does_not_fit(t
             i = tl.arange(0, B)
             tl.store(y_ptr + i, doubled(tl.load(x_ptr + i)))
 
-        @triton.autotune([triton.Config({"M": 128, "K": 1024})], key=[])
         @triton.jit
         def big_dot(x_ptr, y_ptr, M: tl.constexpr, K: tl.constexpr):
             i, k = tl.arange(0, M), tl.arange(0, K)
@@ -114,12 +113,19 @@ def test_the_check_reports_what_the_gpu_compiler_rejects_and_what_does_not_fit(t
             b = tl.load(x_ptr + k[:, None] * M + i[None, :])
             tl.store(y_ptr + i[:, None] * M + i[None, :], tl.dot(a, b))
 
+        big_dot_tuned = triton.autotune([triton.Config({"M": 128, "K": 1024})], key=[])(big_dot)
+
         report = Report(90)
         x, y = torch.zeros(128 * 1024, dtype=torch.bfloat16), torch.zeros(128 * 128)
         with compile_only(90, report):
             tile_copy[(1,)](y, y, B=64)
             print("compiled", sorted(report.shared["tile_copy"]))
-            for launch in (lambda: tile_double[(1,)](y, y, B=64), lambda: big_dot[(1,)](x, y)):
+            launches = (
+                lambda: tile_double[(1,)](y, y, B=64),
+                lambda: big_dot[(1,)](x, y, M=128, K=1024),
+                lambda: big_dot_tuned[(1,)](x, y),
+            )
+            for launch in launches:
                 try:
                     launch()
                     print("no error")
@@ -133,4 +139,5 @@ def test_the_check_reports_what_the_gpu_compiler_rejects_and_what_does_not_fit(t
     assert proc.returncode == 0, out
     assert "compiled [" in proc.stdout, out
     assert "Unsupported function referenced" in proc.stdout or "rejected: CompilationError" in proc.stdout, out
+    assert "rejected: RuntimeError big_dot: needs 524288 bytes of shared memory, over 232448" in proc.stdout, out
     assert "rejected: RuntimeError big_dot: no autotuning config fits 232448 bytes" in proc.stdout, out

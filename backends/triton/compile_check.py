@@ -33,10 +33,9 @@ from dataclasses import dataclass, field
 MAX_SHARED_BYTES = {80: 166912, 86: 101376, 89: 101376, 90: 232448}
 CHECK_BACKEND = "triton-compile-check"
 # The quick set, per op: its first case, its cases at real model dims (the shapes, block sizes and autotuning keys
-# GLM-5 and DeepSeek-V3.2 run; ~2 minutes cold on 2 cores) and its first case in each quantized cache format (a
-# format changes the kernel's code path, not its blocking), in both dtypes, with autotuned
-# kernels compiled up to their first configuration that fits. `--cases all` compiles every parity case and every
-# configuration (tens of minutes on 2 cores).
+# GLM-5 and DeepSeek-V3.2 run) and its first case in each quantized cache format (a format changes the kernel's
+# code path, not its blocking), in both dtypes, autotuned kernels compiled up to their first configuration that
+# fits: ~2 minutes cold on 2 cores. `--cases all`: every parity case, every configuration (tens of minutes).
 CACHE_FORMAT_WORDS = ("fp8_ds_mla", "int8_mla", "fp8_index", "int8_index")
 
 
@@ -94,9 +93,15 @@ def compile_only(arch: int, report: Report, every_config: bool = True) -> Iterat
     limit = MAX_SHARED_BYTES.get(arch)
     jit_run, tuned_run = JITFunction.run, Autotuner.run
 
+    tuning = []  # non-empty while an autotuner compiles its configurations (one of them may not fit)
+
     def run(self, *args, grid, warmup, **kwargs):  # noqa: ANN001, ANN202 (triton's signature)
         kernel = jit_run(self, *args, grid=grid, warmup=True, **kwargs)
         report.shared.setdefault(self.fn.__name__, set()).add(kernel.metadata.shared)
+        if not tuning and not fits(kernel):  # a plain launch of it would fail on the GPU
+            raise RuntimeError(
+                f"{self.fn.__name__}: needs {kernel.metadata.shared} bytes of shared memory, over {limit}"
+            )
         return kernel
 
     def fits(kernel) -> bool:  # noqa: ANN001
@@ -104,10 +109,14 @@ def compile_only(arch: int, report: Report, every_config: bool = True) -> Iterat
 
     def tuned(self, *args, **kwargs):  # noqa: ANN001, ANN202
         kernels = []
-        for config in self.configs:
-            kernels.append(self.fn.run(*args, **{**kwargs, **config.all_kwargs()}))
-            if fits(kernels[-1]) and not every_config:
-                break
+        tuning.append(self)
+        try:
+            for config in self.configs:
+                kernels.append(self.fn.run(*args, **{**kwargs, **config.all_kwargs()}))
+                if fits(kernels[-1]) and not every_config:
+                    break
+        finally:
+            tuning.pop()
         if not any(fits(k) for k in kernels):
             name, sizes = self.fn.fn.__name__, sorted(k.metadata.shared for k in kernels)
             raise RuntimeError(f"{name}: no autotuning config fits {limit} bytes of shared memory {sizes}")
