@@ -7,8 +7,8 @@ Why it exists: CI runs the kernels under Triton's CPU interpreter, which accepts
 rejects. The first session lent a GPU (an H200, Triton 3.6) found two such kernels: a tuple holding a dtype in
 sparse attention, and an int8 `tl.dot` into an int32 accumulator without `out_dtype`. Here every kernel launch of
 the parity cases becomes a compile for the named target, through Triton's own front end, optimizer and ptxas (all
-in the triton wheel; no GPU or driver needed): a kernel that does not compile is reported, and so is a kernel
-whose every autotuning configuration needs more shared memory than the target's block may have.
+in the triton wheel; no GPU or driver needed). Reported: a kernel that does not compile, and a kernel that needs
+more shared memory than the target's block may have (launched as it is, or in every autotuning configuration).
 
 What it cannot see: nothing runs, so no output is checked. A miscompiled kernel (the same H200 summed replicated
 lanes in the Hadamard kernel's old mixing step) needs the GPU: the parity suite with GLM5_HAL_BACKEND=triton and
