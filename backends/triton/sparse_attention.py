@@ -159,8 +159,8 @@ def _sparse_attention_kernel(
         key_ok = (pos >= 0) & (pos < key_limit) & addressed
         num_valid += tl.sum(key_ok.to(tl.int32), axis=0)
         kv_rows = kv_ptr + rows[:, None]
-        # The layout arguments are spelled out: Triton 3.6's compiler cannot build a tuple holding a dtype (it
-        # raised "'dtype' object has no attribute 'type'" on an H200); the interpreter never noticed.
+        # The layout arguments are spelled out: Triton's compiler cannot build a tuple holding a dtype ("'dtype'
+        # object has no attribute 'type'": 3.6 on an H200, 3.9 in compile_check); the interpreter never noticed.
         kv_v = load_cache_values(
             kv_rows, dv[None, :], key_ok[:, None] & dv_ok[None, :], stride_kv_d,
             q_ptr.dtype.element_ty, KV_CODE, QUANT_DIMS, SCALES_OFFSET, ROPE_OFFSET,
