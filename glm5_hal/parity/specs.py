@@ -193,7 +193,7 @@ def _indexer_scores_and_scales(inputs: Inputs) -> tuple[np.ndarray, np.ndarray]:
             q = np.asarray(args["q_idx"][t], np.float64)  # [HI, DI]
             head_sq = np.maximum((q @ token_keys.T) ** 2, q**2 @ (token_keys**2).T)  # [HI, S]
             terms_sq[t, visible] = np.asarray(args["weights"][t], np.float64) ** 2 @ head_sq
-    return logits, _sum_scale(terms_sq, logits)
+    return logits, sum_scale(terms_sq, logits)
 
 
 def _judge_indexer_logits(spec: OpSpec, inputs: Inputs, outputs: Outputs, dtype: torch.dtype) -> list[Verdict]:
@@ -234,7 +234,7 @@ def _sparse_flash_attention_scales(inputs: Inputs, want: dict[str, np.ndarray]) 
             padded_q, squared_rows, args["indices"], *paged, 2 * args["sm_scale"], d_v
         )
         terms_sq = v_sq * np.exp(lse_2s - 2 * want["lse"])[..., None]
-    return {"out": _sum_scale(terms_sq, want["out"]), "lse": np.maximum(1.0, np.abs(_finite_or_zero(want["lse"])))}
+    return {"out": sum_scale(terms_sq, want["out"]), "lse": np.maximum(1.0, np.abs(_finite_or_zero(want["lse"])))}
 
 
 def _judge_moe_gate(spec: OpSpec, inputs: Inputs, outputs: Outputs, dtype: torch.dtype) -> list[Verdict]:
@@ -280,7 +280,7 @@ def _grouped_matmul_scales(inputs: Inputs, want: dict[str, np.ndarray]) -> dict[
     x, w = to_numpy(inputs["x_sorted"]).astype(np.float64), to_numpy(inputs["w"]).astype(np.float64)
     with np.errstate(invalid="ignore", over="ignore"):  # inf * 0: those outputs are not finite, not judged
         terms_sq = ref.grouped_matmul(x**2, w**2, to_numpy(inputs["expert_offsets"]))
-    return {"y": _sum_scale(terms_sq, want["y"])}
+    return {"y": sum_scale(terms_sq, want["y"])}
 
 
 def _fused_moe_scales(inputs: Inputs, want: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -292,19 +292,19 @@ def _fused_moe_scales(inputs: Inputs, want: dict[str, np.ndarray]) -> dict[str, 
     x_sorted, offsets, src_index = ref.moe_dispatch(x, to_numpy(inputs["topk_ids"]), w13.shape[0])
     with np.errstate(invalid="ignore", over="ignore"):  # inf * 0: those outputs are not finite, not judged
         h = ref.grouped_matmul(x_sorted, w13, offsets)
-        h_scale = _sum_scale(ref.grouped_matmul(x_sorted**2, w13**2, offsets), h)
+        h_scale = sum_scale(ref.grouped_matmul(x_sorted**2, w13**2, offsets), h)
         inter = h.shape[1] // 2
         gate, up, gate_scale, up_scale = h[:, :inter], h[:, inter:], h_scale[:, :inter], h_scale[:, inter:]
         sigmoid = 1.0 / (1.0 + np.exp(-gate))
         silu_slope = sigmoid * (1.0 + gate * (1.0 - sigmoid))
         act = ref.silu(gate) * up
         act_sq = act**2 + (silu_slope * gate_scale * up) ** 2 + (ref.silu(gate) * up_scale) ** 2
-        y_scale = _sum_scale(ref.grouped_matmul(act_sq, w2**2, offsets), ref.grouped_matmul(act, w2, offsets))
+        y_scale = sum_scale(ref.grouped_matmul(act_sq, w2**2, offsets), ref.grouped_matmul(act, w2, offsets))
         terms_sq = ref.moe_combine(y_scale**2, src_index, weights**2)
-    return {"out": _sum_scale(terms_sq, want["out"])}
+    return {"out": sum_scale(terms_sq, want["out"])}
 
 
-def _sum_scale(terms_sq: np.ndarray, value: np.ndarray) -> np.ndarray:
+def sum_scale(terms_sq: np.ndarray, value: np.ndarray) -> np.ndarray:
     """What a sum's error is relative to: the root-sum-square of its terms' scales (sqrt(terms_sq)), whose rounding
     errors add like a random walk, and at least the sum itself, as any output (a sum of K aligned terms is sqrt(K)
     times their root-sum-square). Not finite where the inputs are not: 0 there (those outputs are not judged)."""
@@ -325,24 +325,24 @@ def _mla_prolog_scales(inputs: Inputs, want: dict[str, np.ndarray]) -> dict[str,
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):  # inf / nan inputs: those outputs not judged
         q_norm_scale = _rms_norm_scale(a["x"], a["w_dq"], a["gamma_cq"], eps)
         q_sq = q_norm_scale**2 @ (a["w_uq_qr"] ** 2).T
-        q_scale = _sum_scale(q_sq, want["q_norm"] @ a["w_uq_qr"].T).reshape(-1, heads, a["w_uq_qr"].shape[0] // heads)
+        q_scale = sum_scale(q_sq, want["q_norm"] @ a["w_uq_qr"].T).reshape(-1, heads, a["w_uq_qr"].shape[0] // heads)
         lat_sq = np.einsum("thn,hnc->thc", q_scale[..., :nope] ** 2, a["w_uk"] ** 2)
         pe_sq = _rope_squares(q_scale[..., nope:] ** 2, a["cos"] ** 2, a["sin"] ** 2, interleaved=True)
         # the latent cache rows [RMSNorm(c_kv) | RoPE(k_pe)]
         k_pe = a["x"] @ a["w_dkv_kr"][latent:].T
-        k_pe_scale = _sum_scale(a["x"] ** 2 @ (a["w_dkv_kr"][latent:] ** 2).T, k_pe)
+        k_pe_scale = sum_scale(a["x"] ** 2 @ (a["w_dkv_kr"][latent:] ** 2).T, k_pe)
         k_pe_sq = _rope_squares(k_pe_scale**2, a["cos"] ** 2, a["sin"] ** 2, interleaved=True)
         rows = np.concatenate(
             [
                 _rms_norm_scale(a["x"], a["w_dkv_kr"][:latent], a["gamma_ckv"], eps),
-                _sum_scale(k_pe_sq, ref.rope(k_pe, a["cos"], a["sin"], interleaved=True)),
+                sum_scale(k_pe_sq, ref.rope(k_pe, a["cos"], a["sin"], interleaved=True)),
             ],
             axis=-1,
         )
     return {
         "q_norm": q_norm_scale,
-        "q_lat": _sum_scale(lat_sq, want["q_lat"]),
-        "q_pe": _sum_scale(pe_sq, want["q_pe"]),
+        "q_lat": sum_scale(lat_sq, want["q_lat"]),
+        "q_pe": sum_scale(pe_sq, want["q_pe"]),
         "kv_cache": rows,
     }
 
@@ -353,7 +353,7 @@ def _rms_norm_scale(x: np.ndarray, w: np.ndarray, gamma: np.ndarray, eps: float)
     at least the output itself. Where c sits near or below sqrt(eps), that is c's rounding over sqrt(eps)."""
     c = x @ w.T
     r = np.sqrt(np.mean(c * c, axis=-1, keepdims=True) + eps)
-    return _sum_scale((_sum_scale(x**2 @ (w**2).T, c) / r * gamma) ** 2, ref.rms_norm(c, gamma, eps))
+    return sum_scale((sum_scale(x**2 @ (w**2).T, c) / r * gamma) ** 2, ref.rms_norm(c, gamma, eps))
 
 
 def _indexer_prolog_scales(inputs: Inputs, want: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -369,26 +369,26 @@ def _indexer_prolog_scales(inputs: Inputs, want: dict[str, np.ndarray]) -> dict[
     heads, head_dim = a["w_iw"].shape[0], a["w_ik"].shape[0]
     rope_dim, interleaved = 2 * a["cos"].shape[1], bool(inputs["rope_interleaved"])
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):  # inf / nan inputs: those outputs not judged
-        q = _sum_scale(a["q_norm"] ** 2 @ (a["w_iq"] ** 2).T, a["q_norm"] @ a["w_iq"].T).reshape(-1, heads, head_dim)
+        q = sum_scale(a["q_norm"] ** 2 @ (a["w_iq"] ** 2).T, a["q_norm"] @ a["w_iq"].T).reshape(-1, heads, head_dim)
         q[..., :rope_dim] = np.sqrt(_rope_squares(q[..., :rope_dim] ** 2, a["cos"] ** 2, a["sin"] ** 2, interleaved))
         weights_sq = a["x"] ** 2 @ (a["w_iw"] ** 2).T * (heads**-0.5 * head_dim**-0.5) ** 2
         # the index-key rows RoPE(LayerNorm(x @ w_ik^T)): the centring subtracts too, so a row whose projections
         # nearly agree is as accurate as their rounding over sqrt(var + eps) (first order, as RMSNorm's), the
         # mean's own rounding included
         c = a["x"] @ a["w_ik"].T
-        c_scale = _sum_scale(a["x"] ** 2 @ (a["w_ik"] ** 2).T, c)
+        c_scale = sum_scale(a["x"] ** 2 @ (a["w_ik"] ** 2).T, c)
         eps = float(inputs.get("eps", _INDEXER_PROLOG_EPS))  # type: ignore[arg-type]
         sigma = np.sqrt(np.var(c, axis=-1, keepdims=True) + eps)
         k = ref.layer_norm(c, a["k_norm_weight"], a["k_norm_bias"], eps)
         centring_sq = np.mean(c_scale**2, axis=-1, keepdims=True) / c.shape[-1]  # the mean of D rounding errors
-        k_scale = _sum_scale((c_scale**2 + centring_sq) / sigma**2 * a["k_norm_weight"] ** 2, k)
+        k_scale = sum_scale((c_scale**2 + centring_sq) / sigma**2 * a["k_norm_weight"] ** 2, k)
         k[..., :rope_dim] = ref.rope(k[..., :rope_dim], a["cos"], a["sin"], interleaved=interleaved)
         k_sq = k_scale**2
         k_sq[..., :rope_dim] = _rope_squares(k_sq[..., :rope_dim], a["cos"] ** 2, a["sin"] ** 2, interleaved)
     return {
-        "q_idx": _sum_scale(q**2, want["q_idx"]),
-        "weights": _sum_scale(weights_sq, want["weights"]),
-        "index_k_cache": _sum_scale(k_sq, k),
+        "q_idx": sum_scale(q**2, want["q_idx"]),
+        "weights": sum_scale(weights_sq, want["weights"]),
+        "index_k_cache": sum_scale(k_sq, k),
     }
 
 
