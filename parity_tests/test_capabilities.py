@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -324,6 +325,36 @@ def test_the_native_attention_route_takes_the_row_prefetch_measured_fastest_from
     assert forced.large.prefetch == "" and from_route(torch.bfloat16, forced.large).row_prefetch == ""
 
 
+def test_the_native_quantized_indexer_route_takes_the_row_prefetch_measured_fastest_from_memory():
+    """The quantized indexer's scorer prefetches the next chunk's rows too, and which hint is fastest from memory is
+    the CPU's (quantized_index_scores.c: on a Zen 5 into L2 took 1.2-1.34x the others' time): its native route is
+    timed with every hint on its own from-memory workload at FEW_HEADS heads (where every build prefetches) and keeps
+    the fastest; a tie keeps the kernel's default (non-temporal), not the first of ROW_PREFETCHES."""
+    few = caps.FEW_HEADS
+    label = "native:avx512_bf16"
+    zen5_like = {
+        (caps.QUANTIZED_INDEXER_FROM_MEMORY, few): {f"{label}+nta": 0.35, f"{label}+l1": 0.34, f"{label}+l2": 0.41}
+    }
+    probe = FakeProbe(speed={caps.NATIVE: 2.0, caps.HALF: 0.5}, times=zen5_like, native=NATIVE_OK)
+    got = decide(_cpu(ZEN5), probe, AUTO)
+    indexer = got.half_choice(torch.bfloat16, caps.QUANTIZED_INDEXER)
+    assert indexer.small == indexer.large and indexer.large.label == f"{label}+l1"
+    assert f"route_times torch.bfloat16 {caps.QUANTIZED_INDEXER_FROM_MEMORY} {few}" in probe.asked
+    assert not any(f"{caps.QUANTIZED_INDEXER_FROM_MEMORY} {caps.ALL_HEADS}" in asked for asked in probe.asked)
+    assert f"{label} rows into L1 (1.03x the default from memory)" in indexer.reason
+    assert got.measured[f"bfloat16 quantized_indexer {label}+l2 {few} heads, rows from memory (ms)"] == 410.0
+    assert from_route(torch.bfloat16, indexer.large).row_prefetch == "l1"
+    # The other families keep no hint (the bf16-row indexer's kernel takes none); attention gets its own.
+    assert got.half_choice(torch.bfloat16, caps.INDEXER).large.prefetch == ""
+    tie = {(caps.QUANTIZED_INDEXER_FROM_MEMORY, few): dict.fromkeys((f"{label}+{h}" for h in ("nta", "l1", "l2")), 0.4)}
+    probe = FakeProbe(speed={caps.NATIVE: 2.0, caps.HALF: 0.5}, times=tie, native=NATIVE_OK)
+    indexer = decide(_cpu(ZEN5), probe, AUTO).half_choice(torch.bfloat16, caps.QUANTIZED_INDEXER)
+    assert indexer.large.prefetch == "nta" and "rows non-temporally (1.00x the default" in indexer.reason
+    # Forcing the fast paths times nothing: the kernel's default hint.
+    forced = decide(_cpu(ZEN5), FakeProbe(native=NATIVE_OK), FORCE).half_choice(torch.bfloat16, caps.QUANTIZED_INDEXER)
+    assert forced.large.prefetch == "" and from_route(torch.bfloat16, forced.large).row_prefetch == ""
+
+
 def test_a_native_kernel_that_is_slow_or_missing_is_not_used():
     slow = decide(_cpu(ZEN5), FakeProbe(speed={caps.NATIVE: 1.02, caps.HALF: 0.5}, native=NATIVE_OK), AUTO)
     assert all(not c.use and not c.native for c in _all(slow))
@@ -374,6 +405,12 @@ def test_the_real_route_timer_runs_every_family_on_every_route() -> None:
         if family == caps.WEIGHTS:  # and the half route's product as an op's output (one pass)
             want |= {caps.output_label(r) for r in routes if r.name == caps.HALF}
         assert set(got) == want and all(0 < t < 10 for t in got.values()), (family, got)
+    # The row-prefetch workloads, on each native route with each hint (from memory: the median of the calls).
+    native = [r for r in routes if r.name == caps.NATIVE]
+    for family, workload in caps.FROM_MEMORY.items():
+        hinted = tuple(dataclasses.replace(r, prefetch=h) for r in native for h in caps.ROW_PREFETCHES)
+        got = probe.route_times(torch.bfloat16, workload, hinted, caps.PREFETCH_COUNTS[family][0])
+        assert set(got) == {r.label for r in hinted} and all(0 < t < 10 for t in got.values()), (family, got)
 
 
 def test_cpu_with_units_and_a_measured_win_takes_the_fast_paths():

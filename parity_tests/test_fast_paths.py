@@ -335,6 +335,37 @@ def test_sparse_attention_hands_its_kernel_the_row_prefetch_of_its_route(monkeyp
     assert all(torch.equal(out, results[0][0]) and _same_bits(lse, results[0][1]) for out, lse in results)
 
 
+def test_the_quantized_indexer_hands_its_kernel_the_row_prefetch_of_its_route(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The quantized indexer's scorer is told the row prefetch its route carries (capabilities._with_row_prefetch
+    measured it; "": the kernel's default, non-temporal); every hint gives the same bits, on a decode step (one
+    token alone with its keys: the route that prefetches) and on a prefill."""
+    ok, why = quantized_index_scores.availability("portable")
+    if not ok:
+        pytest.skip(f"no native build here: {why}")
+    told = []
+    real = quantized_index_scores.paged_scores
+
+    def spy(*args: object, **kwargs: object) -> torch.Tensor:
+        told.append(kwargs.get("prefetch"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(quantized_index_scores, "paged_scores", spy)
+    gen = torch.Generator().manual_seed(5)
+    for seqs in ([SeqSpec(1, 700)], [SeqSpec(3, 300), SeqSpec(1, 40)]):
+        batch = paged_batch(seqs, 16, gen, shuffle_blocks=True)
+        cache = encode_cache(randn((batch.num_blocks, 16, 128), gen), FORMATS["fp8_index"], reference=False)
+        q = randn((batch.num_tokens, 4, 128), gen, dtype=torch.bfloat16)
+        weights = torch.rand(batch.num_tokens, 4, generator=gen)
+        args = (q, weights, cache, batch.block_table, batch.seq_lens_k, batch.cu_seqlens_q)
+        results, told = [], []
+        for hint in ("", "l2", "l1", "nta"):
+            route = Route("native", fp32_output=True, isa="portable", torch_half=False, prefetch=hint)
+            with forced_route(QUANTIZED_INDEXER, from_route(torch.bfloat16, route)):
+                results.append(OPS["indexer_logits"](*args, kv_cache_dtype="fp8_index"))
+        assert told == ["nta", "l2", "l1", "nta"]
+        assert all(_same_bits(got, results[0]) for got in results[1:])
+
+
 def test_the_amx_attention_route_runs_amx_attention_c_and_passes_every_parity_case(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -23,6 +23,7 @@ import glm5_hal
 from backends.torch_eager.native import bf16_gemm, build, indexer_scores, quantized_index_scores
 from backends.torch_eager.native import indexer_prolog as native_prolog
 from backends.torch_eager.native import sparse_attention as native_attention
+from backends.torch_eager.native.row_prefetch import ROW_PREFETCHES
 from glm5_hal.kv_formats import FORMATS, decode_rows, encode_rows
 from glm5_hal.paged import token_positions, token_sequences
 
@@ -246,19 +247,21 @@ def _quantized_index_cache(gen: torch.Generator, kv_cache_dtype: str, blocks: in
     width=st.integers(0, 600),
     one_sequence=st.booleans(),
     raw=st.booleans(),
+    prefetch=st.sampled_from(tuple(ROW_PREFETCHES)),
     seed=st.integers(0, 2**31 - 1),
 )
 # A bf16 token after an fp32 one of its sequence reused the fp32 keys (the fp32 route), alone it took the bf16 route:
 # its bits depended on the split over threads (found at 10x this test's examples).
 @example(kv_cache_dtype="fp8_index", q_dtype="mixed", tokens=4, heads=35, block_size=1, width=118, one_sequence=True,
-         raw=False, seed=0)  # fmt: skip
+         raw=False, prefetch="nta", seed=0)  # fmt: skip
 def test_quantized_index_scores_are_the_fp32_scores_over_the_decoded_rows(
-    kernel, isa, kv_cache_dtype, q_dtype, tokens, heads, block_size, width, one_sequence, raw, seed
+    kernel, isa, kv_cache_dtype, q_dtype, tokens, heads, block_size, width, one_sequence, raw, prefetch, seed
 ):
     """Widths past the kernel's 256-key chunk, tokens sharing one block table (the decoded chunk is reused) or each
     their own (decoded again), rows of random bytes (NaN codes, any scale) or as the writer encodes them; bf16
     queries (the bf16 route over e4m3 codes), fp32 ones, or "mixed": fp32 queries of which every other token holds
-    bf16 values, so tokens sharing a decoded chunk alternate between the two routes, each taking its own."""
+    bf16 values, so tokens sharing a decoded chunk alternate between the two routes, each taking its own. The split
+    over threads and the hint the next chunk's rows are prefetched with change no bit."""
     _runs(quantized_index_scores, isa, kernel)
     gen = torch.Generator().manual_seed(seed)
     blocks = -(-max(width, 1) // block_size)
@@ -280,7 +283,7 @@ def test_quantized_index_scores_are_the_fp32_scores_over_the_decoded_rows(
     )
     _assert_within_fp32_sums(got, want, magnitude, heads * 128)
     three = quantized_index_scores.scores(
-        q, weights, cache, tables, limits, width, kv_cache_dtype, isa=isa, kernel=kernel, threads=3
+        q, weights, cache, tables, limits, width, kv_cache_dtype, isa=isa, kernel=kernel, threads=3, prefetch=prefetch
     )
     assert _same_bits(three, got)
 
@@ -520,6 +523,8 @@ def test_quantized_index_scores_reject_bad_arguments():
     strided = torch.zeros(3, 4, 264, dtype=torch.uint8)[..., ::2]
     with pytest.raises(ValueError, match=r"cache: expected rows contiguous in D, got strides \(1056, 264, 2\)"):
         scores(q, w, strided, tables, limits, 8, "fp8_index")
+    with pytest.raises(ValueError, match=r"quantized index scores: prefetch: expected one of .*, got 'L2'"):
+        scores(q, w, cache, tables, limits, 8, "fp8_index", prefetch="L2")
 
 
 @pytest.mark.parametrize("kernel, isa", _builds(quantized_index_scores))
@@ -576,12 +581,12 @@ def test_paged_quantized_index_scores_find_each_tokens_keys_as_the_torch_side_di
     visible = torch.arange(width)[None, :] <= positions[:, None]
     want[((raw < 0) | (raw >= blocks))[:, key_blocks] & visible] = float("-inf")
     first = min(first_token, tokens)
-    for threads in (1, 3):
+    for threads, prefetch in ((1, "nta"), (3, "l2"), (2, "l1")):
         got = quantized_index_scores.paged_scores(
             q[first:], weights[first:], cache, table, seq_lens, cu, width, kv_cache_dtype,
-            first_token=first, isa=isa, kernel=kernel, threads=threads,
+            first_token=first, isa=isa, kernel=kernel, threads=threads, prefetch=prefetch,
         )  # fmt: skip
-        assert _same_bits(got, want[first:])
+        assert _same_bits(got, want[first:]), (threads, prefetch)
 
 
 @pytest.mark.parametrize("kernel, isa", _builds(quantized_index_scores))
@@ -607,6 +612,8 @@ def test_paged_quantized_index_scores_op_passes_opcheck():
     table, lens = torch.tensor([[0, 2]], dtype=torch.int32), torch.tensor([5], dtype=torch.int32)
     args = (q, w, cache, table, lens, torch.tensor([0, 2], dtype=torch.int32), torch.empty(2, 8), "fp8_index", 0)
     torch.library.opcheck(torch.ops.glm5_hal.native_quantized_index_scores_paged.default, (*args, "avx2"))
+    kernel = quantized_index_scores.KERNEL
+    torch.library.opcheck(torch.ops.glm5_hal.native_quantized_index_scores_paged.default, (*args, "avx2", kernel, "l1"))
 
 
 def test_paged_quantized_index_scores_reject_bad_arguments():
@@ -631,6 +638,8 @@ def test_paged_quantized_index_scores_reject_bad_arguments():
         paged(q, w[:, :3], cache, table, lens, cu, 8, "fp8_index")
     with pytest.raises(ValueError, match=r"out: expected \[2, 8\] fp32 with contiguous rows"):
         paged(q, w, cache, table, lens, cu, 8, "fp8_index", out=torch.empty(2, 7))
+    with pytest.raises(ValueError, match=r"quantized index scores: prefetch: expected one of \('l2', 'l1', 'nta'\)"):
+        paged(q, w, cache, table, lens, cu, 8, "fp8_index", prefetch="t0")
 
 
 # ------------------------------------------------------------------------------------------------ indexer prolog
@@ -986,14 +995,17 @@ def test_sparse_attention_over_many_blocks_of_keys_whose_peak_keeps_rising(kerne
             assert (lse[0, h].double() - want_lse[0, h]).abs() <= lse_bound[0, h]
 
 
+@pytest.mark.parametrize("module", [native_attention, quantized_index_scores], ids=["attention", "quantized_indexer"])
 @pytest.mark.parametrize("kernel, isa", [b for b in _builds(native_attention) if b.values[1] != "portable"])
-def test_sparse_attention_builds_carry_every_row_prefetch_hint(kernel, isa):
-    """The row prefetch the probe chooses must exist in the machine code: gcc 12 once merged the three hints' loops
-    of _mm_prefetch into one whose hint was not a constant and emitted no prefetch at all, which no result shows."""
+def test_native_builds_carry_every_row_prefetch_hint(module, kernel, isa):
+    """The row prefetch the probe chooses (sparse attention's, the quantized indexer's) must exist in the machine
+    code: gcc 12 once merged the three hints' loops of _mm_prefetch into one whose hint was not a constant and emitted
+    no prefetch at all, which no result shows. (The quantized indexer's AMX kernel prefetches on its fp32 route.)"""
     import shutil
     import subprocess
 
-    _runs(native_attention, isa, kernel)
+    kernel = module.KERNEL if kernel == native_attention.KERNEL else module.AMX_KERNEL
+    _runs(module, isa, kernel)
     objdump = shutil.which("objdump")
     if objdump is None:
         pytest.skip("no objdump here to read the build's machine code")

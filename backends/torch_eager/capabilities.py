@@ -12,9 +12,9 @@ Per device and mode, answered from known device facts and, where facts are not e
   fp32 result, one route per build that runs here and is exact (NATIVE_ISAS: AMX, AVX-512 BF16, AVX2). fp16 needs
   an fp32 result (an fp16 one could overflow where fp32 does not). The weight family is timed at a decode and a
   prefill row count, sparse attention at two head counts (MEASURED_COUNTS), and their products or calls switch route
-  where the lines through the two cross. Sparse attention's native kernel also gets the prefetch hint for the rows it
-  reads next that measured fastest here with the rows coming from memory (`_with_row_prefetch`: the best hint is the
-  CPU's, not the code's).
+  where the lines through the two cross. The native kernels of sparse attention and of the indexer over quantized rows
+  also get the prefetch hint for the rows they read next that measured fastest here with the rows coming from memory
+  (`_with_row_prefetch`: the best hint is the CPU's, not the code's).
 - an exact int8 GEMM (int8 x int8 -> int32, backends.torch_eager.int8_gemms): which route runs here, is it bit-exact at
   large K with extreme codes, and is it faster than the fp32 GEMM? Otherwise the quantized ops keep their exact
   chunked-fp32 path.
@@ -48,7 +48,9 @@ import torch
 
 from backends.torch_eager import int8_gemms, probe_store
 from backends.torch_eager.native import amx_gemm, bf16_gemm, build
-from backends.torch_eager.native.sparse_attention import ROW_PREFETCHES
+from backends.torch_eager.native import quantized_index_scores as native_quantized_scores
+from backends.torch_eager.native import sparse_attention as native_attention
+from backends.torch_eager.native.row_prefetch import ROW_PREFETCHES
 from glm5_hal.checks import check
 from glm5_hal.cpu_flags import cache_flush_bytes, parse_cpuinfo, this_cpu
 from glm5_hal.environment import parsed_setting, raw_setting
@@ -92,10 +94,21 @@ FEW_HEADS, ALL_HEADS = 4, 64
 # are measured at one decode-sized call.
 MEASURED_COUNTS: dict[str, tuple[int, int]] = {WEIGHTS: (DECODE_ROWS, PREFILL_ROWS), ATTENTION: (FEW_HEADS, ALL_HEADS)}
 COUNT_UNITS: dict[str, str] = {WEIGHTS: "rows", ATTENTION: "heads"}
-# The workload route_times runs to choose sparse attention's row prefetch (_with_row_prefetch): the attention family's
-# call at one decode token, the last-level cache overwritten before each call, so that its selected rows come from
-# memory as at a long context's decode step (where the hint matters: in cache every hint took the same time).
+# The workloads route_times runs to choose a native kernel's row prefetch (_with_row_prefetch), per family: its call
+# at one decode token over a long context, the last-level cache overwritten before each call, so that the rows it
+# reads come from memory as at a long context's decode step (where the hint matters: in cache every hint took about
+# the same time), at the head counts of PREFETCH_COUNTS. The quantized indexer's is timed at few heads only: there
+# every build's scorer prefetches (the AVX2 build's only at <= 4 heads), and on a Zen 5 the hints' order was the same
+# at 32 heads (quantized_index_scores.c).
 ATTENTION_FROM_MEMORY = "attention_from_memory"
+QUANTIZED_INDEXER_FROM_MEMORY = "quantized_indexer_from_memory"
+FROM_MEMORY: dict[str, str] = {ATTENTION: ATTENTION_FROM_MEMORY, QUANTIZED_INDEXER: QUANTIZED_INDEXER_FROM_MEMORY}
+PREFETCH_COUNTS: dict[str, tuple[int, ...]] = {ATTENTION: (FEW_HEADS, ALL_HEADS), QUANTIZED_INDEXER: (FEW_HEADS,)}
+# Each kernel's hint where nothing measured it: tried first, and kept on a tie.
+DEFAULT_PREFETCHES: dict[str, str] = {
+    ATTENTION: native_attention.DEFAULT_PREFETCH,
+    QUANTIZED_INDEXER: native_quantized_scores.DEFAULT_PREFETCH,
+}
 PREFETCH_WORDS = {"l2": "into L2", "l1": "into L1", "nta": "non-temporally"}
 # The routes: fp32 operands; torch's GEMM with half-precision operands (fp32 result by out_dtype, else rounded plus
 # the residual GEMM: backends/torch_eager/gemm.py); the native kernel's fp32 result (CPU bf16).
@@ -249,9 +262,9 @@ class Probe(Protocol):
     """What the decision may measure on the device (faked in the unit tests)."""
 
     def route_times(self, dtype: torch.dtype, family: str, routes: tuple[Route, ...], rows: int) -> dict[str, float]:
-        """Per route (by Route.label): the best time of `family`'s workload (of FAMILIES, or ATTENTION_FROM_MEMORY)
+        """Per route (by Route.label): the best time of `family`'s workload (of FAMILIES, or a FROM_MEMORY one)
         with `dtype` activations on that route, the routes timed alternately (route_workloads.py); `rows`: the weight
-        family's row count, or sparse attention's heads (the others ignore it)."""
+        family's row count, or the heads of sparse attention and of the from-memory workloads (the others ignore it)."""
 
     def fp32_output(self, dtype: torch.dtype) -> bool:
         """Whether a GEMM of `dtype` operands can hand back fp32 (torch.mm(..., out_dtype=torch.float32))."""
@@ -446,8 +459,8 @@ class Route:
     # NATIVE, where torch_half: the op's outputs too take the native kernel in products of fewer rows of work than
     # this, where it measured faster than one pass of torch's half GEMM (_native_outputs_below); 0: never.
     outputs_below: float = 0.0
-    # NATIVE, sparse attention: how its kernel asks for the rows it reads next (ROW_PREFETCHES), as measured fastest
-    # here (_with_row_prefetch); "": the kernel's default.
+    # NATIVE, sparse attention and the quantized indexer: how their kernel asks for the rows it reads next
+    # (ROW_PREFETCHES), as measured fastest here (_with_row_prefetch); "": the kernel's default.
     prefetch: str = ""
 
     @property
@@ -837,28 +850,31 @@ def _measured_choice(
 
 
 def _with_row_prefetch(choice: HalfChoice, probe: Probe, measured: dict[str, float]) -> HalfChoice:
-    """Sparse attention's `choice` with each native route's row prefetch (ROW_PREFETCHES) the one that measured
-    fastest with the selected rows coming from memory (ATTENTION_FROM_MEMORY), at the head count the route serves
-    (summed over both counts where it serves every call). The hints give the same results; which is fastest is the
-    CPU's: over 2048 scattered rows out of L3, into L2 was the fastest on a Zen 4 and the slowest on a Zen 5
-    (head_pairs.h). Ties keep the first hint, the kernel's default."""
-    unit, counts = _unit(choice.dtype), MEASURED_COUNTS[ATTENTION]
+    """`choice` (sparse attention's or the quantized indexer's) with each native route's row prefetch
+    (ROW_PREFETCHES) the one that measured fastest with the rows coming from memory (FROM_MEMORY), at the head count
+    the route serves (summed over both counts where it serves every call). The hints give the same results; which is
+    fastest is the CPU's: over 2048 scattered rows out of L3, into L2 was the fastest on a Zen 4 and the slowest on a
+    Zen 5 (row_prefetch.h). Ties keep the kernel's default hint (DEFAULT_PREFETCHES), which is tried first."""
+    family, unit = choice.family, _unit(choice.dtype)
+    counts = PREFETCH_COUNTS[family]
+    default = DEFAULT_PREFETCHES[family]
+    hints = (default, *(h for h in ROW_PREFETCHES if h != default))
     found = []
 
     def fastest_hint(route: Route, heads: tuple[int, ...]) -> Route:
         if route.name != NATIVE:
             return route
-        hinted = tuple(replace(route, prefetch=hint) for hint in ROW_PREFETCHES)
-        totals = dict.fromkeys(ROW_PREFETCHES, 0.0)
+        hinted = tuple(replace(route, prefetch=hint) for hint in hints)
+        totals = dict.fromkeys(hints, 0.0)
         for count in heads:
-            times = probe.route_times(choice.dtype, ATTENTION_FROM_MEMORY, hinted, count)
+            times = probe.route_times(choice.dtype, FROM_MEMORY[family], hinted, count)
             for r in hinted:
                 totals[r.prefetch] += times[r.label]
-                measured[f"{unit} attention {r.label} {count} heads, rows from memory (ms)"] = round(
+                measured[f"{unit} {family} {r.label} {count} heads, rows from memory (ms)"] = round(
                     times[r.label] * 1e3, 4
                 )
-        best = min(ROW_PREFETCHES, key=totals.__getitem__)
-        ratio = totals[next(iter(ROW_PREFETCHES))] / totals[best]
+        best = min(hints, key=totals.__getitem__)
+        ratio = totals[default] / totals[best]
         found.append(f"{route.label} rows {PREFETCH_WORDS[best]} ({ratio:.2f}x the default from memory)")
         return replace(route, prefetch=best)
 
@@ -900,7 +916,7 @@ def _decide_half(
     for family in FAMILIES:
         try:
             choices[family] = _measured_choice(dtype, family, routes, probe, measured, f"{known}{notes}")
-            if family == ATTENTION:
+            if family in FROM_MEMORY:
                 choices[family] = _with_row_prefetch(choices[family], probe, measured)
         except RUNTIME_ERRORS as exc:  # an unknown device without such a GEMM
             reason = f"{unit} products do not run here ({str(exc).splitlines()[0][:160]})"

@@ -151,6 +151,12 @@ class _ScoringBatch:
         # Per token of a tile: the gathered key chunk (DI wide) plus the per-head dot products (HI wide).
         self.token_tile = rows_per_tile(self.key_chunk * (head_dim + num_heads))
 
+    @property
+    def row_prefetch(self) -> str:
+        """How the quantized rows' kernel asks for the next chunk's rows: as the probe measured it fastest here
+        (capabilities._with_row_prefetch), else the kernel's default. The same bits either way."""
+        return self.gemm.row_prefetch or native_quantized_scores.DEFAULT_PREFETCH
+
     def token_tiles(self) -> range:
         # A loop over tiles of tokens (not over tokens) that bounds the working set.
         return range(0, self.q.shape[0], self.token_tile)
@@ -164,7 +170,13 @@ class _ScoringBatch:
             q, weights = self.q[tokens], self.weights[tokens]
             args = (q, weights, self.cache, self.block_table, self.seq_lens_k, self.cu_seqlens_q, self.width)
             native_quantized_scores.paged_scores(
-                *args, self.kv_cache_dtype, first_token=start, out=out, isa=self.gemm.native_isa, validated=True
+                *args,
+                self.kv_cache_dtype,
+                first_token=start,
+                out=out,
+                isa=self.gemm.native_isa,
+                validated=True,
+                prefetch=self.row_prefetch,
             )
             return
         seqs, positions = self.seqs[tokens], self.positions[tokens]
@@ -181,7 +193,16 @@ class _ScoringBatch:
                 native_scores.scores(q, weights, self.cache, tables, limits, self.width, out=out, isa=isa)
             else:
                 native_quantized_scores.scores(
-                    q, weights, self.cache, tables, limits, self.width, self.kv_cache_dtype, out=out, isa=isa
+                    q,
+                    weights,
+                    self.cache,
+                    tables,
+                    limits,
+                    self.width,
+                    self.kv_cache_dtype,
+                    out=out,
+                    isa=isa,
+                    prefetch=self.row_prefetch,
                 )
             self._mask_blocks_outside_the_cache(raw, positions, out)
             return

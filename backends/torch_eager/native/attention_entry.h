@@ -7,7 +7,7 @@
  *                     long lse_token, int row_prefetch, long t_begin, long t_end);
  *
  * (include it after attend; sparse_attention.py gives both libraries the same ctypes signatures). row_prefetch: how the
- * rows read next are asked for (PREFETCH_L2, PREFETCH_L1, PREFETCH_NTA: head_pairs.h). */
+ * rows read next are asked for (PREFETCH_L2, PREFETCH_L1, PREFETCH_NTA: row_prefetch.h). */
 #ifndef GLM5_HAL_ATTENTION_ENTRY_H
 #define GLM5_HAL_ATTENTION_ENTRY_H
 #include "selected_rows.h"

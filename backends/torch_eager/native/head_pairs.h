@@ -8,6 +8,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "row_prefetch.h"
 
 /* One token's q [H][D] bf16 (head h at q + h * q_head, its dims contiguous) packed as [pairs + odd][hp][2]: per
    pair of dims every head's two values, zero past H and past D (an odd D's last pair has no second value). The
@@ -107,35 +108,19 @@ static inline void heads_by_keys(const uint16_t *const rows[PAIR_KEYS], const ui
 static inline void prefetch(const uint16_t *from, long elements) {
     for (long e = 0; e < elements; e += 32) _mm_prefetch((const char *)(from + e), _MM_HINT_T0);
 }
-
-/* How sparse attention asks for the whole rows it reads next (its entry points' `row_prefetch`): into L2 (T2), into
-   L1 (T0) or non-temporally (NTA). Which is fastest is the CPU's, so the torch backend's probe measures it: over 2048
-   scattered rows of a cache out of L3, on a Zen 4 (AVX-512 BF16) L2 took 1.04-1.22x less time than L1 (4 to 64
-   heads, both builds: more lines than L1 can have in flight), while on a Zen 5 L1 and NTA took ~1.5x less than L2
-   at 4 heads (AVX2 build) and 1.07-1.17x less at 16 and 64 (AVX-512); where the rows are in cache, the same time. */
-enum { PREFETCH_L2 = 0, PREFETCH_L1 = 1, PREFETCH_NTA = 2 };
-
-/* One loop per hint, each an asm instruction: gcc 12 merged three loops of _mm_prefetch into one whose hint was no
-   longer a constant, and then emitted no prefetch at all (the kernel's objdump showed none). */
-static inline void prefetch_row(const uint16_t *from, long elements, int hint) {
-    const char *bytes = (const char *)from;
-    if (hint == PREFETCH_NTA)
-        for (long e = 0; e < elements; e += 32) __asm__ volatile("prefetchnta %0" : : "m"(bytes[2 * e]));
-    else if (hint == PREFETCH_L1)
-        for (long e = 0; e < elements; e += 32) __asm__ volatile("prefetcht0 %0" : : "m"(bytes[2 * e]));
-    else
-        for (long e = 0; e < elements; e += 32) __asm__ volatile("prefetcht2 %0" : : "m"(bytes[2 * e]));
-}
 #else
 static inline void prefetch(const uint16_t *from, long elements) {
     (void)from;
     (void)elements;
 }
-
-static inline void prefetch_row(const uint16_t *from, long elements, int hint) {
-    (void)from;
-    (void)elements;
-    (void)hint;
-}
 #endif
+
+/* Sparse attention's whole rows (`elements` bf16 from `from`) with its entry points' `row_prefetch` hint
+   (row_prefetch.h). Measured on this kernel: over 2048 scattered rows of a cache out of L3, on a Zen 4 (AVX-512 BF16)
+   L2 took 1.04-1.22x less time than L1 (4 to 64 heads, both builds: more lines than L1 can have in flight), while on a
+   Zen 5 L1 and NTA took ~1.5x less than L2 at 4 heads (AVX2 build) and 1.07-1.17x less at 16 and 64 (AVX-512); where
+   the rows are in cache, the same time. */
+static inline void prefetch_row(const uint16_t *from, long elements, int hint) {
+    prefetch_lines(from, 2 * elements, hint);
+}
 #endif

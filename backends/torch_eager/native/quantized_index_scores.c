@@ -54,6 +54,7 @@
 
 #include "bf16.h"
 #include "paged_tokens.h"
+#include "row_prefetch.h"
 
 #if !defined(GLM5_PORTABLE) && (defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__)))
 #if !defined(__FMA__) || !defined(__F16C__)
@@ -425,32 +426,29 @@ static inline const uint8_t *next_row(struct row_cursor *c, const uint8_t *cache
 
 /* The bf16 route and a lone token's fp32 tiles ask for the next chunk's rows to be brought in while this chunk's
    dots run: a chunk's decode reads its rows from memory and the dots that follow leave memory idle. A cursor walks
-   the next chunk's positions, a row per key of a tile. A lone fp32 token (AVX2 build, one token, 4 heads, in-process
-   A/B, Zen 4): 16K keys 0.66 -> 0.57 ms and 32K 1.54 -> 1.39 ms out of the LLC, 0.43 -> 0.44 and 1.17 -> 1.24 ms in
-   cache; a decode reads its keys from memory inside an engine, so it prefetches. The fp32 route through the
-   workspace (prefill) measured 1.1x out of the LLC but 4-7% slower in cache, and does not. A prefetch never faults,
-   so a table entry that names no block costs nothing. The bf16 route's hint is non-temporal (PREFETCHNTA, `nta`):
-   each row is read once per call, and a call at 32K keys streams 4.3 MB of them, which with the T2 hint may displace
-   what the rest of the decode step reads again (the engine's Python, the weights: a likely reason, not measured).
-   Measured inside vLLM (glm5-mini dims, 32K context, Zen 4, in turns with the T2 build): 1.02-1.08x the decode rate
-   in 4 rounds of 5 (0.97x in one); the kernel alone, its rows out of the cache, within 2% either way (0.56-0.60 ms).
-   Not measured on an AVX-512 BF16 Xeon, whose caches treat the hint otherwise. The fp32 route (the AVX2 build's, on
-   CPUs without AVX-512 BF16) keeps T2, measured as above: NTA was not measured there. */
-static inline __attribute__((always_inline)) void prefetch_line(const uint8_t *line, int nta) {
-    if (nta) /* a constant at every call site once inlined: one prefetch instruction */
-        __builtin_prefetch(line, 0, 0);
-    else
-        __builtin_prefetch(line, 0, 1);
-}
-
+   the next chunk's positions, a row per key of a tile, each row's lines asked for with the entry point's
+   `row_prefetch` hint (row_prefetch.h), which the torch backend's probe measures here. A lone fp32 token (AVX2 build,
+   one token, 4 heads, in-process A/B, Zen 4): into L2 against no prefetch, 16K keys 0.66 -> 0.57 ms and 32K 1.54 ->
+   1.39 ms out of the LLC, 0.43 -> 0.44 and 1.17 -> 1.24 ms in cache; a decode reads its keys from memory inside an
+   engine, so it prefetches. The fp32 route through the workspace (prefill) measured 1.1x out of the LLC but 4-7%
+   slower in cache, and does not. A prefetch never faults, so a table entry that names no block costs nothing. Which
+   hint: on the Zen 4 inside vLLM (glm5-mini dims, 32K context, the bf16 route) non-temporal against into L2 gave
+   1.02-1.08x the decode rate in 4 rounds of 5 (0.97x in one), the kernel alone within 2% either way; on a Zen 5
+   (family 26, in-process A/B, median of 120 alternating calls, 1 thread, one token over fp8_index rows from memory)
+   into L2 was the slowest: bf16 route (AVX-512 BF16 build) 4 heads over 16K / 64K keys 1.20x / 1.34x the time of
+   the non-temporal hint, 32 heads 1.11-1.12x, into L1 within 1% of non-temporal, no prefetch 1.6-3.4x; the AVX2
+   build's lone fp32 token (4 heads) 1.06x / 1.13x; in cache all within 3% (2026-11-30). So the hint is the CPU's;
+   where nothing measured it (quantized_index_scores.py's DEFAULT_PREFETCH) it is non-temporal: each row is read once
+   per call, and a call at 32K keys streams 4.3 MB of them, which into L2 may displace what the rest of the decode
+   step reads again. */
 static inline __attribute__((always_inline)) void prefetch_rows(struct row_cursor *c, long rows, long end,
                                                                  const uint8_t *cache, long block_stride,
                                                                  long row_stride, long row_bytes, long block_size,
-                                                                 const int32_t *tt, int nta) {
+                                                                 const int32_t *tt, int hint) {
     for (long i = 0; i < rows && c->position < end; i++) {
         const uint8_t *row = next_row(c, cache, block_stride, row_stride, block_size, tt);
-        for (long b = 0; b < row_bytes; b += 64) prefetch_line(row + b, nta);
-        prefetch_line(row + row_bytes - 1, nta); /* a row's last line, where it starts mid-line */
+        prefetch_lines(row, row_bytes, hint);
+        prefetch_lines(row + row_bytes - 1, 1, hint); /* a row's last line, where it starts mid-line */
     }
 }
 
@@ -462,16 +460,16 @@ static inline long blocks_spanned(long c0, long n, long block_size) {
 #if defined(BF16_DOTS)
 /* st[c0 + k] for k < n: the bf16 route's scores of one token over keys c0 .. c0 + n - 1 (a chunk), from their
    decoded values (values [n][dims]) or, with values NULL, from their codes (codes[k], decoded in the tiles), every
-   head tile of q (qb [hp][dims]) added; scales [n]. The rows of keys from c0 + n on are prefetched (non-temporal) as
+   head tile of q (qb [hp][dims]) added; scales [n]. The rows of keys from c0 + n on are prefetched (with `hint`) as
    the tiles run, up to next_end. Inlined, so each call site compiles the loop for its kind of keys. */
 static inline __attribute__((always_inline)) void bf16_chunk_scores(
     const uint16_t *values, const uint8_t *const *codes, const uint16_t table[128], long n, const float *scales,
     const uint16_t *qb, const float *wt, long heads, long dims, long c0, long next_end, const uint8_t *cache,
-    long block_stride, long row_stride, long block_size, const int32_t *tt, float *st) {
+    long block_stride, long row_stride, long block_size, const int32_t *tt, int hint, float *st) {
     struct row_cursor next = cursor_at(c0 + n, block_size);
     for (long k = 0; k < n; k += BF16_KEYS) {
         int n_keys = n - k < BF16_KEYS ? (int)(n - k) : BF16_KEYS;
-        prefetch_rows(&next, BF16_KEYS, next_end, cache, block_stride, row_stride, dims + 4, block_size, tt, 1);
+        prefetch_rows(&next, BF16_KEYS, next_end, cache, block_stride, row_stride, dims + 4, block_size, tt, hint);
         float partial[BF16_KEYS * HEADS] = {0.0f};
         for (long h0 = 0; h0 < heads; h0 += HEADS)
             bf16_tile(values ? values + k * dims : NULL, codes ? codes + k : NULL, table, n_keys, scales + k,
@@ -491,7 +489,7 @@ static inline __attribute__((always_inline)) void bf16_chunk_scores(
    chunk off the bf16 route. scales: CHUNK floats of workspace; the rest as score_tokens. */
 static int lone_token_chunk(long dims, const uint16_t *qb, const float *wt, long heads, const uint16_t table[128],
                             const uint8_t *cache, long block_stride, long row_stride, long block_size,
-                            const int32_t *tt, long c0, long n, long next_end, float *scales, float *st) {
+                            const int32_t *tt, long c0, long n, long next_end, int hint, float *scales, float *st) {
     const uint8_t *rows[CHUNK];
     struct row_cursor at = cursor_at(c0, block_size);
     int ok = 1;
@@ -502,7 +500,7 @@ static int lone_token_chunk(long dims, const uint16_t *qb, const float *wt, long
     }
     if (!ok) return 0;
     bf16_chunk_scores(NULL, rows, table, n, scales, qb, wt, heads, dims, c0, next_end, cache, block_stride,
-                      row_stride, block_size, tt, st);
+                      row_stride, block_size, tt, hint, st);
     return 1;
 }
 #else
@@ -531,18 +529,18 @@ static void amx_chunk_scores(const uint16_t *values, long n, const float *scales
 /* The fp32 route for one token over keys c0 .. c0 + n - 1 (a chunk) when no other token reads them, with one tile of
    heads (qt [HEADS][dims], wt [HEADS]; dims a multiple of 16, at most LONE_MAX_DIMS): the tiles decode each key pair's
    codes on the way instead of the chunk being decoded into the workspace first and read back, and the rows of keys
-   from c0 + n on are prefetched up to next_end. The same values in the same order (an odd last key paired with
-   itself, as in the workspace's tiles): the same bits. The decode step of a CPU without AVX-512 BF16 (AVX2 EPYCs) or
+   from c0 + n on are prefetched (with `hint`) up to next_end. The same values in the same order (an odd last key
+   paired with itself, as in the workspace's tiles): the same bits. The decode step of a CPU without AVX-512 BF16 (AVX2 EPYCs) or
    of fp32 queries. In-process A/B against the workspace, one token, 4 heads, AVX2 build, Zen 4: fp8_index 16K keys
    0.70 -> 0.59 ms in cache, 0.96 -> 0.73 ms out of the LLC; 32K 1.43 -> 1.23 and 1.84 -> 1.40 ms; int8_index 32K
    0.99 -> 0.82 and 1.76 -> 1.15 ms (with row_scale's one multiply a code, here and in decode_row). The rest as
    score_tokens. */
 static void lone_token_chunk_fp32(long dims, int code, const float *qt, const float *wt, long heads,
                                   const uint8_t *cache, long block_stride, long row_stride, long block_size,
-                                  const int32_t *tt, long c0, long n, long next_end, float *st) {
+                                  const int32_t *tt, long c0, long n, long next_end, int hint, float *st) {
     struct row_cursor at = cursor_at(c0, block_size), next = cursor_at(c0 + n, block_size);
     for (long k = 0; k < n; k += 2) {
-        prefetch_rows(&next, 2, next_end, cache, block_stride, row_stride, dims + 4, block_size, tt, 0);
+        prefetch_rows(&next, 2, next_end, cache, block_stride, row_stride, dims + 4, block_size, tt, hint);
         const uint8_t *rows[2];
         rows[0] = next_row(&at, cache, block_stride, row_stride, block_size, tt);
         rows[1] = k + 1 < n ? next_row(&at, cache, block_stride, row_stride, block_size, tt) : rows[0];
@@ -559,11 +557,12 @@ static void lone_token_chunk_fp32(long dims, int code, const float *qt, const fl
  * q: [T][hp][dims] fp32 (hp: H rounded up to HEADS, zero heads past H); w: [T][hp] fp32; cache rows of row_stride
  * bytes, blocks of block_stride bytes (dims codes then an fp32 scale); code: CODE_E4M3 or CODE_INT8; tables[t -
  * t_begin]: token t's block table row (every entry a valid block); limits[t - t_begin] (positions >= it get -inf);
- * scores: [T][score_row] fp32. Returns 0, or -1 if the workspace could not be allocated. */
+ * scores: [T][score_row] fp32; hint: how rows read next are asked for (row_prefetch.h). Returns 0, or -1 if the
+ * workspace could not be allocated. */
 static int score_tokens(long heads, long dims, int code, const float *q, const float *w, const uint8_t *cache,
                         long block_stride, long row_stride, long block_size, const int32_t *const *tables,
-                        const int64_t *limits, float *scores, long score_row, long t_begin, long t_end, long s_begin,
-                        long s_end) {
+                        const int64_t *limits, float *scores, long score_row, int hint, long t_begin, long t_end,
+                        long s_begin, long s_end) {
     long hp = (heads + HEADS - 1) / HEADS * HEADS;
     float *keys = malloc(sizeof *keys * CHUNK * (dims > 0 ? dims : 1));
     int32_t *decoded_blocks = malloc(sizeof *decoded_blocks * (CHUNK + 2)); /* a chunk spans <= CHUNK + 1 blocks */
@@ -618,7 +617,7 @@ static int score_tokens(long heads, long dims, int code, const float *q, const f
 #if defined(BF16_DOTS) && !defined(GLM5_AMX_DOTS)
             if (bf16 && next_elsewhere && (decoded == 0 || !decoded_bf16) && hp == HEADS && dims <= BF16_MAX_DIMS &&
                 lone_token_chunk(dims, qb, wt, heads, table, cache, block_stride, row_stride, block_size, tt, c0,
-                                 needed, limit < s_end ? limit : s_end, key_scales, st)) {
+                                 needed, limit < s_end ? limit : s_end, hint, key_scales, st)) {
                 decoded = 0; /* key_scales now holds this token's */
                 continue;
             }
@@ -626,7 +625,7 @@ static int score_tokens(long heads, long dims, int code, const float *q, const f
             if (!bf16 && next_elsewhere && (decoded == 0 || decoded_bf16) && hp == HEADS &&
                 dims % (2 * LANES) == 0 && dims <= LONE_MAX_DIMS) {
                 lone_token_chunk_fp32(dims, code, qt, wt, heads, cache, block_stride, row_stride, block_size, tt, c0,
-                                      needed, limit < s_end ? limit : s_end, st); /* the workspace is left as it was */
+                                      needed, limit < s_end ? limit : s_end, hint, st); /* the workspace is unchanged */
                 continue;
             }
             /* A token takes its own route over the workspace, whatever the token before it left there: fp32 keys for
@@ -661,7 +660,8 @@ static int score_tokens(long heads, long dims, int code, const float *q, const f
                 amx_chunk_scores(values, needed, key_scales, amx_panels, amx_steps, wt, heads, dims, c0, st);
 #else
                 bf16_chunk_scores(values, NULL, table, needed, key_scales, qb, wt, heads, dims, c0,
-                                  limit < s_end ? limit : s_end, cache, block_stride, row_stride, block_size, tt, st);
+                                  limit < s_end ? limit : s_end, cache, block_stride, row_stride, block_size, tt, hint,
+                                  st);
 #endif
                 continue;
             }
@@ -692,37 +692,38 @@ static int score_tokens(long heads, long dims, int code, const float *q, const f
 }
 
 /* score_tokens with each token's table row and limit given: table [T][table_width] int32 (every entry a valid
- * block), limit [T]. Returns 0, or -1 if the workspace could not be allocated. */
+ * block), limit [T]; row_prefetch: PREFETCH_L2, PREFETCH_L1 or PREFETCH_NTA (row_prefetch.h). Returns 0, or -1 if the
+ * workspace could not be allocated. */
 int glm5_quantized_index_scores(long heads, long dims, int code, const float *q, const float *w, const uint8_t *cache,
                                 long block_stride, long row_stride, long block_size, const int32_t *table,
-                                long table_width, const int64_t *limit, float *scores, long score_row, long t_begin,
-                                long t_end, long s_begin, long s_end) {
+                                long table_width, const int64_t *limit, float *scores, long score_row, int row_prefetch,
+                                long t_begin, long t_end, long s_begin, long s_end) {
     long tokens = t_end - t_begin;
     const int32_t **tables = malloc(sizeof *tables * (tokens > 0 ? tokens : 1));
     if (!tables) return -1;
     for (long t = t_begin; t < t_end; t++) tables[t - t_begin] = table + t * table_width;
     int status = score_tokens(heads, dims, code, q, w, cache, block_stride, row_stride, block_size, tables,
-                              limit + t_begin, scores, score_row, t_begin, t_end, s_begin, s_end);
+                              limit + t_begin, scores, score_row, row_prefetch, t_begin, t_end, s_begin, s_end);
     free(tables);
     return status;
 }
 
 /* score_tokens over the op's paged batch (paged_tokens.h): tokens first_token + t of the batch for t in t_begin ..
  * t_end - 1 (q, w and scores hold the tokens from first_token on), key positions < width; keys whose table entry
- * names no block of the cache get -inf and are never read. Returns 0, or -1 if the workspace could not be
- * allocated. */
+ * names no block of the cache get -inf and are never read; row_prefetch as above. Returns 0, or -1 if the workspace
+ * could not be allocated. */
 int glm5_quantized_index_scores_paged(long heads, long dims, int code, const float *q, const float *w,
                                       const uint8_t *cache, long block_stride, long row_stride, long block_size,
                                       long num_blocks, const int32_t *block_table, long table_stride,
                                       long max_blocks, const int32_t *seq_lens_k, const int32_t *cu_seqlens_q,
                                       long batch, long first_token, float *scores, long score_row, long width,
-                                      long t_begin, long t_end, long s_begin, long s_end) {
+                                      int row_prefetch, long t_begin, long t_end, long s_begin, long s_end) {
     struct paged_batch pb = {block_table, table_stride, max_blocks, seq_lens_k, cu_seqlens_q, batch, block_size,
                              num_blocks};
     struct token_views views;
     if (token_views_make(&pb, width, first_token + t_begin, first_token + t_end, &views)) return -1;
     int status = score_tokens(heads, dims, code, q, w, cache, block_stride, row_stride, block_size, views.tables,
-                              views.limits, scores, score_row, t_begin, t_end, s_begin, s_end);
+                              views.limits, scores, score_row, row_prefetch, t_begin, t_end, s_begin, s_end);
     if (status == 0)
         paged_mask_outside(&pb, &views, scores + t_begin * score_row, score_row, first_token + t_begin,
                            first_token + t_end, s_begin, s_end);

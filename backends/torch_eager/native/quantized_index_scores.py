@@ -39,6 +39,7 @@ from torch import Tensor
 from backends.torch_eager.native import amx_tiles
 from backends.torch_eager.native import threads as threads_
 from backends.torch_eager.native.indexer_scores import check_score_arguments, check_score_operands, score_shares
+from backends.torch_eager.native.row_prefetch import ROW_PREFETCHES, check_prefetch
 from glm5_hal.checks import check
 from glm5_hal.kv_formats import FORMATS
 from glm5_hal.ops.common import plain_eager
@@ -52,11 +53,18 @@ AMX_KERNEL = "amx_quantized_index_scores"  # the same source with its bf16 route
 CODES = {"fp8_index": 0, "int8_index": 1}
 HEADS = 4  # HEADS in quantized_index_scores.c: q is padded with zero heads to a multiple of it
 KEY_CHUNK = 256  # CHUNK in quantized_index_scores.c: a thread's share of key positions is a multiple of it
+# How the kernel asks for the next chunk's rows where nothing measured it (row_prefetch.py: ROW_PREFETCHES; the torch
+# backend's probe measures which is fastest here, the results are the same bits): non-temporally (the kernel's comment
+# on prefetch_rows has the measurements).
+DEFAULT_PREFETCH = "nta"
 
-_L, _P = ctypes.c_long, ctypes.c_void_p
-_ARGTYPES = [_L, _L, ctypes.c_int, _P, _P, _P, _L, _L, _L, _P, _L, _P, _P, _L, _L, _L, _L, _L]
-_PAGED_ARGTYPES = [_L, _L, ctypes.c_int, _P, _P, _P, _L, _L, _L, _L, _P, _L, _L, _P, _P, _L, _L, _P, _L, _L]
-_PAGED_ARGTYPES += [_L, _L, _L, _L]
+_L, _P, _I = ctypes.c_long, ctypes.c_void_p, ctypes.c_int
+_SHARE = [_L, _L, _L, _L]  # t_begin, t_end, s_begin, s_end
+# heads, dims, code, q, w, cache, its strides, block_size, tables, table stride, limits, scores, score row, prefetch
+_ARGTYPES = [_L, _L, _I, _P, _P, _P, _L, _L, _L, _P, _L, _P, _P, _L, _I, *_SHARE]
+# heads, dims, code, q, w, cache, its strides, block_size, num_blocks, block table, its stride, max_blocks, seq_lens_k,
+# cu_seqlens_q, B, first_token, scores, score row, width, prefetch
+_PAGED_ARGTYPES = [_L, _L, _I, _P, _P, _P, _L, _L, _L, _L, _P, _L, _L, _P, _P, _L, _L, _P, _L, _L, _I, *_SHARE]
 
 
 def kernel_for(isa: str, kernel: str | None = None) -> str:
@@ -99,6 +107,7 @@ def _run(
     isa: str,
     threads: int | None,
     kernel: str | None = None,
+    prefetch: str = DEFAULT_PREFETCH,
 ) -> Tensor:
     tokens, heads, dims = q.shape
     width = out.shape[1]
@@ -109,7 +118,7 @@ def _run(
     limits = limits.to(torch.int64).clamp(0, width).contiguous()
     args = (heads, dims, CODES[kv_cache_dtype], q32.data_ptr(), w.data_ptr(), cache.data_ptr(), cache.stride(0))
     args += (cache.stride(1), cache.shape[1], tables.data_ptr(), tables.stride(0), limits.data_ptr(), out.data_ptr())
-    args += (out.stride(0),)
+    args += (out.stride(0), ROW_PREFETCHES[prefetch])
     shares = score_shares(tokens, heads, dims, width, KEY_CHUNK, threads)
     failed = threads_.failed_shares(_kernel(isa, kernel=kernel), args, shares)
     check(not failed, MemoryError, lambda: f"quantized index scores: no memory for a workspace of {dims}-wide keys")
@@ -148,19 +157,22 @@ def scores(
     isa: str = AVX2,
     threads: int | None = None,
     kernel: str | None = None,
+    prefetch: str = DEFAULT_PREFETCH,
 ) -> Tensor:
     """The scores described in the module docstring, written into `out` ([T, width] fp32, rows contiguous) if
     given. isa: the build (backends.torch_eager.native.build.ISAS). threads: default torch's. kernel: KERNEL or
-    AMX_KERNEL (default: kernel_for(isa); the tests run AMX_KERNEL's portable build, its blocking on any CPU)."""
+    AMX_KERNEL (default: kernel_for(isa); the tests run AMX_KERNEL's portable build, its blocking on any CPU).
+    prefetch: how the kernel asks for the next chunk's rows (ROW_PREFETCHES; the same results, at another speed)."""
     _check_format(q, cache, kv_cache_dtype)
+    check_prefetch("quantized index scores", prefetch)
     out = check_score_arguments(q, weights, cache, tables, limits, width, out)
     # The build is an argument of the op: torch.compile and FakeTensor see every build (plain eager: run directly).
     if threads is None and not plain_eager((q, weights, cache, out)):
         torch.ops.glm5_hal.native_quantized_index_scores(
-            q, weights, cache, tables, limits, out, kv_cache_dtype, isa, kernel_for(isa, kernel)
+            q, weights, cache, tables, limits, out, kv_cache_dtype, isa, kernel_for(isa, kernel), prefetch
         )
         return out
-    return _run(q, weights, cache, tables, limits, out, kv_cache_dtype, isa, threads, kernel)
+    return _run(q, weights, cache, tables, limits, out, kv_cache_dtype, isa, threads, kernel, prefetch)
 
 
 def _run_paged(
@@ -176,6 +188,7 @@ def _run_paged(
     isa: str,
     threads: int | None,
     kernel: str | None = None,
+    prefetch: str = DEFAULT_PREFETCH,
 ) -> Tensor:
     tokens, heads, dims = q.shape
     width = out.shape[1]
@@ -187,7 +200,7 @@ def _run_paged(
     args = (heads, dims, CODES[kv_cache_dtype], q32.data_ptr(), w.data_ptr(), cache.data_ptr(), cache.stride(0))
     args += (cache.stride(1), cache.shape[1], cache.shape[0], table.data_ptr(), table.stride(0), table.shape[1])
     args += (seq_lens_k.data_ptr(), cu_seqlens_q.data_ptr(), table.shape[0], first_token, out.data_ptr())
-    args += (out.stride(0), width)
+    args += (out.stride(0), width, ROW_PREFETCHES[prefetch])
     shares = score_shares(tokens, heads, dims, width, KEY_CHUNK, threads)
     failed = threads_.failed_shares(_kernel(isa, paged=True, kernel=kernel), args, shares)
     check(not failed, MemoryError, lambda: f"quantized index scores: no memory for a workspace of {dims}-wide keys")
@@ -210,18 +223,20 @@ def paged_scores(
     threads: int | None = None,
     validated: bool = False,
     kernel: str | None = None,
+    prefetch: str = DEFAULT_PREFETCH,
 ) -> Tensor:
     """The paged form of `scores` (module docstring), written into `out` ([T, width] fp32, rows contiguous) if
     given: block_table [B, max_blocks] int32 (max_blocks * block_size >= width), seq_lens_k [B] and cu_seqlens_q
-    [B + 1] int32, as the op takes them. isa, kernel: as `scores`. threads: default torch's. validated: the caller has
-    established what this would check (the kinds and shapes of every argument, CPU tensors, the cache's rows
-    contiguous, out as above): the torch backend, behind glm5_hal.lightning_indexer's validation and its native
-    route's conditions (a decode step otherwise runs every check twice, ~0.03 ms a layer inside an engine). The
-    kernel itself bounds every block id by the cache and every key by the table."""
+    [B + 1] int32, as the op takes them. isa, kernel, prefetch: as `scores`. threads: default torch's. validated: the
+    caller has established what this would check (the kinds and shapes of every argument, CPU tensors, the cache's
+    rows contiguous, out as above, the prefetch name): the torch backend, behind glm5_hal.lightning_indexer's
+    validation and its native route's conditions (a decode step otherwise runs every check twice, ~0.03 ms a layer
+    inside an engine). The kernel itself bounds every block id by the cache and every key by the table."""
     if validated:
         out = torch.empty(q.shape[0], width, dtype=torch.float32) if out is None else out
     else:
         _check_format(q, cache, kv_cache_dtype)
+        check_prefetch("quantized index scores", prefetch)
         batch = block_table.shape[0] if block_table.dim() == 2 else -1
         check(
             block_table.dim() == 2
@@ -246,18 +261,18 @@ def paged_scores(
     if threads is None and not plain_eager((q, weights, cache, out)):
         batch = (block_table, seq_lens_k, cu_seqlens_q)
         torch.ops.glm5_hal.native_quantized_index_scores_paged(
-            q, weights, cache, *batch, out, kv_cache_dtype, first_token, isa, kernel_for(isa, kernel)
+            q, weights, cache, *batch, out, kv_cache_dtype, first_token, isa, kernel_for(isa, kernel), prefetch
         )
         return out
-    return _run_paged(
-        q, weights, cache, block_table, seq_lens_k, cu_seqlens_q, out, kv_cache_dtype, first_token, isa, threads, kernel
-    )
+    batch = (block_table, seq_lens_k, cu_seqlens_q)
+    return _run_paged(q, weights, cache, *batch, out, kv_cache_dtype, first_token, isa, threads, kernel, prefetch)
 
 
 _LIBRARY = torch.library.Library("glm5_hal", "FRAGMENT")
 _LIBRARY.define(
     "native_quantized_index_scores(Tensor q, Tensor weights, Tensor cache, Tensor tables, Tensor limits, "
-    f"Tensor(a!) out, str kv_cache_dtype, str isa='{AVX2}', str kernel='{KERNEL}') -> ()"
+    f"Tensor(a!) out, str kv_cache_dtype, str isa='{AVX2}', str kernel='{KERNEL}', "
+    f"str prefetch='{DEFAULT_PREFETCH}') -> ()"
 )
 
 
@@ -271,8 +286,9 @@ def _cpu_op(
     kv_cache_dtype: str,
     isa: str = AVX2,
     kernel: str = KERNEL,
+    prefetch: str = DEFAULT_PREFETCH,
 ) -> None:
-    _run(q, weights, cache, tables, limits, out, kv_cache_dtype, isa, None, kernel)
+    _run(q, weights, cache, tables, limits, out, kv_cache_dtype, isa, None, kernel, prefetch)
 
 
 _LIBRARY.impl("native_quantized_index_scores", _cpu_op, "CPU")
@@ -289,6 +305,7 @@ def _fake(
     kv_cache_dtype: str,
     isa: str = AVX2,
     kernel: str = KERNEL,
+    prefetch: str = DEFAULT_PREFETCH,
 ) -> None:
     return None
 
@@ -296,7 +313,7 @@ def _fake(
 _LIBRARY.define(
     "native_quantized_index_scores_paged(Tensor q, Tensor weights, Tensor cache, Tensor block_table, "
     "Tensor seq_lens_k, Tensor cu_seqlens_q, Tensor(a!) out, str kv_cache_dtype, int first_token, "
-    f"str isa='{AVX2}', str kernel='{KERNEL}') -> ()"
+    f"str isa='{AVX2}', str kernel='{KERNEL}', str prefetch='{DEFAULT_PREFETCH}') -> ()"
 )
 
 
@@ -312,9 +329,10 @@ def _paged_cpu_op(
     first_token: int,
     isa: str = AVX2,
     kernel: str = KERNEL,
+    prefetch: str = DEFAULT_PREFETCH,
 ) -> None:
     batch = (block_table, seq_lens_k, cu_seqlens_q)
-    _run_paged(q, weights, cache, *batch, out, kv_cache_dtype, first_token, isa, None, kernel)
+    _run_paged(q, weights, cache, *batch, out, kv_cache_dtype, first_token, isa, None, kernel, prefetch)
 
 
 _LIBRARY.impl("native_quantized_index_scores_paged", _paged_cpu_op, "CPU")
@@ -333,5 +351,6 @@ def _paged_fake(
     first_token: int,
     isa: str = AVX2,
     kernel: str = KERNEL,
+    prefetch: str = DEFAULT_PREFETCH,
 ) -> None:
     return None

@@ -122,7 +122,7 @@ static void row_dot_tile(const uint16_t *const *rows, int n_keys, const float *q
 }
 
 /* s [k1 - k0][hp] for the valid rows k0 .. k1 - 1 (of n), at most ROW_HEADS real heads (row_dot_tile); rows ahead
-   are prefetched up to n (as row_prefetch says: head_pairs.h). Not inlined into the token loop: there it changed how
+   are prefetched up to n (as row_prefetch says: row_prefetch.h). Not inlined into the token loop: there it changed how
    gcc compiled the heads-in-lanes tiles, which then ran ~12% slower at 5 to 8 heads. */
 static __attribute__((noinline)) void score_few_heads(const uint16_t *const *valid_rows, long n, long k0, long k1,
                                                       const float *qf, long dims, float scale, float *s, long hp,
@@ -431,7 +431,7 @@ static void pack_probabilities(float *s, long n, long hp, long heads, const floa
    q: [T][H][D] bf16 at element strides q_token, q_head (dims contiguous), packed per token as [pairs + odd][hp][2]
    (hp = H rounded up to 16; head_pairs.h) into the workspace; rows: [num_slots] rows of row_stride elements; out:
    [T][H][dv] (element strides out_token, out_head), fp32 if out_fp32 else bf16; lse: [T][H] fp32 (stride
-   lse_token); row_prefetch: how rows read next are asked for (head_pairs.h). Returns 0, or -1 if the per-thread
+   lse_token); row_prefetch: how rows read next are asked for (row_prefetch.h). Returns 0, or -1 if the per-thread
    workspace could not be allocated. */
 static int attend(long heads, long dims, long dv, long topk, const uint16_t *q, long q_token, long q_head,
                   const uint16_t *rows, long num_slots, long row_stride, const struct key_source *keys, float scale, void *out, int out_fp32,

@@ -44,6 +44,7 @@ from torch import Tensor
 
 from backends.torch_eager.native import amx_tiles
 from backends.torch_eager.native import threads as threads_
+from backends.torch_eager.native.row_prefetch import ROW_PREFETCHES, check_prefetch
 from glm5_hal.checks import check
 from glm5_hal.ops.common import plain_eager
 from glm5_hal.paged import slot_rows
@@ -54,9 +55,8 @@ AMX = "amx"  # the AMX kernel's build (AMX_KERNEL: both products on tiles)
 PORTABLE = "portable"
 KERNEL = "sparse_attention"  # sparse_attention.c: the vector builds (FAST, AVX2, PORTABLE)
 AMX_KERNEL = "amx_attention"  # amx_attention.c: the same entry points on AMX tiles (AMX, PORTABLE: its blocking)
-# How the kernel asks for the rows it reads next (head_pairs.h's codes): into L2, into L1, or non-temporally. Which
-# is fastest from memory is the CPU's (the torch backend's probe measures it); the results are the same bits.
-ROW_PREFETCHES: dict[str, int] = {"l2": 0, "l1": 1, "nta": 2}
+# How the kernel asks for the rows it reads next where nothing measured it (row_prefetch.py: ROW_PREFETCHES; the
+# torch backend's probe measures which is fastest here, the results are the same bits).
 DEFAULT_PREFETCH = "l2"
 
 _L, _P, _F, _I = ctypes.c_long, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
@@ -88,11 +88,7 @@ def availability(isa: str = FAST, kernel: str | None = None) -> tuple[bool, str]
 
 
 def _check_prefetch(prefetch: str) -> None:
-    check(
-        prefetch in ROW_PREFETCHES,
-        ValueError,
-        lambda: f"sparse attention: prefetch: expected one of {tuple(ROW_PREFETCHES)}, got {prefetch!r}",
-    )
+    check_prefetch("sparse attention", prefetch)
 
 
 def _check_query(q: Tensor) -> tuple[int, int]:
