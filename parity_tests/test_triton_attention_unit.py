@@ -79,6 +79,127 @@ def test_sparse_attention_many_head_and_key_tiles(monkeypatch, gen, dtype, width
     assert torch.isneginf(lse[1]).all() and (out[1] == 0).all()
 
 
+@pytest.fixture
+def split_keys(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every sparse attention call split over keys (backends/triton/sparse_attention.py: flash-decoding) into up to 4
+    ranges of a multiple of 16 keys, in key tiles of 16 and head tiles of 16, so small cases split too."""
+    monkeypatch.setattr(
+        triton_attention, "_launch_config", lambda num_heads, dtype: {"BLOCK_H": 16, "BLOCK_N": 16, "num_warps": 4}
+    )
+    monkeypatch.setattr(triton_attention, "SPLIT_KEYS_MULTIPLE", 16)
+    monkeypatch.setattr(triton_attention, "_default_splits", lambda *args: 4)
+
+
+class _Launches:
+    """Stands in for a kernel: counts its launches (kernel[grid](...)) and runs them."""
+
+    def __init__(self, kernel) -> None:
+        self.kernel, self.count = kernel, 0
+
+    def __getitem__(self, grid):
+        self.count += 1
+        return self.kernel[grid]
+
+
+def _same_specials(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """NaN and infinities in the same places with the same signs (the finite values are judged elsewhere)."""
+    got, want = got.float().cpu(), want.float().cpu()
+    return torch.equal(got.isnan(), want.isnan()) and torch.equal(got.isinf() * got.sign(), want.isinf() * want.sign())
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_sparse_attention_split_over_keys_merges_to_the_reference(split_keys, gen, dtype):
+    """topk 70 in ranges of 32, 32 and 6 keys: the merged ranges equal the reference and the unsplit kernel's
+    specials, with a token without keys, one whose keys all lie in its first range (the others empty), one whose
+    keys all lie in its last, a NaN score in one range of one token, and 20 heads (two head tiles)."""
+    num_heads, topk, width, d_v = 20, 70, 576, 512
+    batch = paged_batch(SEQS, 16, gen)
+    indices = random_topk_indices(batch, topk, gen, invalid_fraction=0.25)
+    indices[1] = -1  # no valid key: out 0, lse -inf
+    indices[2, 32:] = -1  # only the first range has keys
+    indices[3, :64] = -1  # only the last range (6 keys) may have any
+    q = randn((indices.shape[0], num_heads, width), gen, dtype=dtype)
+    kv_cache = randn((batch.num_blocks, 16, width), gen, dtype=dtype)
+    valid = indices[0][(indices[0] >= 0) & (indices[0] < batch.seq_lens_k[0])]  # token 0 is sequence 0's
+    row = batch.block_table[0, valid[-1] // 16], valid[-1] % 16  # token 0's last valid key
+    kv_cache[row[0], row[1], 7] = float("nan")  # a NaN score for every head of every token selecting that key
+    args = (q, kv_cache, indices, batch.block_table, batch.seq_lens_k, batch.cu_seqlens_q)
+    merges = _Launches(triton_attention._merge_splits_kernel)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(triton_attention, "_merge_splits_kernel", merges)
+        out, lse = triton_attention.sparse_flash_attention(*_dev(*args), sm_scale=0.11, d_v=d_v)
+    assert merges.count == 1
+    whole_out, whole_lse = triton_attention.sparse_flash_attention(*_dev(*args), sm_scale=0.11, d_v=d_v, num_splits=1)
+    assert lse[0].isnan().all() and _same_specials(out, whole_out) and _same_specials(lse, whole_lse)
+    want_out, want_lse = ref.sparse_flash_attention(*map(to_numpy, args), 0.11, d_v)
+    _assert_close("out", out, want_out, dtype)
+    _assert_close("lse", lse, want_lse, torch.float32 if dtype == torch.float32 else dtype)
+    assert torch.isneginf(lse[1]).all() and (out[1] == 0).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_sparse_attention_split_keeps_the_empty_softmax_rule(split_keys, dtype):
+    """Token 0 head 0 scores -inf against every key (q holds -inf where every row holds 1), over 40 keys in three
+    ranges: out 0 and lse -inf, as for a row without keys, though a V row of its last range holds inf (0 x inf
+    would be NaN in a plain product; V is part of K, and q's -1 in that dim keeps the row's scores -inf); token 0's
+    other head (whose value product meets 0 x inf: NaN, as in the reference) and token 1 as the reference."""
+    gen = torch.Generator().manual_seed(31)
+    cache = torch.randn(4, 16, 576, generator=gen) * 0.1
+    cache[..., 0] = 1.0
+    cache[2, 5, 9] = float("inf")  # in V of key position 37 (block table [3, 0, 2, 1]: block 2, slot 5)
+    q = torch.randn(2, 2, 576, generator=gen)
+    q[0, 0, 0] = float("-inf")
+    q[0, :, 9] = -1.0
+    others = torch.tensor([p for p in range(48) if p != 37])
+    indices = torch.stack([others[torch.randperm(47, generator=gen)[:40]] for _ in range(2)]).to(torch.int32)
+    indices[0, 39] = 37
+    args = (
+        q.to(dtype),
+        cache.to(dtype),
+        indices,
+        torch.tensor([[3, 0, 2, 1]], dtype=torch.int32),
+        torch.tensor([48], dtype=torch.int32),
+        torch.tensor([0, 2], dtype=torch.int32),
+    )
+    out, lse = triton_attention.sparse_flash_attention(*_dev(*args), sm_scale=0.05, d_v=512)
+    assert (out[0, 0] == 0).all() and float(lse[0, 0]) == float("-inf")
+    assert torch.isfinite(out[1]).all() and torch.isfinite(lse[1]).all() and torch.isfinite(lse[0, 1])
+    whole_out, whole_lse = triton_attention.sparse_flash_attention(*_dev(*args), sm_scale=0.05, d_v=512, num_splits=1)
+    assert _same_specials(out, whole_out) and _same_specials(lse, whole_lse)
+    want_out, want_lse = ref.sparse_flash_attention(*map(to_numpy, args), 0.05, 512)
+    _assert_close("out", out, want_out, dtype)
+    _assert_close("lse", lse, want_lse, torch.float32 if dtype == torch.float32 else dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_every_sparse_attention_parity_case_passes_split_over_keys(monkeypatch, dtype):
+    """The op's parity cases on the Triton backend with every call split into up to 4 key ranges: at topk 2048
+    (GLM-5's and DeepSeek's head counts, every cache format) 4 ranges of 512 keys; the cases of at most 64 keys run
+    as one range (the interpreter's key tiles are 64 keys: split_keys' tests cover small ranges at a fifth of the
+    time these cases would take in 16-key tiles)."""
+    from glm5_hal.parity import CASES, run_case
+
+    monkeypatch.setattr(triton_attention, "_default_splits", lambda *args: 4)
+    merges = _Launches(triton_attention._merge_splits_kernel)
+    monkeypatch.setattr(triton_attention, "_merge_splits_kernel", merges)
+
+    cases = [case for case in CASES if case.op == "sparse_flash_attention" and dtype in case.dtypes]
+    assert len(cases) >= 10
+    for case in cases:
+        result = run_case(case, "triton", dtype)
+        assert result.passed, f"{case.name}: {result.status}: {result.detail}"
+    long = [case for case in cases if "topk2048" in case.name or "heads" in case.name]
+    assert len(long) >= 6 and merges.count >= len(long)  # every topk-2048 case ran split
+
+
+def test_sparse_attention_rejects_no_split():
+    q = torch.zeros(1, 16, 576, device=DEVICE)
+    args = (q, torch.zeros(1, 16, 576, device=DEVICE), torch.zeros(1, 4, dtype=torch.int32, device=DEVICE))
+    batch = (torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32), torch.tensor([0, 1]).int())
+    with pytest.raises(ValueError, match="num_splits: expected >= 1, got 0"):
+        triton_attention.sparse_flash_attention(*args, *_dev(*batch), sm_scale=1.0, num_splits=0)
+
+
 def _indexer_args(gen: torch.Generator, dtype: torch.dtype, num_heads: int = 6, head_dim: int = 48):
     batch = paged_batch(SEQS, 16, gen)  # 150 keys -> 160 columns: two key tiles of 128, the second ragged
     num_tokens = int(batch.cu_seqlens_q[-1])

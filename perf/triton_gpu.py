@@ -287,6 +287,37 @@ def _grouped_gemm_targets(tokens: int, k: int, experts: int, hidden: int, inter:
     ]
 
 
+def key_range_rows(inputs: dict, device: torch.device, reps: int, counts: tuple[int, ...] = (1, 2, 4, 8)) -> list[str]:
+    """Sparse attention on one input set with its keys split into each of `counts` ranges per token, and as the
+    backend splits them by default (backends/triton/sparse_attention.py: _default_splits, a first guess from the
+    grid's shape): median time and each one's output against the unsplit kernel's (the data to tune the default)."""
+    from backends.triton import sparse_attention as attention
+
+    args = [inputs[k] for k in ("q", "kv_cache", "indices", "block_table", "seq_lens_k", "cu_seqlens_q")]
+    kwargs = {
+        "sm_scale": inputs["sm_scale"],
+        "d_v": inputs["d_v"],
+        "kv_cache_dtype": inputs.get("kv_cache_dtype", "auto"),
+    }
+    num_tokens, num_heads = inputs["q"].shape[:2]
+    default = attention._default_splits(num_tokens, num_heads, inputs["indices"].shape[1], device)
+    whole = attention.sparse_flash_attention(*args, **kwargs, num_splits=1)
+    rows = []
+    for count in (*counts, None):
+
+        def call(_: dict, count: int | None = count) -> object:
+            return attention.sparse_flash_attention(*args, **kwargs, num_splits=count)
+
+        got = call({})
+        checks = [compare_float(name, g, to_numpy(w), DTYPE) for name, g, w in zip(("out", "lse"), got, whole)]
+        check = "; ".join(v.detail for v in checks if not v.passed) or "ok"
+        timing = time_calls(call, [{}], device, reps=reps)
+        ranges = attention.key_ranges(inputs["indices"].shape[1], default if count is None else count)[1]
+        label = f"{ranges}" + (" (default)" if count is None else "")
+        rows.append(f"  {label:<13} key ranges {timing.median_s * 1e3:9.3f} ms   vs 1 range: {check}")
+    return rows
+
+
 def _topk_share(name: str, build: Build, device: torch.device, reps: int) -> str:
     """How much of the Triton lightning_indexer is torch.topk: its time against the logits kernel's alone (the
     argument for torch.topk in backends/triton/indexer.py)."""
@@ -368,6 +399,15 @@ def main(argv: list[str] | None = None) -> int:
         shown = "-" if math.isnan(value) else f"{value:.1%}" if goal < 1 else f"{value:.2f}x"
         goal_text = "" if math.isnan(goal) else f" (goal {goal:g})"  # nan: the kernel failed before it was timed
         print(f"{'PASS' if ok else 'FAIL'}  {name:<60} {shown:>9}{goal_text} {what}")
+
+    decode = next(((m, i) for (op, _), (m, i) in measured.items() if m.name.startswith("sfa decode")), None)
+    if decode is not None:
+        print("\n== sparse attention decode split over keys (the decode target's inputs) ==")
+        try:
+            print("\n".join(key_range_rows(decode[1], device, reps)))
+        except Exception as exc:
+            mismatches += 1
+            print(f"key ranges: {_failure(exc)}")
 
     cfg, context, batch = (GLM5_MINI, 300, 4) if args.mini else (GLM5, 65536, 64)
     topk_case = builders.indexer_inputs(cfg, [SeqSpec(1, context)] * batch, BLOCK, cfg.index_topk)

@@ -150,10 +150,12 @@ def _selected(cases: str, ops: Sequence[str] | None) -> list:
 
 
 def _private_launches() -> list[tuple[str, Callable[[], object]]]:
-    """The kernels no public op launches yet (the grouped W8A8 / W4A8 GEMMs): called directly, small shapes."""
+    """The kernels no public op launches yet (the grouped W8A8 / W4A8 GEMMs), and paths the parity cases do not take
+    without a GPU (sparse attention split over keys: its default is one range on a CPU): called directly."""
     import torch
 
     from backends.triton import moe
+    from backends.triton import sparse_attention as attention
 
     rows, experts, n, k = 48, 4, 256, 512
     offsets = torch.tensor([0, 16, 16, 40, 48], dtype=torch.int64)
@@ -171,6 +173,13 @@ def _private_launches() -> list[tuple[str, Callable[[], object]]]:
             (f"grouped W4A8 group 128 -> {out_dtype}", lambda o=out_dtype: moe.grouped_w4a8_matmul(
                 x_q, x_scale, packed, torch.ones(experts, n, k // 128), offsets, group_size=128, out_dtype=o)),
         ]  # fmt: skip
+    # A decode step at GLM-5's dims split into 4 key ranges, and the kernel that merges them.
+    table, lens, cu = torch.arange(32, dtype=torch.int32)[None], torch.tensor([2048]).int(), torch.tensor([0, 1]).int()
+    for dtype in (torch.bfloat16, torch.float32):
+        q, cache = torch.zeros(1, 64, 576, dtype=dtype), torch.zeros(32, 64, 576, dtype=dtype)
+        indices = torch.arange(2048, dtype=torch.int32)[None]
+        launches.append((f"sparse attention in 4 key ranges, {dtype}", lambda q=q, c=cache, i=indices: (
+            attention.sparse_flash_attention(q, c, i, table, lens, cu, 0.1, 512, num_splits=4))))  # fmt: skip
     return launches
 
 

@@ -11,6 +11,15 @@ in tiles of BLOCK_N:
   4. online softmax in fp32 with a running max / sum per head (base 2 inside, natural-log lse out),
   5. acc[BLOCK_H, d_v] += p . V with V = the first d_v dims of the same gathered rows.
 A head with no valid key ends with out 0 and lse -inf, as the contract says; NaN in a read score propagates.
+
+Split over keys (flash-decoding): a decode step has few tokens, so one program per token and head tile leaves most
+of a GPU idle (64 tokens x 1-4 head tiles on an H200's 132 SMs; the one H200 run measured decode at 3.6% of HBM
+bandwidth). With num_splits > 1 a third grid axis cuts each token's topk keys into that many ranges; each program
+keeps the online softmax's state of its range (fp32 acc, running max and sum, the count of valid keys) in a
+workspace, and a second kernel merges the ranges with the same rescaling the loop applies between key tiles, then
+finishes as the unsplit kernel does (_finish): the same edge rules (no valid key: out 0, lse -inf; every score -inf:
+out 0; NaN reaches out and lse), the sums in another order. `_default_splits` picks the count; it has not been
+timed on a GPU yet (perf/triton_gpu.py times the decode target at 1 split and at its choice).
 A quantized latent cache (fp8_ds_mla, int8_mla) is decoded in step 2 as the rows are loaded (code x its tile's
 scale, the RoPE dims from bf16), into q's dtype; nothing else changes (backends/triton/quantized_cache.py).
 The paged-batch helpers (token -> sequence, key position -> cache row) are jit functions shared with the indexer.
@@ -81,6 +90,20 @@ def key_rows(
 
 # ------------------------------------------------------------------------------------------------------ kernel
 @triton.jit
+def _finish(acc, running_max, running_sum, num_valid):
+    """(out [BLOCK_H, BLOCK_DV] fp32, lse [BLOCK_H] natural log) from the online softmax's state: acc = sum of
+    2^(s - running_max) v over the keys, running_sum = sum of 2^(s - running_max), num_valid = keys seen."""
+    # Decided by the count, not by running_sum > 0: a NaN score makes the sum NaN, and NaN must reach out and lse.
+    has_keys = num_valid > 0
+    # A sum of 0 (no key, or every score -inf: an empty softmax, docs/ops.md "Edge rules") gives out 0, whatever V
+    # holds (acc may hold 0 * inf there); a NaN sum is not 0 and reaches out.
+    empty = running_sum == 0.0
+    out = tl.where(empty[:, None], 0.0, acc / tl.where(empty, 1.0, running_sum)[:, None])
+    lse = tl.where(has_keys, (running_max + tl.math.log2(tl.where(has_keys, running_sum, 1.0))) * _LN2, float("-inf"))
+    return out, lse
+
+
+@triton.jit
 def _sparse_attention_kernel(
     # Pointers
     q_ptr,  # [T, H, D]
@@ -89,11 +112,15 @@ def _sparse_attention_kernel(
     block_table_ptr,  # [B, max_blocks] int32
     seq_lens_k_ptr,  # [B] int32
     cu_seqlens_q_ptr,  # [B+1] int32
-    out_ptr,  # [T, H, d_v] q's dtype, written
-    lse_ptr,  # [T, H] fp32, written
+    out_ptr,  # [T, H, d_v] q's dtype, written (unsplit)
+    lse_ptr,  # [T, H] fp32, written (unsplit)
+    part_acc_ptr,  # [T, S, H, BLOCK_DV] fp32, written (split): each key range's acc
+    part_state_ptr,  # [T, S, H, 3] fp32, written (split): its running max (base 2), running sum, valid keys
     # Sizes and scalars
     num_heads,
     topk,
+    num_splits,  # S: key ranges per token (grid axis 2)
+    keys_per_split,  # keys of a range: a multiple of every BLOCK_N
     num_seqs,
     max_blocks,
     num_blocks,
@@ -127,9 +154,13 @@ def _sparse_attention_kernel(
     QUANT_DIMS: tl.constexpr,  # a quantized row's layout: coded dims, byte offsets of its scales and RoPE values
     SCALES_OFFSET: tl.constexpr,
     ROPE_OFFSET: tl.constexpr,
+    SPLIT: tl.constexpr,  # write the range's state for _merge_splits_kernel instead of out and lse
 ):
     token = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    split = tl.program_id(2)
+    k_begin = split * keys_per_split
+    k_end = tl.minimum(topk, k_begin + keys_per_split)
     head_ok = heads < num_heads
     dv = tl.arange(0, BLOCK_DV)
     dr = tl.arange(0, BLOCK_DR)
@@ -150,9 +181,9 @@ def _sparse_attention_kernel(
     running_sum = tl.zeros((BLOCK_H,), tl.float32)
     acc = tl.zeros((BLOCK_H, BLOCK_DV), tl.float32)
     num_valid = tl.zeros((BLOCK_H,), tl.int32)  # valid keys seen (the same for every head)
-    for k0 in range(0, topk, BLOCK_N):
+    for k0 in range(k_begin, k_end, BLOCK_N):
         ks = k0 + tl.arange(0, BLOCK_N)
-        pos = tl.load(indices_ptr + token * stride_it + ks * stride_ik, mask=ks < topk, other=-1)
+        pos = tl.load(indices_ptr + token * stride_it + ks * stride_ik, mask=ks < k_end, other=-1)
         rows, addressed = key_rows(
             block_table_ptr, stride_bt_b, seq, pos, max_blocks, num_blocks, stride_kv_block, stride_kv_slot, BLOCK_SIZE
         )
@@ -187,17 +218,71 @@ def _sparse_attention_kernel(
         acc = tl.dot(p.to(kv_v.dtype), kv_v, acc * rescale[:, None], input_precision="ieee")
         running_max = new_max
 
-    # Decided by the count, not by running_sum > 0: a NaN score makes the sum NaN, and NaN must reach out and lse.
-    has_keys = num_valid > 0
-    # A sum of 0 (no key, or every score -inf: an empty softmax, docs/ops.md "Edge rules") gives out 0, whatever V
-    # holds (acc may hold 0 * inf there); a NaN sum is not 0 and reaches out.
-    empty = running_sum == 0.0
-    out = tl.where(empty[:, None], 0.0, acc / tl.where(empty, 1.0, running_sum)[:, None])
-    lse = tl.where(has_keys, (running_max + tl.math.log2(tl.where(has_keys, running_sum, 1.0))) * _LN2, float("-inf"))
+    if SPLIT:
+        part = (token * num_splits + split) * num_heads + heads  # [BLOCK_H] rows of the workspace
+        tl.store(part_acc_ptr + part[:, None] * BLOCK_DV + dv[None, :], acc, mask=head_ok[:, None])
+        tl.store(part_state_ptr + part * 3, running_max, mask=head_ok)
+        tl.store(part_state_ptr + part * 3 + 1, running_sum, mask=head_ok)
+        tl.store(part_state_ptr + part * 3 + 2, num_valid.to(tl.float32), mask=head_ok)
+    else:
+        out, lse = _finish(acc, running_max, running_sum, num_valid)
+        tl.store(
+            out_ptr + token * stride_ot + heads[:, None] * stride_oh + dv[None, :] * stride_od,
+            cast_for_store(out, out_ptr.dtype.element_ty),
+            mask=head_ok[:, None] & dv_ok[None, :],
+        )
+        tl.store(lse_ptr + token * stride_lt + heads * stride_lh, lse, mask=head_ok)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    part_acc_ptr,  # [T, S, H, BLOCK_DV] fp32
+    part_state_ptr,  # [T, S, H, 3] fp32: running max (base 2), running sum, valid keys
+    out_ptr,  # [T, H, d_v] written
+    lse_ptr,  # [T, H] fp32, written
+    num_heads,
+    num_splits,
+    d_v,
+    stride_ot,
+    stride_oh,
+    stride_od,
+    stride_lt,
+    stride_lh,
+    BLOCK_H: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+):
+    """One program per (token, tile of BLOCK_H heads): the key ranges' states merged as the attention loop merges
+    key tiles (each range rescaled by 2^(its max - the overall max)), then finished as the unsplit kernel finishes.
+    A range with no valid key has max -inf and sum 0, and weighs 0; its acc (0, or NaN from 0 x inf) still reaches
+    acc, as in the unsplit loop."""
+    token = tl.program_id(0).to(tl.int64)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    head_ok = heads < num_heads
+    dv = tl.arange(0, BLOCK_DV)
+    first = token * num_splits * num_heads + heads  # [BLOCK_H] rows of range 0
+    overall_max = tl.full((BLOCK_H,), float("-inf"), tl.float32)
+    for split in range(num_splits):
+        row_max = tl.load(part_state_ptr + (first + split * num_heads) * 3, mask=head_ok, other=float("-inf"))
+        overall_max = tl.maximum(overall_max, row_max)
+    shift = tl.where(overall_max == float("-inf"), 0.0, overall_max)
+    running_sum = tl.zeros((BLOCK_H,), tl.float32)
+    num_valid = tl.zeros((BLOCK_H,), tl.float32)
+    acc = tl.zeros((BLOCK_H, BLOCK_DV), tl.float32)
+    for split in range(num_splits):
+        row = first + split * num_heads
+        row_max = tl.load(part_state_ptr + row * 3, mask=head_ok, other=float("-inf"))
+        weight = tl.math.exp2(row_max - shift)
+        running_sum += tl.load(part_state_ptr + row * 3 + 1, mask=head_ok, other=0.0) * weight
+        num_valid += tl.load(part_state_ptr + row * 3 + 2, mask=head_ok, other=0.0)
+        acc += (
+            tl.load(part_acc_ptr + row[:, None] * BLOCK_DV + dv[None, :], mask=head_ok[:, None], other=0.0)
+            * (weight[:, None])
+        )
+    out, lse = _finish(acc, overall_max, running_sum, num_valid)
     tl.store(
         out_ptr + token * stride_ot + heads[:, None] * stride_oh + dv[None, :] * stride_od,
         cast_for_store(out, out_ptr.dtype.element_ty),
-        mask=head_ok[:, None] & dv_ok[None, :],
+        mask=head_ok[:, None] & (dv < d_v)[None, :],
     )
     tl.store(lse_ptr + token * stride_lt + heads * stride_lh, lse, mask=head_ok)
 
@@ -229,7 +314,35 @@ def _tuned_kernel():
             (16, 16, 4, 1),
         ]
     ]
-    return triton.autotune(configs, key=["num_heads", "d_v", "d_rest", "topk"])(_sparse_attention_kernel)
+    return triton.autotune(configs, key=["num_heads", "d_v", "d_rest", "topk", "num_splits"])(_sparse_attention_kernel)
+
+
+# A key range of a split is a multiple of this many keys (of every BLOCK_N the kernel may run with), and at least
+# MIN_SPLIT_KEYS long: shorter ranges would spend more on the workspace (d_v fp32 per head and range, written and
+# read again) than they save.
+SPLIT_KEYS_MULTIPLE = 64
+MIN_SPLIT_KEYS = 256
+MAX_SPLITS = 8
+
+
+def key_ranges(topk: int, num_splits: int) -> tuple[int, int]:
+    """(keys per range, ranges) for `num_splits` wanted over topk keys: ranges of a multiple of SPLIT_KEYS_MULTIPLE
+    keys, as few as cover topk (so none is empty: fewer than asked where topk is short)."""
+    keys_per_split = triton.cdiv(triton.cdiv(max(topk, 1), num_splits), SPLIT_KEYS_MULTIPLE) * SPLIT_KEYS_MULTIPLE
+    return keys_per_split, triton.cdiv(max(topk, 1), keys_per_split)
+
+
+def _default_splits(num_tokens: int, num_heads: int, topk: int, device: torch.device) -> int:
+    """Key ranges per token: 1 unless the unsplit grid (at the widest head tile, 64) has fewer programs than the
+    GPU has SMs; then enough ranges to give every SM one (at most MAX_SPLITS, each at least MIN_SPLIT_KEYS keys).
+    1 under the interpreter (its cost is per program). A first guess from the grid's shape, not yet timed on a GPU."""
+    if interpreting() or device.type != "cuda":
+        return 1
+    programs = num_tokens * triton.cdiv(num_heads, 64)
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    if programs >= sms:
+        return 1
+    return max(1, min(triton.cdiv(sms, programs), MAX_SPLITS, topk // MIN_SPLIT_KEYS))
 
 
 @unit_stride_arguments()
@@ -243,6 +356,8 @@ def sparse_flash_attention(
     sm_scale: float,
     d_v: int = 512,
     kv_cache_dtype: str = AUTO,
+    *,
+    num_splits: int | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Attention of each token over its selected keys (validated by glm5_hal.sparse_flash_attention).
 
@@ -254,6 +369,9 @@ def sparse_flash_attention(
 
     Returns (out [T, H, d_v] q's dtype, lse [T, H] fp32 natural log); a token with no valid key gives out 0 and
     lse -inf.
+
+    num_splits: key ranges per token wanted (the module docstring; None: _default_splits); key_ranges says how
+    many run.
     """
     num_tokens, num_heads, width = q.shape
     topk = indices.shape[1]
@@ -261,13 +379,25 @@ def sparse_flash_attention(
     lse = torch.empty((num_tokens, num_heads), dtype=torch.float32, device=q.device)
     if num_tokens == 0 or num_heads == 0:
         return out, lse
+    if num_splits is None:
+        num_splits = _default_splits(num_tokens, num_heads, topk, q.device)
+    if num_splits < 1:
+        raise ValueError(f"num_splits: expected >= 1, got {num_splits}")
+    keys_per_split, num_splits = key_ranges(topk, num_splits)
+    block_dv = triton.next_power_of_2(max(d_v, 16))
+    split = num_splits > 1
+    # The ranges' states (module docstring); unsplit, the kernel never touches them (lse stands in for both).
+    part_acc = torch.empty((num_tokens, num_splits, num_heads, block_dv), dtype=torch.float32, device=q.device)
+    part_state = torch.empty((num_tokens, num_splits, num_heads, 3), dtype=torch.float32, device=q.device)
+    if not split:
+        part_acc = part_state = lse
     kv_cache = aligned_cache(kv_cache, kv_cache_dtype)  # a quantized row's scales / RoPE values need aligned addresses
     config = _launch_config(num_heads, q.dtype)
     kernel = _sparse_attention_kernel if config is not None else _tuned_kernel()
     config = config or {}
 
-    def grid(meta: dict) -> tuple[int, int]:
-        return (num_tokens, triton.cdiv(num_heads, meta["BLOCK_H"]))
+    def grid(meta: dict) -> tuple[int, int, int]:
+        return (num_tokens, triton.cdiv(num_heads, meta["BLOCK_H"]), num_splits)
 
     kernel[grid](
         q,
@@ -278,8 +408,12 @@ def sparse_flash_attention(
         cu_seqlens_q,
         out,
         lse,
+        part_acc,
+        part_state,
         num_heads=num_heads,
         topk=topk,
+        num_splits=num_splits,
+        keys_per_split=keys_per_split,
         num_seqs=seq_lens_k.shape[0],
         max_blocks=block_table.shape[1],
         num_blocks=kv_cache.shape[0],
@@ -302,11 +436,30 @@ def sparse_flash_attention(
         stride_lh=lse.stride(1),
         BLOCK_SIZE=kv_cache.shape[1],
         BLOCK_B=max(2, triton.next_power_of_2(seq_lens_k.shape[0])),
-        BLOCK_DV=triton.next_power_of_2(max(d_v, 16)),
+        BLOCK_DV=block_dv,
         BLOCK_DR=triton.next_power_of_2(max(width - d_v, 16)),
         DOT_UPCAST=DOT_UPCAST,
         KV_CODE=code_of(kv_cache_dtype),
         **layout_of(kv_cache_dtype),
+        SPLIT=split,
         **config,
     )
+    if split:
+        merge_heads = min(16, triton.next_power_of_2(num_heads))
+        _merge_splits_kernel[(num_tokens, triton.cdiv(num_heads, merge_heads))](
+            part_acc,
+            part_state,
+            out,
+            lse,
+            num_heads,
+            num_splits,
+            d_v,
+            out.stride(0),
+            out.stride(1),
+            out.stride(2),
+            lse.stride(0),
+            lse.stride(1),
+            BLOCK_H=merge_heads,
+            BLOCK_DV=block_dv,
+        )
     return out, lse
