@@ -262,9 +262,10 @@ class Probe(Protocol):
     """What the decision may measure on the device (faked in the unit tests)."""
 
     def route_times(self, dtype: torch.dtype, family: str, routes: tuple[Route, ...], rows: int) -> dict[str, float]:
-        """Per route (by Route.label): the best time of `family`'s workload (of FAMILIES, or a FROM_MEMORY one)
-        with `dtype` activations on that route, the routes timed alternately (route_workloads.py); `rows`: the weight
-        family's row count, or the heads of sparse attention and of the from-memory workloads (the others ignore it)."""
+        """Per route (by Route.label): the best (from memory: the median) time of `family`'s workload (of FAMILIES,
+        or a FROM_MEMORY one) with `dtype` activations on that route, the routes timed alternately
+        (route_workloads.py); `rows`: the weight family's row count, or the heads of sparse attention and of the
+        from-memory workloads (the others ignore it)."""
 
     def fp32_output(self, dtype: torch.dtype) -> bool:
         """Whether a GEMM of `dtype` operands can hand back fp32 (torch.mm(..., out_dtype=torch.float32))."""

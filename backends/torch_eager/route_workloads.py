@@ -24,7 +24,8 @@ share of them and at all of them, and a call takes the route for its own head co
 step.
 Attention's and the indexer's per-token work is the same at prefill, so one shape decides for both. Each call takes
 milliseconds to tens of them: the whole probe stays within its budget (docs/perf.md). The routes are timed
-alternately, best of `reps` each (other processes only ever add time).
+alternately, best of `reps` each (other processes only ever add time; the from-memory workloads: the median, see
+time_routes).
 """
 
 from __future__ import annotations
