@@ -192,6 +192,22 @@ def test_every_sparse_attention_parity_case_passes_split_over_keys(monkeypatch, 
     assert len(long) >= 6 and merges.count >= len(long)  # every topk-2048 case ran split
 
 
+def test_default_splits_fill_the_sms_only_where_the_grid_leaves_them_idle(monkeypatch):
+    """_default_splits on a GPU of 132 SMs (an H200), without one: 1 range where the unsplit grid at 64-head tiles
+    has programs for every SM (prefill) and under the interpreter; else enough ranges for every SM, at most 8, each of
+    at least 256 keys."""
+    monkeypatch.setattr(triton_attention, "interpreting", lambda: False)
+    monkeypatch.setattr(triton_attention, "_multiprocessors", lambda index: 132)
+    gpu = torch.device("cuda", 0)
+    cases = {(64, 64, 2048): 3, (4096, 64, 2048): 1, (132, 4, 2048): 1, (3, 64, 2048): 8, (1, 128, 2048): 8}
+    cases |= {(4, 4, 32): 1, (4, 4, 600): 2, (20, 128, 2048): 4}
+    assert {shape: triton_attention._default_splits(*shape, gpu) for shape in cases} == cases
+    assert triton_attention._default_splits(1, 64, 2048, torch.device("cpu")) == 1
+    monkeypatch.setattr(triton_attention, "interpreting", lambda: True)
+    assert triton_attention._default_splits(1, 64, 2048, gpu) == 1
+    assert triton_attention.key_ranges(2048, 3) == (704, 3) and triton_attention.key_ranges(70, 4) == (64, 2)
+
+
 def test_sparse_attention_rejects_no_split():
     q = torch.zeros(1, 16, 576, device=DEVICE)
     args = (q, torch.zeros(1, 16, 576, device=DEVICE), torch.zeros(1, 4, dtype=torch.int32, device=DEVICE))

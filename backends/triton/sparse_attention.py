@@ -332,6 +332,12 @@ def key_ranges(topk: int, num_splits: int) -> tuple[int, int]:
     return keys_per_split, triton.cdiv(max(topk, 1), keys_per_split)
 
 
+@functools.cache
+def _multiprocessors(device_index: int) -> int:
+    """The SM count of a CUDA device (asked once: every decode step's call needs it)."""
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
 def _default_splits(num_tokens: int, num_heads: int, topk: int, device: torch.device) -> int:
     """Key ranges per token: 1 unless the unsplit grid (at the widest head tile, 64) has fewer programs than the
     GPU has SMs; then enough ranges to give every SM one (at most MAX_SPLITS, each at least MIN_SPLIT_KEYS keys).
@@ -339,7 +345,7 @@ def _default_splits(num_tokens: int, num_heads: int, topk: int, device: torch.de
     if interpreting() or device.type != "cuda":
         return 1
     programs = num_tokens * triton.cdiv(num_heads, 64)
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    sms = _multiprocessors(device.index if device.index is not None else torch.cuda.current_device())
     if programs >= sms:
         return 1
     return max(1, min(triton.cdiv(sms, programs), MAX_SPLITS, topk // MIN_SPLIT_KEYS))
