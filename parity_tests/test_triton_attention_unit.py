@@ -19,6 +19,8 @@ import zlib
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from backends.triton.runtime import use_interpreter_if_no_gpu
 
@@ -135,6 +137,42 @@ def test_sparse_attention_split_over_keys_merges_to_the_reference(split_keys, ge
     _assert_close("out", out, want_out, dtype)
     _assert_close("lse", lse, want_lse, torch.float32 if dtype == torch.float32 else dtype)
     assert torch.isneginf(lse[1]).all() and (out[1] == 0).all()
+
+
+@settings(max_examples=15, deadline=None, derandomize=True)
+@given(
+    q_lens=st.lists(st.integers(0, 3), min_size=1, max_size=3),
+    extra_keys=st.lists(st.integers(0, 90), min_size=3, max_size=3),
+    num_heads=st.integers(1, 20),
+    topk=st.integers(1, 100),
+    num_splits=st.integers(1, 9),
+    invalid_fraction=st.sampled_from([0.0, 0.3, 0.9]),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_sparse_attention_split_over_keys_on_random_shapes(
+    q_lens, extra_keys, num_heads, topk, num_splits, invalid_fraction, seed
+):
+    """Random batches (sequences without new tokens, rows with few or no valid keys), head counts and topk, split
+    into 1 to 9 wanted ranges of 16-key multiples (key_ranges: fewer where topk is short): fp32 out and lse against
+    the reference, and the split's specials where the unsplit kernel has them."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(
+            triton_attention, "_launch_config", lambda h, dtype: {"BLOCK_H": 16, "BLOCK_N": 16, "num_warps": 4}
+        )
+        patch.setattr(triton_attention, "SPLIT_KEYS_MULTIPLE", 16)
+        gen = torch.Generator().manual_seed(seed)
+        seqs = [SeqSpec(q, q + extra) for q, extra in zip(q_lens, extra_keys)]
+        batch = paged_batch(seqs, 16, gen, shuffle_blocks=True)
+        indices = random_topk_indices(batch, topk, gen, invalid_fraction=invalid_fraction)
+        q = randn((indices.shape[0], num_heads, 80), gen)
+        kv_cache = randn((batch.num_blocks, 16, 80), gen)
+        args = (q, kv_cache, indices, batch.block_table, batch.seq_lens_k, batch.cu_seqlens_q)
+        out, lse = triton_attention.sparse_flash_attention(*_dev(*args), sm_scale=0.2, d_v=48, num_splits=num_splits)
+        whole = triton_attention.sparse_flash_attention(*_dev(*args), sm_scale=0.2, d_v=48, num_splits=1)
+    assert _same_specials(out, whole[0]) and _same_specials(lse, whole[1])
+    want_out, want_lse = ref.sparse_flash_attention(*map(to_numpy, args), 0.2, 48)
+    _assert_close("out", out, want_out, torch.float32)
+    _assert_close("lse", lse, want_lse, torch.float32)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
