@@ -19,7 +19,7 @@ keeps the online softmax's state of its range (fp32 acc, running max and sum, th
 workspace, and a second kernel merges the ranges with the same rescaling the loop applies between key tiles, then
 finishes as the unsplit kernel does (_finish): the same edge rules (no valid key: out 0, lse -inf; every score -inf:
 out 0; NaN reaches out and lse), the sums in another order. `_default_splits` picks the count; it has not been
-timed on a GPU yet (perf/triton_gpu.py times the decode target at 1 split and at its choice).
+timed on a GPU yet (perf/triton_gpu.py times the decode target at 1, 2, 4 and 8 ranges and at its choice).
 A quantized latent cache (fp8_ds_mla, int8_mla) is decoded in step 2 as the rows are loaded (code x its tile's
 scale, the RoPE dims from bf16), into q's dtype; nothing else changes (backends/triton/quantized_cache.py).
 The paged-batch helpers (token -> sequence, key position -> cache row) are jit functions shared with the indexer.
