@@ -72,11 +72,15 @@ def _attention(
 
 
 def _indexer(
-    device: torch.device, dtype: torch.dtype, gen: torch.Generator, kv_cache_dtype: str, **changes: int
+    device: torch.device,
+    dtype: torch.dtype,
+    gen: torch.Generator,
+    kv_cache_dtype: str,
+    shuffle_blocks: bool = False,
+    **changes: int,
 ) -> Callable[[], object]:
     shape = INDEXER_SHAPE | changes
-    shuffled = "keys" in changes  # a long context's blocks lie anywhere in the cache, as in an engine
-    batch = paged_batch([SeqSpec(shape["tokens"], shape["keys"])], BLOCK_SIZE, gen, shuffle_blocks=shuffled)
+    batch = paged_batch([SeqSpec(shape["tokens"], shape["keys"])], BLOCK_SIZE, gen, shuffle_blocks=shuffle_blocks)
     q = randn((shape["tokens"], shape["heads"], shape["head_dim"]), gen, dtype=dtype)
     weights = torch.rand(shape["tokens"], shape["heads"], generator=gen)
     cache = randn((batch.num_blocks, BLOCK_SIZE, shape["head_dim"]), gen, dtype=dtype)
@@ -102,7 +106,8 @@ def workload(family: str, device: torch.device, dtype: torch.dtype, count: int) 
     if family == caps.QUANTIZED_INDEXER:
         return _indexer(device, dtype, gen, "fp8_index")
     if family == caps.QUANTIZED_INDEXER_FROM_MEMORY:
-        return _indexer(device, dtype, gen, "fp8_index", tokens=1, heads=count, keys=32768)
+        # A long context's blocks lie anywhere in the cache, as in an engine.
+        return _indexer(device, dtype, gen, "fp8_index", shuffle_blocks=True, tokens=1, heads=count, keys=32768)
     raise ValueError(f"family: expected one of {(*caps.FAMILIES, *caps.FROM_MEMORY.values())}, got {family!r}")
 
 
