@@ -287,10 +287,13 @@ def _grouped_gemm_targets(tokens: int, k: int, experts: int, hidden: int, inter:
     ]
 
 
-def key_range_rows(inputs: dict, device: torch.device, reps: int, counts: tuple[int, ...] = (1, 2, 4, 8)) -> list[str]:
+def key_range_rows(
+    inputs: dict, device: torch.device, reps: int, counts: tuple[int, ...] = (1, 2, 4, 8)
+) -> tuple[list[str], int]:
     """Sparse attention on one input set with its keys split into each of `counts` ranges per token, and as the
     backend splits them by default (backends/triton/sparse_attention.py: _default_splits, a first guess from the
-    grid's shape): median time and each one's output against the unsplit kernel's (the data to tune the default)."""
+    grid's shape): -> (a row per count: median time and the output against the unsplit kernel's, the number of
+    counts whose output differs). The data to tune the default from."""
     from backends.triton import sparse_attention as attention
 
     args = [inputs[k] for k in ("q", "kv_cache", "indices", "block_table", "seq_lens_k", "cu_seqlens_q")]
@@ -302,7 +305,7 @@ def key_range_rows(inputs: dict, device: torch.device, reps: int, counts: tuple[
     num_tokens, num_heads = inputs["q"].shape[:2]
     default = attention._default_splits(num_tokens, num_heads, inputs["indices"].shape[1], device)
     whole = attention.sparse_flash_attention(*args, **kwargs, num_splits=1)
-    rows = []
+    rows, differing = [], 0
     for count in (*counts, None):
 
         def call(_: dict, count: int | None = count) -> object:
@@ -311,11 +314,12 @@ def key_range_rows(inputs: dict, device: torch.device, reps: int, counts: tuple[
         got = call({})
         checks = [compare_float(name, g, to_numpy(w), DTYPE) for name, g, w in zip(("out", "lse"), got, whole)]
         check = "; ".join(v.detail for v in checks if not v.passed) or "ok"
+        differing += check != "ok"
         timing = time_calls(call, [{}], device, reps=reps)
         ranges = attention.key_ranges(inputs["indices"].shape[1], default if count is None else count)[1]
         label = f"{ranges}" + (" (default)" if count is None else "")
         rows.append(f"  {label:<13} key ranges {timing.median_s * 1e3:9.3f} ms   vs 1 range: {check}")
-    return rows
+    return rows, differing
 
 
 def _topk_share(name: str, build: Build, device: torch.device, reps: int) -> str:
@@ -400,11 +404,13 @@ def main(argv: list[str] | None = None) -> int:
         goal_text = "" if math.isnan(goal) else f" (goal {goal:g})"  # nan: the kernel failed before it was timed
         print(f"{'PASS' if ok else 'FAIL'}  {name:<60} {shown:>9}{goal_text} {what}")
 
-    decode = next(((m, i) for (op, _), (m, i) in measured.items() if m.name.startswith("sfa decode")), None)
+    decode = next((inputs for m, inputs in measured.values() if m.name.startswith("sfa decode")), None)
     if decode is not None:
         print("\n== sparse attention decode split over keys (the decode target's inputs) ==")
         try:
-            print("\n".join(key_range_rows(decode[1], device, reps)))
+            rows, differing = key_range_rows(decode, device, reps)
+            print("\n".join(rows))
+            mismatches += differing
         except Exception as exc:
             mismatches += 1
             print(f"key ranges: {_failure(exc)}")
