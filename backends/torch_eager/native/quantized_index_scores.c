@@ -437,7 +437,8 @@ static inline const uint8_t *next_row(struct row_cursor *c, const uint8_t *cache
    (family 26, in-process A/B, median of 120 alternating calls, 1 thread, one token over fp8_index rows from memory)
    into L2 was the slowest: bf16 route (AVX-512 BF16 build) 4 heads over 16K / 64K keys 1.20x / 1.34x the time of
    the non-temporal hint, 32 heads 1.11-1.12x, into L1 within 1% of non-temporal, no prefetch 1.6-3.4x; the AVX2
-   build's lone fp32 token (4 heads) 1.06x / 1.13x; in cache all within 3% (2026-11-30). So the hint is the CPU's;
+   build's lone fp32 token (4 heads) 1.06x / 1.13x; without the flush all within 3% at 16K keys, and at 64K (8.6 MB
+   of rows, in L3) into L2 1.02-1.09x, no prefetch 1.11-1.63x (2026-11-30). So the hint is the CPU's;
    where nothing measured it (quantized_index_scores.py's DEFAULT_PREFETCH) it is non-temporal: each row is read once
    per call, and a call at 32K keys streams 4.3 MB of them, which into L2 may displace what the rest of the decode
    step reads again. */
@@ -530,11 +531,11 @@ static void amx_chunk_scores(const uint16_t *values, long n, const float *scales
    heads (qt [HEADS][dims], wt [HEADS]; dims a multiple of 16, at most LONE_MAX_DIMS): the tiles decode each key pair's
    codes on the way instead of the chunk being decoded into the workspace first and read back, and the rows of keys
    from c0 + n on are prefetched (with `hint`) up to next_end. The same values in the same order (an odd last key
-   paired with itself, as in the workspace's tiles): the same bits. The decode step of a CPU without AVX-512 BF16 (AVX2 EPYCs) or
-   of fp32 queries. In-process A/B against the workspace, one token, 4 heads, AVX2 build, Zen 4: fp8_index 16K keys
-   0.70 -> 0.59 ms in cache, 0.96 -> 0.73 ms out of the LLC; 32K 1.43 -> 1.23 and 1.84 -> 1.40 ms; int8_index 32K
-   0.99 -> 0.82 and 1.76 -> 1.15 ms (with row_scale's one multiply a code, here and in decode_row). The rest as
-   score_tokens. */
+   paired with itself, as in the workspace's tiles): the same bits. The decode step of a CPU without AVX-512 BF16
+   (AVX2 EPYCs) or of fp32 queries. In-process A/B against the workspace, one token, 4 heads, AVX2 build, Zen 4:
+   fp8_index 16K keys 0.70 -> 0.59 ms in cache, 0.96 -> 0.73 ms out of the LLC; 32K 1.43 -> 1.23 and 1.84 -> 1.40
+   ms; int8_index 32K 0.99 -> 0.82 and 1.76 -> 1.15 ms (with row_scale's one multiply a code, here and in
+   decode_row). The rest as score_tokens. */
 static void lone_token_chunk_fp32(long dims, int code, const float *qt, const float *wt, long heads,
                                   const uint8_t *cache, long block_stride, long row_stride, long block_size,
                                   const int32_t *tt, long c0, long n, long next_end, int hint, float *st) {
