@@ -995,8 +995,15 @@ def test_sparse_attention_over_many_blocks_of_keys_whose_peak_keeps_rising(kerne
             assert (lse[0, h].double() - want_lse[0, h]).abs() <= lse_bound[0, h]
 
 
-@pytest.mark.parametrize("module", [native_attention, quantized_index_scores], ids=["attention", "quantized_indexer"])
-@pytest.mark.parametrize("kernel, isa", [b for b in _builds(native_attention) if b.values[1] != "portable"])
+@pytest.mark.parametrize(
+    "module, kernel, isa",
+    [
+        pytest.param(module, *param.values, id=f"{name}-{param.id}")
+        for name, module in (("attention", native_attention), ("quantized_indexer", quantized_index_scores))
+        for param in _builds(module)
+        if param.values[1] != "portable"  # the portable build asks for nothing (row_prefetch.h)
+    ],
+)
 def test_native_builds_carry_every_row_prefetch_hint(module, kernel, isa):
     """The row prefetch the probe chooses (sparse attention's, the quantized indexer's) must exist in the machine
     code: gcc 12 once merged the three hints' loops of _mm_prefetch into one whose hint was not a constant and emitted
@@ -1004,7 +1011,6 @@ def test_native_builds_carry_every_row_prefetch_hint(module, kernel, isa):
     import shutil
     import subprocess
 
-    kernel = module.KERNEL if kernel == native_attention.KERNEL else module.AMX_KERNEL
     _runs(module, isa, kernel)
     objdump = shutil.which("objdump")
     if objdump is None:

@@ -59,9 +59,9 @@ def test_grouped_bf16_check(row: int) -> None:
 def test_grouped_w8a8_check() -> None:
     y, x_q, w_q, x_scale, w_scale = _grouped_w8a8(torch.Generator().manual_seed(1))
     assert check_grouped(y, x_q, w_q, OFFSETS, x_scale=x_scale, w_scale=w_scale) == "ok"
-    unscaled = y.clone()
-    unscaled[6:19] = unscaled[6:19] * 2  # one expert's rows with a scale applied twice
-    assert check_grouped(unscaled, x_q, w_q, OFFSETS, x_scale=x_scale, w_scale=w_scale) != "ok"
+    scaled_twice = y.clone()
+    scaled_twice[6:19] = scaled_twice[6:19] * 2  # one expert's rows off by a factor of 2, as a scale applied twice
+    assert check_grouped(scaled_twice, x_q, w_q, OFFSETS, x_scale=x_scale, w_scale=w_scale) != "ok"
     nan = y.clone()
     nan[0, 0] = float("nan")
     assert "inf/nan" in check_grouped(nan, x_q, w_q, OFFSETS, x_scale=x_scale, w_scale=w_scale)

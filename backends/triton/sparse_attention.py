@@ -393,10 +393,10 @@ def sparse_flash_attention(
     block_dv = triton.next_power_of_2(max(d_v, 16))
     split = num_splits > 1
     # The ranges' states (module docstring); unsplit, the kernel never touches them (lse stands in for both).
-    part_acc = torch.empty((num_tokens, num_splits, num_heads, block_dv), dtype=torch.float32, device=q.device)
-    part_state = torch.empty((num_tokens, num_splits, num_heads, 3), dtype=torch.float32, device=q.device)
-    if not split:
-        part_acc = part_state = lse
+    part_acc = part_state = lse
+    if split:
+        part_acc = torch.empty((num_tokens, num_splits, num_heads, block_dv), dtype=torch.float32, device=q.device)
+        part_state = torch.empty((num_tokens, num_splits, num_heads, 3), dtype=torch.float32, device=q.device)
     kv_cache = aligned_cache(kv_cache, kv_cache_dtype)  # a quantized row's scales / RoPE values need aligned addresses
     config = _launch_config(num_heads, q.dtype)
     kernel = _sparse_attention_kernel if config is not None else _tuned_kernel()
