@@ -31,6 +31,7 @@ import ops_reference as ref  # noqa: E402
 from backends.triton import indexer as triton_indexer  # noqa: E402
 from backends.triton import prolog as triton_prolog  # noqa: E402
 from backends.triton import sparse_attention as triton_attention  # noqa: E402
+from glm5_hal.kv_formats import FORMATS, encode_rows  # noqa: E402
 from glm5_hal.parity.compare import compare_float, compare_topk, to_numpy  # noqa: E402
 from glm5_hal.parity.inputs import SeqSpec, paged_batch, randn, random_topk_indices, rope_tables  # noqa: E402
 from glm5_hal.parity.runner import session_seed  # noqa: E402
@@ -272,6 +273,75 @@ def test_indexer_logits_many_key_tiles(gen, dtype):
     args = _indexer_args(gen, dtype)
     logits = triton_indexer.indexer_logits(*_dev(*args))
     _assert_close("logits", logits, ref.indexer_logits(*map(to_numpy, args)), torch.float32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("tokens_per_program", [1, 2, 8])
+def test_indexer_logits_tokens_per_program(gen, dtype, tokens_per_program):
+    """The logits kernel with 1, 2 and 8 query tokens a program over SEQS (8 tokens of 4 sequences, one without new
+    tokens): 8 a program puts every sequence in one tile (one pass per sequence), 2 splits the chunked prefill's
+    3 tokens over two tiles. A NaN in one token's query reaches its row and no other token's."""
+    args = list(_indexer_args(gen, dtype))
+    args[0][5, 1, 7] = float("nan")  # token 5: the last sequence's second new token, beside its other three
+    logits = triton_indexer.indexer_logits(*_dev(*args), tokens_per_program=tokens_per_program)
+    want = ref.indexer_logits(*map(to_numpy, args))
+    assert np.isnan(want[5]).any() and not np.isnan(np.delete(want, 5, axis=0)).any()
+    _assert_close("logits", logits, want, torch.float32)
+
+
+def test_tokens_per_program_guess_and_its_checks():
+    """The guess: 1 at decode-like batches, else tokens for _DOT_ROWS rows of the dot, within the cap and the
+    operands' shared-memory budget; bad values are errors naming the argument."""
+    guess = triton_indexer.tokens_per_program
+    assert guess(64, 64, 32, 128, 2) == 1  # a decode step
+    assert guess(4096, 1, 32, 128, 2) == 4  # GLM-5's 32 index heads in bf16: 128 rows
+    assert guess(4096, 1, 64, 128, 2) == 2  # DeepSeek-V3.2's 64
+    assert guess(4096, 1, 3, 40, 4) == triton_indexer.MAX_TOKENS_PER_PROGRAM
+    assert guess(4096, 1, 32, 128, 4) == 2  # fp32 operands at 4 tokens: 128 KB, over the budget; at 2: 96 KB
+    args = _dev(*_indexer_args(torch.Generator().manual_seed(0), torch.float32))
+    for bad in (0, 3, 16):
+        with pytest.raises(ValueError, match=f"tokens_per_program: expected a power of two in 1..8, got {bad}"):
+            triton_indexer.indexer_logits(*args, tokens_per_program=bad)
+
+
+@settings(max_examples=15, deadline=None, derandomize=True)
+@given(
+    q_lens=st.lists(st.integers(0, 9), min_size=1, max_size=4),
+    extra_keys=st.lists(st.integers(0, 150), min_size=4, max_size=4),
+    num_heads=st.integers(1, 20),
+    tokens_per_program=st.sampled_from([1, 2, 4, 8]),
+    kv_cache_dtype=st.sampled_from(["auto", "fp8_index"]),
+    garbage_padding=st.booleans(),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_indexer_tokens_per_program_on_random_batches(
+    q_lens, extra_keys, num_heads, tokens_per_program, kv_cache_dtype, garbage_padding, seed
+):
+    """Random batches (sequences without new tokens, tiles of tokens that span sequences, block-table padding of
+    -1 or any value), head counts, float and fp8_index caches, 1 to 8 tokens a program: fp32 logits against the
+    reference, and lightning_indexer's picks on the same logits."""
+    gen = torch.Generator().manual_seed(seed)
+    seqs = [SeqSpec(q, q + extra) for q, extra in zip(q_lens, extra_keys)]
+    batch = paged_batch(seqs, 16, gen, garbage_padding=garbage_padding)
+    head_dim = 128 if kv_cache_dtype == "fp8_index" else 40
+    keys = randn((batch.num_blocks * 16, head_dim), gen)
+    cache = keys.view(batch.num_blocks, 16, head_dim)
+    if kv_cache_dtype != "auto":
+        cache = encode_rows(keys, FORMATS[kv_cache_dtype]).view(batch.num_blocks, 16, -1)
+    q = randn((batch.num_tokens, num_heads, head_dim), gen)
+    weights = randn((batch.num_tokens, num_heads), gen, std=0.3)
+    args = (q, weights, cache, batch.block_table, batch.seq_lens_k, batch.cu_seqlens_q)
+    logits = triton_indexer.indexer_logits(
+        *_dev(*args), kv_cache_dtype=kv_cache_dtype, tokens_per_program=tokens_per_program
+    )
+    want = ref.indexer_logits(*map(to_numpy, args), kv_cache_dtype=kv_cache_dtype)
+    _assert_close("logits", logits, want, torch.float32)
+    topk = 24
+    indices, _ = triton_indexer.lightning_indexer(
+        *_dev(*args), topk, kv_cache_dtype=kv_cache_dtype, tokens_per_program=tokens_per_program
+    )
+    verdict = compare_topk("indices", indices.cpu(), want, topk, torch.float32)
+    assert verdict.passed, verdict.detail
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -322,6 +322,35 @@ def key_range_rows(
     return rows, differing
 
 
+def tokens_per_program_rows(
+    inputs: dict, device: torch.device, reps: int, counts: tuple[int, ...] = (1, 2, 4, 8)
+) -> tuple[list[str], int]:
+    """The indexer's logits kernel on one input set with each of `counts` query tokens a program, and as the backend
+    picks by default (backends/triton/indexer.py: tokens_per_program, a first guess from the shapes): -> (a row per
+    count: median time of indexer_logits and its logits against 1 token a program's, the number of counts whose
+    logits differ). The data to tune the default from; the logits alone, as torch.topk after them is the same."""
+    from backends.triton import indexer
+
+    keys = ("q_idx", "weights", "index_k_cache", "block_table", "seq_lens_k", "cu_seqlens_q")
+    args = [inputs[k] for k in keys]
+    num_tokens, num_heads, head_dim = inputs["q_idx"].shape
+    element_size = inputs["q_idx"].element_size()
+    default = indexer.tokens_per_program(num_tokens, inputs["seq_lens_k"].shape[0], num_heads, head_dim, element_size)
+    one = to_numpy(indexer.indexer_logits(*args, tokens_per_program=1))
+    rows, differing = [], 0
+    for count in (*counts, None):
+
+        def call(_: dict, count: int | None = count) -> object:
+            return indexer.indexer_logits(*args, tokens_per_program=count)
+
+        check = compare_float("logits", call({}), one, torch.float32)
+        differing += not check.passed
+        timing = time_calls(call, [{}], device, reps=reps)
+        label = f"{default if count is None else count}" + (" (default)" if count is None else "")
+        rows.append(f"  {label:<13} tokens a program {timing.median_s * 1e3:9.3f} ms   vs 1: {check.detail or 'ok'}")
+    return rows, differing
+
+
 def _topk_share(name: str, build: Build, device: torch.device, reps: int) -> str:
     """How much of the Triton lightning_indexer is torch.topk: its time against the logits kernel's alone (the
     argument for torch.topk in backends/triton/indexer.py)."""
@@ -415,14 +444,30 @@ def main(argv: list[str] | None = None) -> int:
             mismatches += 1
             print(f"key ranges: {_failure(exc)}")
 
+    indexer_prefill = next((i for m, i in measured.values() if m.name.startswith("indexer prefill")), None)
+    if indexer_prefill is not None:
+        print("\n== indexer prefill: query tokens a program of the logits kernel (the target's inputs) ==")
+        try:
+            rows, differing = tokens_per_program_rows(indexer_prefill, device, reps)
+            print("\n".join(rows))
+            mismatches += differing
+        except Exception as exc:
+            mismatches += 1
+            print(f"tokens a program: {_failure(exc)}")
+
     cfg, context, batch = (GLM5_MINI, 300, 4) if args.mini else (GLM5, 65536, 64)
     topk_case = builders.indexer_inputs(cfg, [SeqSpec(1, context)] * batch, BLOCK, cfg.index_topk)
     print("\n== top-k share of the indexer ==")
-    try:
-        print(_topk_share(f"decode b{batch} at {context} keys, topk {cfg.index_topk}", topk_case, device, reps))
-    except Exception as exc:
-        mismatches += 1
-        print(f"top-k share: {_failure(exc)}")
+    prefill_target = next(t for t in targets if t.name.startswith("indexer prefill"))
+    for name, build in (
+        (f"decode b{batch} at {context} keys, topk {cfg.index_topk}", topk_case),
+        ("prefill (the target's inputs)", prefill_target.build),
+    ):
+        try:
+            print(_topk_share(name, build, device, reps))
+        except Exception as exc:
+            mismatches += 1
+            print(f"top-k share: {_failure(exc)}")
 
     if not args.targets_only:
         print("\n== every op: triton vs torch ==\n" + HEADER)

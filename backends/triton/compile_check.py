@@ -151,7 +151,8 @@ def _selected(cases: str, ops: Sequence[str] | None) -> list:
 
 def _private_launches() -> list[tuple[str, Callable[[], object]]]:
     """The kernels no public op launches yet (the grouped W8A8 / W4A8 GEMMs), and paths the parity cases do not take
-    without a GPU (sparse attention split over keys: its default is one range on a CPU): called directly."""
+    without a GPU (sparse attention split over keys: its default is one range on a CPU) or not at every setting
+    perf/triton_gpu.py times (the indexer's tokens a program): called directly."""
     import torch
 
     from backends.triton import moe
@@ -180,6 +181,15 @@ def _private_launches() -> list[tuple[str, Callable[[], object]]]:
         indices = torch.arange(2048, dtype=torch.int32)[None]
         launches.append((f"sparse attention in 4 key ranges, {dtype}", lambda q=q, c=cache, i=indices: (
             attention.sparse_flash_attention(q, c, i, table, lens, cu, 0.1, 512, num_splits=4))))  # fmt: skip
+    # The indexer's logits at GLM-5's dims in bf16 with each count of tokens a program perf/triton_gpu.py times.
+    from backends.triton import indexer
+
+    q_idx, weights = torch.zeros(8, 32, 128, dtype=torch.bfloat16), torch.ones(8, 32)
+    index_args = (table[:, :2], torch.tensor([128]).int(), torch.tensor([0, 8]).int())
+    index_cache = torch.zeros(2, 64, 128, dtype=torch.bfloat16)
+    for count in (1, 2, 4, 8):
+        launches.append((f"indexer logits, {count} tokens a program", lambda n=count: (
+            indexer.indexer_logits(q_idx, weights, index_cache, *index_args, tokens_per_program=n))))  # fmt: skip
     return launches
 
 

@@ -47,15 +47,27 @@ _LN2 = tl.constexpr(0.6931471805599453)
 
 # ------------------------------------------------------------------------------------------ paged batch helpers
 @triton.jit
+def _sequence_ends(cu_seqlens_q_ptr, num_seqs, BLOCK_B: tl.constexpr):
+    """cu_seqlens_q[1:] [BLOCK_B]: where each sequence's new tokens end; past B, ends no token reaches."""
+    b = tl.arange(0, BLOCK_B)
+    return tl.load(cu_seqlens_q_ptr + 1 + b, mask=b < num_seqs, other=2147483647)
+
+
+@triton.jit
 def token_sequence(cu_seqlens_q_ptr, num_seqs, token, BLOCK_B: tl.constexpr):
     """The sequence of query `token`: the number of sequences whose new tokens all come before it.
 
     cu_seqlens_q [B+1] int32 prefix sums; BLOCK_B >= B. Sequences with no new tokens are skipped, as they own
     no token.
     """
-    b = tl.arange(0, BLOCK_B)
-    ends = tl.load(cu_seqlens_q_ptr + 1 + b, mask=b < num_seqs, other=2147483647)
-    return tl.sum((ends <= token).to(tl.int32), axis=0)
+    return tl.sum((_sequence_ends(cu_seqlens_q_ptr, num_seqs, BLOCK_B) <= token).to(tl.int32), axis=0)
+
+
+@triton.jit
+def token_sequences(cu_seqlens_q_ptr, num_seqs, tokens, BLOCK_B: tl.constexpr):
+    """token_sequence of each of `tokens` [N] -> [N] int32."""
+    ends = _sequence_ends(cu_seqlens_q_ptr, num_seqs, BLOCK_B)
+    return tl.sum((ends[None, :] <= tokens[:, None]).to(tl.int32), axis=1)
 
 
 @triton.jit
