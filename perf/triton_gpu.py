@@ -351,19 +351,30 @@ def tokens_per_program_rows(
     return rows, differing
 
 
-def _topk_share(name: str, build: Build, device: torch.device, reps: int) -> str:
-    """How much of the Triton lightning_indexer is torch.topk: its time against the logits kernel's alone (the
-    argument for torch.topk in backends/triton/indexer.py)."""
+def topk_share(name: str, build: Build, device: torch.device, reps: int) -> tuple[str, bool]:
+    """How much of the Triton lightning_indexer its top-k takes, with each select (backends/triton/indexer.py:
+    the kernel of backends/triton/topk.py, and glm5_hal.topk's torch ops): the op's time against the logits
+    kernel's alone -> (the line, whether the two selects gave the same indices and score bits)."""
+    from backends.triton import indexer
+
     inputs = _input_sets(build, device, 2, seed=0)
     keys = ("q_idx", "weights", "index_k_cache", "block_table", "seq_lens_k", "cu_seqlens_q")
-    with use_backend("triton", strict=True):
-        whole = time_calls(lambda a: _call("lightning_indexer", a), inputs, device, reps=reps)
-        logits = time_calls(lambda a: glm5_hal.indexer_logits(**{k: a[k] for k in keys}), inputs, device, reps=reps)
-    share = max(0.0, 1.0 - logits.median_s / whole.median_s)
-    return (
-        f"{name}: lightning_indexer {whole.median_s * 1e3:.3f} ms, logits kernel alone {logits.median_s * 1e3:.3f}"
-        f" ms -> torch.topk (+ its bookkeeping) ~{share:.0%} of the op"
+    topk = inputs[0]["topk"]
+
+    def op(route: str) -> Callable[[dict], object]:
+        return lambda a: indexer.lightning_indexer(*(a[k] for k in keys), topk, topk_select=route)
+
+    kernel, torch_ops = op("kernel")(inputs[0]), op("torch")(inputs[0])
+    agree = torch.equal(kernel[0], torch_ops[0]) and torch.equal(
+        kernel[1].view(torch.int32), torch_ops[1].view(torch.int32)
     )
+    logits = time_calls(lambda a: indexer.indexer_logits(*(a[k] for k in keys)), inputs, device, reps=reps)
+    parts = [f"{name}: logits kernel alone {logits.median_s * 1e3:.3f} ms"]
+    for route in ("kernel", "torch"):
+        whole = time_calls(op(route), inputs, device, reps=reps)
+        share = max(0.0, 1.0 - logits.median_s / whole.median_s)
+        parts.append(f"op with the {route} select {whole.median_s * 1e3:.3f} ms (top-k ~{share:.0%})")
+    return "; ".join(parts) + ("; selects agree" if agree else "; SELECTS DIFFER"), agree
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -464,7 +475,9 @@ def main(argv: list[str] | None = None) -> int:
         ("prefill (the target's inputs)", prefill_target.build),
     ):
         try:
-            print(_topk_share(name, build, device, reps))
+            line, agree = topk_share(name, build, device, reps)
+            print(line)
+            mismatches += not agree
         except Exception as exc:
             mismatches += 1
             print(f"top-k share: {_failure(exc)}")

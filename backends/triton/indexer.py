@@ -9,19 +9,19 @@
                      sequence. A decode batch (under 2 new tokens a sequence) runs 1 token a program
                      (tokens_per_program). Key positions past a token's own (the causal rule) are -inf; a tile
                      wholly past every token's is not read at all.
-[lightning_indexer]  the logits kernel over a tile of tokens at a time, then torch.topk on each row, over
-                     composite (score, lower position) keys so that ties always pick the same keys
-                     (glm5_hal.topk).
+[lightning_indexer]  the logits kernel over a tile of tokens at a time, then each row's top-k in the contract's
+                     order (equal scores by the lower position): backends/triton/topk.py's radix select, one
+                     program per row (topk up to its MAX_K), or glm5_hal.topk's torch ops (topk_select="torch",
+                     and past MAX_K).
 A quantized key cache (fp8_index, int8_index) is read as codes in the load path: the dot runs on the codes (exact
 in the query's dtype) and each key's score is multiplied by its scale afterwards.
 
-Why torch.topk rather than a Triton radix select: a topk of 2048 of 64K+ keys per row is what torch.topk's
-CUDA path (a radix select over the row for large k, then a sort of the k winners) is built for; it reads each
-logit row once or twice, which is small next to the logits kernel's key reads and dot products (HI * DI FMAs per
-key), so a hand-written select could at best shave the smaller of the two costs. That was the argument; measured on
-an H200 (Triton 3.6, perf/triton_gpu.py, docs/backends.md) it does not hold at decode: at 64 tokens over 64K keys
-torch.topk and its bookkeeping took 40-61% of the op in two runs (1.76 / 1.93 ms, the logits kernel alone 1.05 /
-0.76 ms). A select fused with the logits, or over fewer candidates, is the next step there.
+Why a select of its own: glm5_hal.topk puts around torch.topk's select (of k + 1) the contract's order of ties: a
+sort of those, a composite select where a tie crosses the boundary, and a flag read back to the host to decide it.
+On an H200 (Triton 3.6, perf/triton_gpu.py, docs/backends.md), at 64 tokens over 64K keys, those ops took 40-61%
+of the op in two runs (1.76 / 1.93 ms, the logits kernel alone 1.05 / 0.76 ms). The kernel gives the same values
+and positions in the same order, bit for bit, in one launch and with no host read; it has not been timed on a GPU
+yet (perf/triton_gpu.py prints both selects at decode and prefill).
 Reference: ops_reference/indexer.py
 """
 
@@ -35,6 +35,7 @@ from torch import Tensor
 from backends.triton.quantized_cache import aligned_cache, code_of, index_key_scale, layout_of, load_index_codes
 from backends.triton.runtime import DOT_UPCAST, interpreting, unit_stride_arguments
 from backends.triton.sparse_attention import key_rows, token_sequences
+from backends.triton.topk import MAX_K, select_topk
 from glm5_hal.kv_formats import AUTO
 from glm5_hal.topk import topk_lower_position_ties
 
@@ -254,6 +255,14 @@ def _checked_tokens_per_program(value: int | None, q_idx: Tensor, num_seqs: int)
     return value
 
 
+def _default_select(ranked: int) -> str:
+    """lightning_indexer's top-k: the kernel where it takes `ranked` keys, except under the interpreter, whose cost
+    is per program and per operation (a row's sort of 2048 keys takes ~50 ms there, and the parity cases at GLM-5's
+    topk would take minutes): glm5_hal.topk there, which the kernel equals bit for bit
+    (parity_tests/test_triton_topk_unit.py runs the kernel under the interpreter)."""
+    return "kernel" if ranked <= MAX_K and not interpreting() else "torch"
+
+
 def _readable_cache(index_k_cache: Tensor, kv_cache_dtype: str) -> Tensor:
     """The cache as the kernel reads it: in place, or a copy where a quantized row's scale is misaligned."""
     return aligned_cache(index_k_cache, kv_cache_dtype)
@@ -302,13 +311,15 @@ def lightning_indexer(
     kv_cache_dtype: str = AUTO,
     *,
     tokens_per_program: int | None = None,
+    topk_select: str | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Top-`topk` visible keys per token (validated by glm5_hal.lightning_indexer); arguments as `indexer_logits`.
 
     Returns (indices [T, topk] int32: request-local key positions, best first, equal scores by lower position
     (glm5_hal.topk), -1 once the visible keys run out
     (and in the columns past the cache width when topk exceeds it); scores [T, topk] fp32: their logits, -inf
-    where indices is -1). tokens_per_program: as in `indexer_logits`.
+    where indices is -1). tokens_per_program: as in `indexer_logits`. topk_select: "kernel" (backends/triton/topk.py,
+    for topk up to its MAX_K) or "torch" (glm5_hal.topk); None: `_default_select`. Both give the same bits.
     """
     num_tokens = q_idx.shape[0]
     width = block_table.shape[1] * index_k_cache.shape[1]
@@ -318,6 +329,13 @@ def lightning_indexer(
     indices = torch.full((num_tokens, topk), -1, dtype=torch.int32, device=device)
     scores = torch.full((num_tokens, topk), float("-inf"), dtype=torch.float32, device=device)
     ranked = min(topk, width)  # columns past the cache width stay -1 / -inf from the fill above
+    if topk_select is None:
+        topk_select = _default_select(ranked)
+    if topk_select not in ("kernel", "torch") or (topk_select == "kernel" and ranked > MAX_K):
+        raise ValueError(
+            f"topk_select: expected 'torch', or 'kernel' for at most {MAX_K} ranked keys; got {topk_select!r} for "
+            f"{ranked}"
+        )
     if num_tokens == 0 or ranked == 0:
         return indices, scores
     # A multiple of the tokens a program takes, so that only the last tile's last program has rows to spare.
@@ -331,8 +349,11 @@ def lightning_indexer(
         )
         # Sorted: NaN scores first (ranked above every number, as the contract says), equal scores by the lower
         # position, invisible (-inf) keys last.
-        best, columns = topk_lower_position_ties(tile, ranked)
         rows = slice(start, start + tile.shape[0])
+        if topk_select == "kernel":
+            select_topk(tile, ranked, scores[rows], indices[rows])
+            continue
+        best, columns = topk_lower_position_ties(tile, ranked)
         scores[rows, :ranked] = best
         indices[rows, :ranked] = torch.where(best == float("-inf"), -1, columns).to(torch.int32)
     return indices, scores
