@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from backends.triton.gemm_tuning import float_shapes, launch_gemm
 from backends.triton.quant import cast_for_store
 from backends.triton.runtime import DOT_UPCAST, interpreting
 
@@ -98,12 +99,10 @@ def split_activations(x: Tensor, w: Tensor) -> bool:
     raise TypeError(f"triton GEMM: activations {x.dtype} with weights {w.dtype}; expected one dtype, or fp32 ones")
 
 
-def gemm_blocks(n: int, k: int, x_dtype: torch.dtype) -> dict[str, int]:
-    """BLOCK_N and BLOCK_K of a float GEMM with n outputs over k inputs, activations of `x_dtype`."""
-    if interpreting():  # each interpreted program costs milliseconds of Python: few, wide ones
-        return {"BLOCK_N": _interpreted_block(n), "BLOCK_K": _interpreted_block(k)}
-    # fp32 activation tiles take twice the shared memory per element: halve BLOCK_K.
-    return {"BLOCK_N": 128, "BLOCK_K": 32 if x_dtype == torch.float32 else 64}
+def interpreted_blocks(n: int, k: int) -> dict[str, int]:
+    """BLOCK_N and BLOCK_K of a float GEMM under the interpreter, whose programs cost milliseconds of Python each:
+    few, wide ones (on a GPU the autotuner picks them: backends/triton/gemm_tuning.py)."""
+    return {"BLOCK_N": _interpreted_block(n), "BLOCK_K": _interpreted_block(k)}
 
 
 def _interpreted_block(size: int) -> int:
@@ -165,12 +164,15 @@ def batched_matmul_into(out: Tensor, x: Tensor, w: Tensor) -> Tensor:
     n = w.shape[1]
     if out.numel() == 0:
         return out
-    blocks = gemm_blocks(n, k, x.dtype)
     block_m = max(16, min(128 if interpreting() else 64, triton.next_power_of_2(num_rows)))
-    _matmul_kernel[(triton.cdiv(num_rows, block_m), triton.cdiv(n, blocks["BLOCK_N"]), batches)](
-        x,
-        w,
-        out,
+    launch_gemm(
+        _matmul_kernel,
+        float_shapes(x.dtype == torch.float32),
+        lambda block_n: (triton.cdiv(num_rows, block_m), triton.cdiv(n, block_n), batches),
+        lambda: interpreted_blocks(n, k),
+        x_ptr=x,
+        w_ptr=w,
+        y_ptr=out,
         M=num_rows,
         N=n,
         K=k,
@@ -186,7 +188,6 @@ def batched_matmul_into(out: Tensor, x: Tensor, w: Tensor) -> Tensor:
         BLOCK_M=block_m,
         DOT_UPCAST=DOT_UPCAST,
         SPLIT=split_activations(x, w),
-        **blocks,
     )
     return out
 

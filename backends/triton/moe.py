@@ -25,8 +25,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from backends.triton.matmul import float_tile_matmul, gemm_blocks, split_activations
-from backends.triton.quant import cast_for_store, int8_tile_matmul, w4a8_tile_matmul
+from backends.triton.gemm_tuning import float_shapes, launch_gemm
+from backends.triton.matmul import float_tile_matmul, interpreted_blocks, split_activations
+from backends.triton.quant import cast_for_store, int8_tile_matmul, interpreted_int_blocks, w4a8_tile_matmul
 from backends.triton.runtime import DOT_UPCAST, interpreting, unit_stride_arguments
 from glm5_hal.checks import check, check_same_device, check_tensor
 
@@ -642,14 +643,17 @@ def grouped_matmul_tiles(
     y = torch.empty((num_rows, n), dtype=out_dtype or x_sorted.dtype, device=x_sorted.device)
     if num_rows == 0 or n == 0:
         return y
-    blocks = gemm_blocks(n, k, x_sorted.dtype)
-    _grouped_matmul_kernel[_gemm_grid(tiles, n, blocks["BLOCK_N"])](
-        x_sorted,
-        w,
-        y,
-        expert_offsets,
-        tiles.tile_expert,
-        tiles.tile_row,
+    launch_gemm(
+        _grouped_matmul_kernel,
+        float_shapes(x_sorted.dtype == torch.float32),
+        lambda block_n: _gemm_grid(tiles, n, block_n),
+        lambda: interpreted_blocks(n, k),
+        x_ptr=x_sorted,
+        w_ptr=w,
+        y_ptr=y,
+        offsets_ptr=expert_offsets,
+        tile_expert_ptr=tiles.tile_expert,
+        tile_row_ptr=tiles.tile_row,
         N=n,
         K=k,
         stride_xm=x_sorted.stride(0),
@@ -662,7 +666,6 @@ def grouped_matmul_tiles(
         BLOCK_M=tiles.block_m,
         DOT_UPCAST=DOT_UPCAST,
         SPLIT=split_activations(x_sorted, w),
-        **blocks,
     )
     return y
 
@@ -723,17 +726,20 @@ def grouped_quant_matmul(
     y = torch.empty((num_rows, n), dtype=out_dtype, device=x_q.device)
     if num_rows == 0 or n == 0:
         return y
-    blocks = _int_gemm_blocks(n, k)
     tiles = expert_tiles(expert_offsets, num_rows, _block_m(num_rows, w_q.shape[0]))
-    _grouped_quant_matmul_kernel[_gemm_grid(tiles, n, blocks["BLOCK_N"])](
-        x_q,
-        x_scale,
-        w_q,
-        w_scale,
-        y,
-        expert_offsets,
-        tiles.tile_expert,
-        tiles.tile_row,
+    launch_gemm(
+        _grouped_quant_matmul_kernel,
+        "int8",
+        lambda block_n: _gemm_grid(tiles, n, block_n),
+        lambda: interpreted_int_blocks(n, k),
+        x_ptr=x_q,
+        x_scale_ptr=x_scale,
+        w_ptr=w_q,
+        w_scale_ptr=w_scale,
+        y_ptr=y,
+        offsets_ptr=expert_offsets,
+        tile_expert_ptr=tiles.tile_expert,
+        tile_row_ptr=tiles.tile_row,
         N=n,
         K=k,
         stride_xm=x_q.stride(0),
@@ -746,7 +752,6 @@ def grouped_quant_matmul(
         stride_ym=y.stride(0),
         stride_yn=y.stride(1),
         BLOCK_M=tiles.block_m,
-        **blocks,
     )
     return y
 
@@ -799,17 +804,20 @@ def grouped_w4a8_matmul(
         return y
     scales = w_scale.reshape(w_scale.shape[0], n, -1)  # per channel = one group of K
     group = k if group_size is None else group_size
-    blocks = _int_gemm_blocks(n, group)
     tiles = expert_tiles(expert_offsets, num_rows, _block_m(num_rows, w_packed.shape[0]))
-    _grouped_w4a8_matmul_kernel[_gemm_grid(tiles, n, blocks["BLOCK_N"])](
-        x_q,
-        x_scale,
-        w_packed,
-        scales,
-        y,
-        expert_offsets,
-        tiles.tile_expert,
-        tiles.tile_row,
+    launch_gemm(
+        _grouped_w4a8_matmul_kernel,
+        "int8",
+        lambda block_n: _gemm_grid(tiles, n, block_n),
+        lambda: interpreted_int_blocks(n, group),
+        x_ptr=x_q,
+        x_scale_ptr=x_scale,
+        w_ptr=w_packed,
+        w_scale_ptr=scales,
+        y_ptr=y,
+        offsets_ptr=expert_offsets,
+        tile_expert_ptr=tiles.tile_expert,
+        tile_row_ptr=tiles.tile_row,
         N=n,
         K=k,
         group_size=group,
@@ -824,15 +832,8 @@ def grouped_w4a8_matmul(
         stride_ym=y.stride(0),
         stride_yn=y.stride(1),
         BLOCK_M=tiles.block_m,
-        **blocks,
     )
     return y
-
-
-def _int_gemm_blocks(n: int, k: int) -> dict[str, int]:
-    if interpreting():
-        return {"BLOCK_N": min(256, triton.next_power_of_2(n)), "BLOCK_K": min(256, triton.next_power_of_2(k))}
-    return {"BLOCK_N": 128, "BLOCK_K": 64}  # int8 dots need N, K >= 32
 
 
 # ---------------------------------------------------------------------------------- combine, silu-and-mul

@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from backends.triton.gemm_tuning import launch_gemm
 from backends.triton.runtime import interpreting, unit_stride_arguments
 
 INT8_MAX = tl.constexpr(127.0)
@@ -306,16 +307,21 @@ def _w4a8_matmul_kernel(
     )
 
 
-def int_gemm_blocks(m: int, n: int, k: int) -> dict[str, int]:
-    """Tile sizes of the int8 GEMMs. On a GPU: tensor-core tiles (int8 dots need N >= 32, K >= 32), smaller M
-    tiles for decode-sized M. Interpreted: tiles that cover the small test shapes in few programs."""
+def int_block_m(m: int) -> int:
+    """Rows per tile of the dense int8 GEMMs: smaller tiles for decode-sized M (on a GPU the autotuner picks the
+    N and K tiles for each: backends/triton/gemm_tuning.py)."""
     if interpreting():
-        return {
-            "BLOCK_M": min(64, triton.next_power_of_2(max(m, 1))),
-            "BLOCK_N": min(256, triton.next_power_of_2(max(n, 1))),
-            "BLOCK_K": min(256, triton.next_power_of_2(max(k, 1))),
-        }
-    return {"BLOCK_M": 16 if m <= 16 else 64 if m <= 64 else 128, "BLOCK_N": 128, "BLOCK_K": 64}
+        return min(64, triton.next_power_of_2(max(m, 1)))
+    return 16 if m <= 16 else 64 if m <= 64 else 128
+
+
+def interpreted_int_blocks(n: int, k: int) -> dict[str, int]:
+    """BLOCK_N and BLOCK_K of an int8 GEMM under the interpreter: tiles that cover the small test shapes in few
+    programs."""
+    return {
+        "BLOCK_N": min(256, triton.next_power_of_2(max(n, 1))),
+        "BLOCK_K": min(256, triton.next_power_of_2(max(k, 1))),
+    }
 
 
 @unit_stride_arguments()
@@ -333,15 +339,18 @@ def quant_matmul(
     y = torch.empty((m, n), dtype=out_dtype, device=x_q.device)
     if m == 0 or n == 0:
         return y
-    blocks = int_gemm_blocks(m, n, k)
-    grid = (triton.cdiv(m, blocks["BLOCK_M"]), triton.cdiv(n, blocks["BLOCK_N"]))
-    _quant_matmul_kernel[grid](
-        x_q,
-        x_scale,
-        w_q,
-        w_scale,
-        w_scale if bias is None else bias,  # a valid pointer the kernel never reads without HAS_BIAS
-        y,
+    block_m = int_block_m(m)
+    launch_gemm(
+        _quant_matmul_kernel,
+        "int8",
+        lambda block_n: (triton.cdiv(m, block_m), triton.cdiv(n, block_n)),
+        lambda: interpreted_int_blocks(n, k),
+        x_ptr=x_q,
+        x_scale_ptr=x_scale,
+        w_ptr=w_q,
+        w_scale_ptr=w_scale,
+        bias_ptr=w_scale if bias is None else bias,  # a valid pointer the kernel never reads without HAS_BIAS
+        y_ptr=y,
         M=m,
         N=n,
         K=k,
@@ -352,7 +361,7 @@ def quant_matmul(
         stride_ym=y.stride(0),
         stride_yn=y.stride(1),
         HAS_BIAS=bias is not None,
-        **blocks,
+        BLOCK_M=block_m,
     )
     return y
 
@@ -373,14 +382,17 @@ def w4a8_matmul(
     if m == 0 or n == 0:
         return y
     scales = w_scale.reshape(n, -1)  # per channel = one group of K
-    blocks = int_gemm_blocks(m, n, k if group_size is None else group_size)
-    grid = (triton.cdiv(m, blocks["BLOCK_M"]), triton.cdiv(n, blocks["BLOCK_N"]))
-    _w4a8_matmul_kernel[grid](
-        x_q,
-        x_scale,
-        w_packed,
-        scales,
-        y,
+    block_m = int_block_m(m)
+    launch_gemm(
+        _w4a8_matmul_kernel,
+        "int8",
+        lambda block_n: (triton.cdiv(m, block_m), triton.cdiv(n, block_n)),
+        lambda: interpreted_int_blocks(n, k if group_size is None else group_size),
+        x_ptr=x_q,
+        x_scale_ptr=x_scale,
+        w_ptr=w_packed,
+        w_scale_ptr=scales,
+        y_ptr=y,
         M=m,
         N=n,
         K=k,
@@ -393,6 +405,6 @@ def w4a8_matmul(
         stride_sg=scales.stride(1),
         stride_ym=y.stride(0),
         stride_yn=y.stride(1),
-        **blocks,
+        BLOCK_M=block_m,
     )
     return y
