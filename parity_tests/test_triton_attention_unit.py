@@ -310,7 +310,7 @@ def test_tokens_per_program_guess_and_its_checks():
     extra_keys=st.lists(st.integers(0, 150), min_size=4, max_size=4),
     num_heads=st.integers(1, 20),
     tokens_per_program=st.sampled_from([1, 2, 4, 8]),
-    kv_cache_dtype=st.sampled_from(["auto", "fp8_index"]),
+    kv_cache_dtype=st.sampled_from(["auto", "fp8_index", "int8_index"]),
     garbage_padding=st.booleans(),
     seed=st.integers(0, 2**31 - 1),
 )
@@ -318,12 +318,12 @@ def test_indexer_tokens_per_program_on_random_batches(
     q_lens, extra_keys, num_heads, tokens_per_program, kv_cache_dtype, garbage_padding, seed
 ):
     """Random batches (sequences without new tokens, tiles of tokens that span sequences, block-table padding of
-    -1 or any value), head counts, float and fp8_index caches, 1 to 8 tokens a program: fp32 logits against the
-    reference, and lightning_indexer's picks on the same logits."""
+    -1 or any value), head counts, float, fp8_index and int8_index caches, 1 to 8 tokens a program: fp32 logits
+    against the reference, and lightning_indexer's picks on the same logits."""
     gen = torch.Generator().manual_seed(seed)
     seqs = [SeqSpec(q, q + extra) for q, extra in zip(q_lens, extra_keys)]
     batch = paged_batch(seqs, 16, gen, garbage_padding=garbage_padding)
-    head_dim = 128 if kv_cache_dtype == "fp8_index" else 40
+    head_dim = 40 if kv_cache_dtype == "auto" else 128
     keys = randn((batch.num_blocks * 16, head_dim), gen)
     cache = keys.view(batch.num_blocks, 16, head_dim)
     if kv_cache_dtype != "auto":
