@@ -289,6 +289,29 @@ def test_indexer_logits_tokens_per_program(gen, dtype, tokens_per_program):
     _assert_close("logits", logits, want, torch.float32)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("tokens_per_program", [1, 2])
+def test_indexer_padding_heads_add_nothing_against_an_infinite_key(dtype, tokens_per_program):
+    """A key holding +inf in a dim where every real head's query is negative: every real dot is -inf, the ReLU
+    makes each 0, and the reference scores the key 0. The kernel's padding heads (6 heads in a tile of 8 or 16, their
+    q and weight 0) dot that key to 0 x inf = NaN; they must add nothing (they made the score NaN until 2026-11-30).
+    A key with -inf there scores 0 the same way from the other side, and one holding NaN is NaN."""
+    gen = torch.Generator().manual_seed(11)
+    q = randn((4, 6, 32), gen)
+    q[..., 0] = -(torch.rand(4, 6, generator=gen) + 0.1)
+    q[..., 1] = torch.rand(4, 6, generator=gen) + 0.1
+    cache = randn((2, 16, 32), gen)
+    cache[0, 3, 0] = float("inf")
+    cache[0, 5, 1] = float("-inf")
+    cache[1, 2, 7] = float("nan")  # key 18
+    args = (q.to(dtype), randn((4, 6), gen), cache.to(dtype), torch.tensor([[0, 1]], dtype=torch.int32),
+            torch.tensor([24], dtype=torch.int32), torch.tensor([0, 4], dtype=torch.int32))  # fmt: skip
+    logits = triton_indexer.indexer_logits(*_dev(*args), tokens_per_program=tokens_per_program).cpu()
+    want = ref.indexer_logits(*map(to_numpy, args))
+    assert (want[:, [3, 5]] == 0).all() and np.isnan(want[:, 18]).all()
+    _assert_close("logits", logits, want, torch.float32)
+
+
 def test_tokens_per_program_guess_and_its_checks():
     """The guess: 1 at decode-like batches, else tokens for _DOT_ROWS rows of the dot, within the cap and the
     operands' shared-memory budget; bad values are errors naming the argument."""

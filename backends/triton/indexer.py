@@ -161,8 +161,10 @@ def _indexer_logits_kernel(
             # "ieee": fp32 operands must not be rounded to tf32 (fp32 parity is 1e-5); bf16/fp16 dots are unaffected.
             dots = tl.dot(q, tl.trans(keys), input_precision="ieee")  # [BLOCK_T * BLOCK_HI, BLOCK_S]
             # ReLU as a select, so NaN passes (tl.maximum may drop it: fmax on GPUs, nanmax in the interpreter).
-            weighted = tl.where(dots < 0.0, 0.0, dots) * w[:, None]
-            scores = tl.sum(tl.reshape(weighted, (BLOCK_T, BLOCK_HI, BLOCK_S)), axis=1)  # per token: [BLOCK_T, BLOCK_S]
+            weighted = tl.reshape(tl.where(dots < 0.0, 0.0, dots) * w[:, None], (BLOCK_T, BLOCK_HI, BLOCK_S))
+            # The head reduction per token -> [BLOCK_T, BLOCK_S]. A padding head (its q and weight 0) adds nothing,
+            # not 0 x inf = NaN against a key holding an infinity, which the real heads' dots may all send to 0.
+            scores = tl.sum(tl.where(head_ok[None, :, None], weighted, 0.0), axis=1)
             # Quantized keys' scales.
             scores = index_key_scale(scores, row_ptrs[None, :], key_ok[None, :], KEY_CODE, KEY_SCALES_OFFSET)
             visible = key_ok[None, :] & (key_pos[None, :] <= positions[:, None])
