@@ -444,27 +444,24 @@ def main(argv: list[str] | None = None) -> int:
         goal_text = "" if math.isnan(goal) else f" (goal {goal:g})"  # nan: the kernel failed before it was timed
         print(f"{'PASS' if ok else 'FAIL'}  {name:<60} {shown:>9}{goal_text} {what}")
 
-    decode = next((inputs for m, inputs in measured.values() if m.name.startswith("sfa decode")), None)
-    if decode is not None:
-        print("\n== sparse attention decode split over keys (the decode target's inputs) ==")
+    # Sweeps of a kernel's tuning knob on a target's inputs, each setting checked against the first.
+    sweeps = (
+        ("sfa decode", "sparse attention decode split over keys", key_range_rows, "key ranges"),
+        ("indexer prefill", "indexer prefill: query tokens a program of the logits kernel", tokens_per_program_rows,
+         "tokens a program"),
+    )  # fmt: skip
+    for prefix, title, sweep, knob in sweeps:
+        inputs = next((i for m, i in measured.values() if m.name.startswith(prefix)), None)
+        if inputs is None:
+            continue
+        print(f"\n== {title} (the target's inputs) ==")
         try:
-            rows, differing = key_range_rows(decode, device, reps)
+            rows, differing = sweep(inputs, device, reps)
             print("\n".join(rows))
             mismatches += differing
         except Exception as exc:
             mismatches += 1
-            print(f"key ranges: {_failure(exc)}")
-
-    indexer_prefill = next((i for m, i in measured.values() if m.name.startswith("indexer prefill")), None)
-    if indexer_prefill is not None:
-        print("\n== indexer prefill: query tokens a program of the logits kernel (the target's inputs) ==")
-        try:
-            rows, differing = tokens_per_program_rows(indexer_prefill, device, reps)
-            print("\n".join(rows))
-            mismatches += differing
-        except Exception as exc:
-            mismatches += 1
-            print(f"tokens a program: {_failure(exc)}")
+            print(f"{knob}: {_failure(exc)}")
 
     cfg, context, batch = (GLM5_MINI, 300, 4) if args.mini else (GLM5, 65536, 64)
     topk_case = builders.indexer_inputs(cfg, [SeqSpec(1, context)] * batch, BLOCK, cfg.index_topk)

@@ -621,8 +621,44 @@ def _block_m(num_rows: int, num_experts: int) -> int:
     return max(16, min(128 if interpreting() else 64, mean_rows))
 
 
-def _gemm_grid(tiles: ExpertTiles, n: int, block_n: int) -> tuple[int, int]:
-    return (tiles.num_slots, triton.cdiv(n, block_n))
+def _launch_grouped(
+    kernel: triton.JITFunction,
+    shapes: str,
+    interpreted: dict[str, int],
+    tiles: ExpertTiles,
+    expert_offsets: Tensor,
+    x: Tensor,
+    w: Tensor,
+    y: Tensor,
+    **kernel_specific: object,
+) -> None:
+    """Launch a grouped GEMM kernel (x [M, K] rows grouped by expert, w [E, N, K or K/2], y [M, N]) over the tile
+    index and N, with the arguments every grouped kernel takes; tiles as backends/triton/gemm_tuning.py gives them
+    (`interpreted`: the interpreter's BLOCK_N and BLOCK_K)."""
+    n, k = y.shape[1], x.shape[1]
+    launch_gemm(
+        kernel,
+        shapes,
+        lambda block_n: (tiles.num_slots, triton.cdiv(n, block_n)),
+        lambda: interpreted,
+        x_ptr=x,
+        w_ptr=w,
+        y_ptr=y,
+        offsets_ptr=expert_offsets,
+        tile_expert_ptr=tiles.tile_expert,
+        tile_row_ptr=tiles.tile_row,
+        N=n,
+        K=k,
+        stride_xm=x.stride(0),
+        stride_xk=x.stride(1),
+        stride_we=w.stride(0),
+        stride_wn=w.stride(1),
+        stride_wk=w.stride(2),
+        stride_ym=y.stride(0),
+        stride_yn=y.stride(1),
+        BLOCK_M=tiles.block_m,
+        **kernel_specific,
+    )
 
 
 def grouped_matmul_tiles(
@@ -643,27 +679,15 @@ def grouped_matmul_tiles(
     y = torch.empty((num_rows, n), dtype=out_dtype or x_sorted.dtype, device=x_sorted.device)
     if num_rows == 0 or n == 0:
         return y
-    launch_gemm(
+    _launch_grouped(
         _grouped_matmul_kernel,
         float_shapes(x_sorted.dtype == torch.float32),
-        lambda block_n: _gemm_grid(tiles, n, block_n),
-        lambda: interpreted_blocks(n, k),
-        x_ptr=x_sorted,
-        w_ptr=w,
-        y_ptr=y,
-        offsets_ptr=expert_offsets,
-        tile_expert_ptr=tiles.tile_expert,
-        tile_row_ptr=tiles.tile_row,
-        N=n,
-        K=k,
-        stride_xm=x_sorted.stride(0),
-        stride_xk=x_sorted.stride(1),
-        stride_we=w.stride(0),
-        stride_wn=w.stride(1),
-        stride_wk=w.stride(2),
-        stride_ym=y.stride(0),
-        stride_yn=y.stride(1),
-        BLOCK_M=tiles.block_m,
+        interpreted_blocks(n, k),
+        tiles,
+        expert_offsets,
+        x_sorted,
+        w,
+        y,
         DOT_UPCAST=DOT_UPCAST,
         SPLIT=split_activations(x_sorted, w),
     )
@@ -727,31 +751,19 @@ def grouped_quant_matmul(
     if num_rows == 0 or n == 0:
         return y
     tiles = expert_tiles(expert_offsets, num_rows, _block_m(num_rows, w_q.shape[0]))
-    launch_gemm(
+    _launch_grouped(
         _grouped_quant_matmul_kernel,
         "int8",
-        lambda block_n: _gemm_grid(tiles, n, block_n),
-        lambda: interpreted_int_blocks(n, k),
-        x_ptr=x_q,
+        interpreted_int_blocks(n, k),
+        tiles,
+        expert_offsets,
+        x_q,
+        w_q,
+        y,
         x_scale_ptr=x_scale,
-        w_ptr=w_q,
         w_scale_ptr=w_scale,
-        y_ptr=y,
-        offsets_ptr=expert_offsets,
-        tile_expert_ptr=tiles.tile_expert,
-        tile_row_ptr=tiles.tile_row,
-        N=n,
-        K=k,
-        stride_xm=x_q.stride(0),
-        stride_xk=x_q.stride(1),
-        stride_we=w_q.stride(0),
-        stride_wn=w_q.stride(1),
-        stride_wk=w_q.stride(2),
         stride_se=w_scale.stride(0),
         stride_sn=w_scale.stride(1),
-        stride_ym=y.stride(0),
-        stride_yn=y.stride(1),
-        BLOCK_M=tiles.block_m,
     )
     return y
 
@@ -805,33 +817,21 @@ def grouped_w4a8_matmul(
     scales = w_scale.reshape(w_scale.shape[0], n, -1)  # per channel = one group of K
     group = k if group_size is None else group_size
     tiles = expert_tiles(expert_offsets, num_rows, _block_m(num_rows, w_packed.shape[0]))
-    launch_gemm(
+    _launch_grouped(
         _grouped_w4a8_matmul_kernel,
         "int8",
-        lambda block_n: _gemm_grid(tiles, n, block_n),
-        lambda: interpreted_int_blocks(n, group),
-        x_ptr=x_q,
+        interpreted_int_blocks(n, group),
+        tiles,
+        expert_offsets,
+        x_q,
+        w_packed,
+        y,
         x_scale_ptr=x_scale,
-        w_ptr=w_packed,
         w_scale_ptr=scales,
-        y_ptr=y,
-        offsets_ptr=expert_offsets,
-        tile_expert_ptr=tiles.tile_expert,
-        tile_row_ptr=tiles.tile_row,
-        N=n,
-        K=k,
         group_size=group,
-        stride_xm=x_q.stride(0),
-        stride_xk=x_q.stride(1),
-        stride_we=w_packed.stride(0),
-        stride_wn=w_packed.stride(1),
-        stride_wk=w_packed.stride(2),
         stride_se=scales.stride(0),
         stride_sn=scales.stride(1),
         stride_sg=scales.stride(2),
-        stride_ym=y.stride(0),
-        stride_yn=y.stride(1),
-        BLOCK_M=tiles.block_m,
     )
     return y
 
