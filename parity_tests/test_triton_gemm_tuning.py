@@ -99,3 +99,15 @@ def test_under_the_interpreter_the_caller_picks_the_tiles(monkeypatch):
     y = quant.quant_matmul(torch.ones(3, 64, dtype=torch.int8), torch.ones(3), torch.ones(5, 64, dtype=torch.int8),
                            torch.full((5,), 0.5))  # fmt: skip
     assert torch.equal(y.float(), torch.full((3, 5), 32.0))
+
+
+def test_chosen_shapes_name_each_kernel_key_and_shape(monkeypatch):
+    """What perf/triton_gpu.py prints after a GPU run: per kernel and key, the shape the autotuner kept."""
+    monkeypatch.setattr(gemm_tuning, "_made", {})
+    tuned = gemm_tuning._autotuned(quant._quant_matmul_kernel, "int8")
+    tuned.cache[(256, 512, 16, "torch.int8", "torch.bfloat16")] = tuned.configs[2]
+    tuned.cache[(256, 512, 64, "torch.int8", "torch.bfloat16")] = tuned.configs[0]
+    assert gemm_tuning.chosen_shapes() == [
+        "_quant_matmul_kernel [int8] N=256, K=512, BLOCK_M=16 (int8, bfloat16): (128, 128, 8, 3)",
+        "_quant_matmul_kernel [int8] N=256, K=512, BLOCK_M=64 (int8, bfloat16): (128, 64, 4, 3) (the old fixed shape)",
+    ]

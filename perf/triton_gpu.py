@@ -12,6 +12,12 @@ speed-up over the torch backend. Before timing, the Triton outputs are compared 
 first input set at the parity tolerance of the dtype; the grouped GEMM targets' outputs with float64 on sampled rows
 of every expert (check_grouped).
 
+After the targets, the data to tune the Triton backend's guesses from, each setting checked against the first:
+sparse attention's decode target at 1, 2, 4 and 8 key ranges and its default; the indexer's logits at the prefill
+target with 1, 2, 4 and 8 query tokens a program and its default; the indexer's top-k share at decode and prefill
+with each select (the kernel and glm5_hal.topk, which must agree); and last the tile shape the autotuner kept for
+each GEMM kernel and key (backends/triton/gemm_tuning.py).
+
 Targets (H100, GLM-5 shapes):
 - sparse_flash_attention prefill (4096 tokens, H 64, topk 2048, 64K cache): >= 60% of the bandwidth bound of
   gathering 1152 bytes per selected key per token, and >= 10x the torch backend;
@@ -492,6 +498,10 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             mismatches += m.check != "ok"
             print(_row(m), flush=True)
+    from backends.triton.gemm_tuning import chosen_shapes
+
+    print("\n== GEMM tile shapes the autotuner kept (BLOCK_N, BLOCK_K, warps, stages) ==")
+    print("\n".join(chosen_shapes()) or "(none: no GEMM was autotuned)")
     if args.mini:
         print("\n(--mini: shapes and timings are a smoke test of this script, not performance)")
         return 1 if mismatches else 0  # mini timings mean nothing: only the checks against torch count

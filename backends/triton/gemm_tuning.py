@@ -15,7 +15,6 @@ shape in Python). None of these shapes has been timed on a GPU yet.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 
 import triton
@@ -33,16 +32,22 @@ TILE_SHAPES = {
 }
 
 
-@functools.cache
+# The autotuned form of each kernel, by (kernel, shape list): made once each, for the process.
+_made: dict[tuple[triton.JITFunction, str], triton.runtime.Autotuner] = {}
+
+
 def _autotuned(kernel: triton.JITFunction, shapes: str) -> triton.runtime.Autotuner:
-    configs = [
-        triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=warps, num_stages=stages)
-        for n, k, warps, stages in TILE_SHAPES[shapes]
-    ]
-    # The kernels only write their output, so a timed run leaves nothing to restore; the dtypes of the tensor
-    # arguments are part of the key without being named, and a W4A8 kernel's group size is named.
-    key = [name for name in ("N", "K", "BLOCK_M", "group_size") if name in kernel.arg_names]
-    return triton.autotune(configs, key=key)(kernel)
+    """The autotuned form of `kernel` over TILE_SHAPES[shapes]."""
+    if (kernel, shapes) not in _made:
+        configs = [
+            triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=warps, num_stages=stages)
+            for n, k, warps, stages in TILE_SHAPES[shapes]
+        ]
+        # The kernels only write their output, so a timed run leaves nothing to restore; the dtypes of the tensor
+        # arguments are part of the key without being named, and a W4A8 kernel's group size is named.
+        key = [name for name in ("N", "K", "BLOCK_M", "group_size") if name in kernel.arg_names]
+        _made[kernel, shapes] = triton.autotune(configs, key=key)(kernel)
+    return _made[kernel, shapes]
 
 
 def launch_gemm(
@@ -65,3 +70,17 @@ def launch_gemm(
 def float_shapes(x_dtype_is_fp32: bool) -> str:
     """The TILE_SHAPES list of a float GEMM whose activations are fp32 or not."""
     return "float32" if x_dtype_is_fp32 else "half"
+
+
+def chosen_shapes() -> list[str]:
+    """A line per GEMM kernel and key the autotuner has timed in this process: the tile shape it kept, as
+    (BLOCK_N, BLOCK_K, warps, stages). What perf/triton_gpu.py prints, to prune or extend TILE_SHAPES from."""
+    lines = []
+    for (kernel, shapes), tuned in _made.items():
+        for key, config in sorted(tuned.cache.items(), key=str):
+            shape = (config.kwargs["BLOCK_N"], config.kwargs["BLOCK_K"], config.num_warps, config.num_stages)
+            named = ", ".join(f"{name}={value}" for name, value in zip(tuned.keys, key))
+            dtypes = ", ".join(str(v).removeprefix("torch.") for v in key[len(tuned.keys) :])
+            first = " (the old fixed shape)" if shape == TILE_SHAPES[shapes][0] else ""
+            lines.append(f"{kernel.fn.__name__} [{shapes}] {named} ({dtypes}): {shape}{first}")
+    return lines
