@@ -128,9 +128,9 @@ def _select_kernel(
 
 
 def select_topk(scores: Tensor, k: int, values: Tensor, columns: Tensor) -> None:
-    """The top-k columns of each row of scores [N, S] fp32 (unit stride along a row; 1 <= k <= min(S, MAX_K)), best first,
-    equal scores by the lower column, into values [N, >= k] fp32 (their scores) and columns [N, >= k] int32 (-1
-    where the score is -inf), both with unit stride along the row; only the first k columns of each are written.
+    """The top-k columns of each row of scores [N, S] fp32 (unit stride along a row; 1 <= k <= min(S, MAX_K)),
+    best first, equal scores by the lower column, into values [N, >= k] fp32 (their scores) and columns [N, >= k]
+    int32 (-1 where the score is -inf), both with unit stride along the row; only the first k columns are written.
     """
     num_rows, width = scores.shape
     if not 1 <= k <= min(width, MAX_K):
