@@ -1083,3 +1083,28 @@ def test_fuzz_comparison_fp16_outputs_among_the_subnormals(request: pytest.Fixtu
         assert result.passed, f"{backend}: {result.status}: {result.detail}"
     want = np.full((2, 3), 1e-6)
     assert not compare_float("out", torch.from_numpy(want + 2.0**-20).half(), want, torch.float16).passed
+
+
+@pytest.mark.parametrize("edge_backend", _EDGE_BACKENDS, indirect=True)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("mixed", [False, True], ids=["all_plus_inf", "plus_and_minus_inf"])
+def test_edge_a_plus_inf_score_makes_the_head_nan(edge_backend: str, dtype: torch.dtype, mixed: bool) -> None:
+    """Token 0 head 0 scores +inf against every key, or +inf against one and -inf against the others (its q holds
+    +inf where the rows hold +1 or -1): the softmax's shift by its max leaves inf - inf = NaN, so out and lse are NaN
+    as in the reference (docs/ops.md "Edge rules"). The torch backend shifted by 0 where the max was not finite and
+    gave lse +inf (found by sprinkling infinities into the fuzz suite's inputs, 2026-11-30). The other heads and
+    tokens are untouched."""
+    import glm5_hal
+    from glm5_hal.parity.runner import run_inputs
+
+    inputs = _all_minus_inf_inputs(dtype)
+    inputs["q"][0, 0, 0] = float("inf")
+    if mixed:  # key position 0 (block table [1, 0]: block 1, slot 0) keeps +1, the token's other keys -1
+        inputs["kv_cache"][..., 0] = -1.0
+        inputs["kv_cache"][1, 0, 0] = 1.0
+    with glm5_hal.use_backend(edge_backend, strict=True):
+        out, lse = glm5_hal.sparse_flash_attention(**{k: _copy(v) for k, v in inputs.items()})
+    assert torch.isnan(lse[0, 0]) and torch.isnan(out[0, 0]).all(), f"lse {float(lse[0, 0])}, out {out[0, 0, :3]}"
+    assert torch.isfinite(out[1]).all() and torch.isfinite(lse[1]).all() and torch.isfinite(lse[0, 1])
+    result = run_inputs("sparse_flash_attention", inputs, edge_backend, dtype)
+    assert result.passed, f"{result.status}: {result.detail}"

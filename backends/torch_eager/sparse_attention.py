@@ -132,8 +132,9 @@ def _softmax(scores: Tensor) -> tuple[Tensor, Tensor]:
     so a half-precision path needs no residual pass for it. A row without keys gives probabilities 0 (the contract's
     out = 0) and lse -inf (log(0))."""
     peak = scores.amax(dim=-1, keepdim=True)
-    # A row with no valid key has peak -inf; shifting by 0 instead keeps exp() at exactly 0 and avoids nan.
-    peak = torch.where(torch.isfinite(peak), peak, torch.zeros_like(peak))
+    # A row with no valid key has peak -inf; shifting by 0 instead keeps exp() at exactly 0 and avoids nan. A +inf
+    # peak stays, as in the reference: a +inf score gives inf - inf = NaN, and the head's lse and out are NaN.
+    peak = torch.where(peak == float("-inf"), torch.zeros_like(peak), peak)
     # In place: a fresh [T, H, topk] tensor for exp() cost as much again as the softmax's own passes at decode (its
     # pages are new memory on every call), and the scores are not used after this.
     probs = scores.sub_(peak).exp_()  # unnormalised

@@ -2,8 +2,10 @@
  *
  *   exponentiate(s, n, hp, heads, lse, denominator): scores s [n][hp] fp32 (hp = H rounded up to 16; lanes past the
  *       real heads are ignored) -> E = exp(s - peak) in place, per head lse = peak + log(total) and denominator =
- *       max(total, FLT_MIN) (1 for the padding heads); peak = the row maximum, or 0 where it is not finite or a
- *       score is NaN (sparse_attention.c's top gives the formulas).
+ *       max(total, FLT_MIN) (1 for the padding heads); peak = the row maximum, or 0 where it is -inf (no key, or
+ *       every score -inf: exp stays an exact 0) or a score is NaN (the head is NaN anyway). A +inf peak is kept, so
+ *       a +inf score gives inf - inf = NaN, and lse and the output are NaN, as in the reference (sparse_attention.c's
+ *       top gives the formulas).
  *   store_output(o, heads, dv, out, out_fp32, out_head): o [heads][dv] fp32 -> out, fp32 or bf16 rounded as torch
  *       rounds (to nearest even, every NaN 0x7FC0, subnormals kept).
  *
@@ -66,8 +68,8 @@ static void exponentiate(float *s, long n, long hp, long heads, float *lse, floa
             peak = _mm256_max_ps(peak, x);
             nan = _mm256_or_ps(nan, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
         }
-        __m256 finite = _mm256_cmp_ps(_mm256_sub_ps(peak, peak), zero, _CMP_EQ_OQ);
-        peak = _mm256_and_ps(_mm256_andnot_ps(nan, finite), peak);
+        __m256 shift = _mm256_cmp_ps(peak, _mm256_set1_ps(-INFINITY), _CMP_NEQ_OQ); /* see the top of the file */
+        peak = _mm256_and_ps(_mm256_andnot_ps(nan, shift), peak);
         __m256 total = zero;
         for (long k = 0; k < n; k++) {
             __m256 e = exp8(_mm256_sub_ps(_mm256_and_ps(live, _mm256_loadu_ps(s + k * hp + h0)), peak));
@@ -114,8 +116,8 @@ static void exponentiate(float *s, long n, long hp, long heads, float *lse, floa
             peak = _mm512_max_ps(peak, x);
             nan |= _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
         }
-        __mmask16 finite = _mm512_cmp_ps_mask(_mm512_sub_ps(peak, peak), _mm512_setzero_ps(), _CMP_EQ_OQ);
-        peak = _mm512_maskz_mov_ps(finite & (__mmask16)~nan, peak);
+        __mmask16 shift = _mm512_cmp_ps_mask(peak, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ); /* see the top */
+        peak = _mm512_maskz_mov_ps(shift & (__mmask16)~nan, peak);
         __m512 total = _mm512_setzero_ps();
         for (long k = 0; k < n; k++) {
             __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, s + k * hp + h0), peak));
@@ -165,7 +167,7 @@ static void exponentiate(float *s, long n, long hp, long heads, float *lse, floa
             nan |= x != x;
             peak = x > peak ? x : peak;
         }
-        if (nan || peak - peak != 0.0f) peak = 0.0f;
+        if (nan || peak == -INFINITY) peak = 0.0f;
         float total = 0.0f;
         for (long k = 0; k < n; k++) {
             s[k * hp + h] = expf(s[k * hp + h] - peak);

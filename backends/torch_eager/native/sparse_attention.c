@@ -5,7 +5,8 @@
  * included, is not a key and is never read):
  *
  *   S[n][h]  = scale * sum_d q[t][h][d] * row_n[d]
- *   peak[h]  = max_n S[n][h], or 0 where that is not finite or a score is NaN (no shift then; exp stays exact 0)
+ *   peak[h]  = max_n S[n][h], or 0 where that is -inf (no shift then; exp stays exact 0) or a score is NaN; a +inf
+ *              peak stays (a +inf score: inf - inf = NaN, so lse and O are NaN, as in the reference)
  *   E[n][h]  = exp(S[n][h] - peak[h]),  total[h] = sum_n E[n][h]
  *   lse[t][h] = peak[h] + log(total[h])                      (-inf for a token without valid keys)
  *   O[t][h][d] = sum_n (E[n][h] / max(total[h], FLT_MIN)) * row_n[d],  d < dv     (0 without valid keys, and 0
