@@ -1108,3 +1108,19 @@ def test_edge_a_plus_inf_score_makes_the_head_nan(edge_backend: str, dtype: torc
     assert torch.isfinite(out[1]).all() and torch.isfinite(lse[1]).all() and torch.isfinite(lse[0, 1])
     result = run_inputs("sparse_flash_attention", inputs, edge_backend, dtype)
     assert result.passed, f"{result.status}: {result.detail}"
+
+
+def test_the_exact_judge_takes_nan_carried_to_its_place_and_nothing_else() -> None:
+    """compare_exact judges outputs that are copies of inputs (moe_dispatch's x_sorted): a NaN input carried to its
+    place is right, and the judge said "differ" for it (NaN != NaN; found by sprinkling NaN into the fuzz suite's
+    inputs, 2026-11-30). A NaN where the reference has a number, or a number where it has NaN, still differs."""
+    import numpy as np
+
+    from glm5_hal.parity.compare import compare_exact
+
+    want = np.array([[1.0, np.nan], [np.inf, -0.0]])
+    assert compare_exact("x", torch.tensor([[1.0, float("nan")], [float("inf"), 0.0]]), want).passed
+    assert not compare_exact("x", torch.tensor([[float("nan"), float("nan")], [float("inf"), 0.0]]), want).passed
+    assert not compare_exact("x", torch.tensor([[1.0, 2.0], [float("inf"), 0.0]]), want).passed
+    assert compare_exact("ids", torch.tensor([3, 1]), np.array([3, 1])).passed  # integers as before
+    assert not compare_exact("ids", torch.tensor([3, 2]), np.array([3, 1])).passed
