@@ -16,6 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from conftest import parity_backends
 from fuzz.strategies import FUZZ_COUNTS, QUANTIZED_CASES, VALID_CASES, FuzzCase, examples
@@ -55,6 +56,52 @@ def test_random_valid_configs_match_the_reference(op: str) -> None:
     @given(case=VALID_CASES[op])
     def holds(case: FuzzCase) -> None:
         check_on_backends(case, backends)
+
+    holds()
+
+
+NAN_CONFIGS_PER_OP = 40
+
+
+def _nonempty_float(value: object) -> bool:
+    return isinstance(value, torch.Tensor) and value.is_floating_point() and value.numel() > 0
+
+
+def with_nan(case: FuzzCase, which: int, places: list[float]) -> FuzzCase:
+    """`case` with NaN written into 1-3 places (fractions of its size) of one of its float inputs (`which`, modulo
+    their count): a weight, an activation, a cache, a scale, read by the op or not."""
+    floats = sorted(k for k, v in case.inputs.items() if _nonempty_float(v))
+    name = floats[which % len(floats)]
+    tensor = case.inputs[name].clone().contiguous()
+    flat = tensor.view(-1)
+    for place in places:
+        flat[min(int(place * flat.numel()), flat.numel() - 1)] = float("nan")
+    params = {**case.params, "nan_in": name, "nan_at": [min(int(p * flat.numel()), flat.numel() - 1) for p in places]}
+    return FuzzCase(case.op, {**case.inputs, name: tensor}, case.dtype, case.layouts, params)
+
+
+@pytest.mark.parametrize("op", OP_NAMES)
+def test_random_configs_with_nan_inputs_match_the_reference(op: str) -> None:
+    """docs/ops.md "NaN propagates": random valid configs with NaN in one float input: every output the reference
+    computes from a NaN is NaN on each backend, NaN positions compared exactly, and a NaN the op must not read
+    reaches nothing. (NaN only: infinities have the edge-rule tests, and one known gap, docs/ops.md "The top of the
+    fp32 range".) Sprinkling NaN and infinities into these configs found two defects on 2026-11-30 (the torch
+    backend's lse for a +inf score; the exact judge's NaN != NaN)."""
+    backends = [b for b in fuzz_backends() if b != "reference"]
+    if not backends:
+        pytest.skip(
+            f"none of {FUZZ_BACKENDS} but the reference is available here (GLM5_HAL_BACKEND={parity_backends()})"
+        )
+
+    @settings(max_examples=examples(NAN_CONFIGS_PER_OP))
+    @given(
+        case=VALID_CASES[op],
+        which=st.integers(0, 15),
+        places=st.lists(st.floats(0.0, 1.0, exclude_max=True), min_size=1, max_size=3),
+    )
+    def holds(case: FuzzCase, which: int, places: list[float]) -> None:
+        if any(_nonempty_float(v) for v in case.inputs.values()):
+            check_on_backends(with_nan(case, which, places), backends, kind="NaN inputs")
 
     holds()
 
