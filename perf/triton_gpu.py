@@ -293,13 +293,42 @@ def _grouped_gemm_targets(tokens: int, k: int, experts: int, hidden: int, inter:
     ]
 
 
+def _differences(names: tuple[str, ...], got: tuple, want: tuple, dtype: torch.dtype) -> str:
+    """ "ok", or what differs between the outputs `got` and `want` at the parity tolerance of `dtype`."""
+    verdicts = [compare_float(name, g, to_numpy(w), dtype) for name, g, w in zip(names, got, want)]
+    return "; ".join(v.detail or f"{v.output} differs" for v in verdicts if not v.passed) or "ok"
+
+
+def _sweep_rows(
+    run: Callable[[int | None], tuple],
+    counts: tuple[int, ...],
+    label: Callable[[int | None], str],
+    knob: str,
+    outputs: tuple[str, ...],
+    dtype: torch.dtype,
+    device: torch.device,
+    reps: int,
+) -> tuple[list[str], int]:
+    """A kernel's tuning knob at each of `counts` and at the backend's default (None): a row per setting with the
+    median time of run(setting) and its outputs (named `outputs`) against run(counts[0])'s -> (the rows, how many
+    settings' outputs differ). label(setting): the setting as its row shows it."""
+    first = run(counts[0])
+    rows, differing = [], 0
+    for count in (*counts, None):
+        check = _differences(outputs, run(count), first, dtype)
+        differing += check != "ok"
+        timing = time_calls(lambda _, count=count: run(count), [{}], device, reps=reps)
+        rows.append(f"  {label(count):<13} {knob} {timing.median_s * 1e3:9.3f} ms   vs {counts[0]}: {check}")
+    return rows, differing
+
+
 def key_range_rows(
     inputs: dict, device: torch.device, reps: int, counts: tuple[int, ...] = (1, 2, 4, 8)
 ) -> tuple[list[str], int]:
     """Sparse attention on one input set with its keys split into each of `counts` ranges per token, and as the
     backend splits them by default (backends/triton/sparse_attention.py: _default_splits, a first guess from the
-    grid's shape): -> (a row per count: median time and the output against the unsplit kernel's, the number of
-    counts whose output differs). The data to tune the default from."""
+    grid's shape): -> (a row per count: median time and the output against 1 range's, the number of counts whose
+    output differs). The data to tune the default from."""
     from backends.triton import sparse_attention as attention
 
     args = [inputs[k] for k in ("q", "kv_cache", "indices", "block_table", "seq_lens_k", "cu_seqlens_q")]
@@ -309,23 +338,18 @@ def key_range_rows(
         "kv_cache_dtype": inputs.get("kv_cache_dtype", "auto"),
     }
     num_tokens, num_heads = inputs["q"].shape[:2]
-    default = attention._default_splits(num_tokens, num_heads, inputs["indices"].shape[1], device)
-    whole = attention.sparse_flash_attention(*args, **kwargs, num_splits=1)
-    rows, differing = [], 0
-    for count in (*counts, None):
+    topk = inputs["indices"].shape[1]
+    default = attention._default_splits(num_tokens, num_heads, topk, device)
 
-        def call(_: dict, count: int | None = count) -> object:
-            return attention.sparse_flash_attention(*args, **kwargs, num_splits=count)
+    def label(count: int | None) -> str:  # the ranges that run (key_ranges: fewer than wanted where topk is short)
+        return f"{attention.key_ranges(topk, default if count is None else count)[1]}" + (
+            " (default)" if count is None else ""
+        )
 
-        got = call({})
-        checks = [compare_float(name, g, to_numpy(w), DTYPE) for name, g, w in zip(("out", "lse"), got, whole)]
-        check = "; ".join(v.detail for v in checks if not v.passed) or "ok"
-        differing += check != "ok"
-        timing = time_calls(call, [{}], device, reps=reps)
-        ranges = attention.key_ranges(inputs["indices"].shape[1], default if count is None else count)[1]
-        label = f"{ranges}" + (" (default)" if count is None else "")
-        rows.append(f"  {label:<13} key ranges {timing.median_s * 1e3:9.3f} ms   vs 1 range: {check}")
-    return rows, differing
+    def run(count: int | None) -> tuple:
+        return attention.sparse_flash_attention(*args, **kwargs, num_splits=count)
+
+    return _sweep_rows(run, counts, label, "key ranges", ("out", "lse"), DTYPE, device, reps)
 
 
 def tokens_per_program_rows(
@@ -334,27 +358,21 @@ def tokens_per_program_rows(
     """The indexer's logits kernel on one input set with each of `counts` query tokens a program, and as the backend
     picks by default (backends/triton/indexer.py: tokens_per_program, a first guess from the shapes): -> (a row per
     count: median time of indexer_logits and its logits against 1 token a program's, the number of counts whose
-    logits differ). The data to tune the default from; the logits alone, as torch.topk after them is the same."""
+    logits differ). The data to tune the default from; the logits alone, as the top-k after them is the same."""
     from backends.triton import indexer
 
-    keys = ("q_idx", "weights", "index_k_cache", "block_table", "seq_lens_k", "cu_seqlens_q")
-    args = [inputs[k] for k in keys]
+    args = [inputs[k] for k in ("q_idx", "weights", "index_k_cache", "block_table", "seq_lens_k", "cu_seqlens_q")]
     num_tokens, num_heads, head_dim = inputs["q_idx"].shape
     element_size = inputs["q_idx"].element_size()
     default = indexer.tokens_per_program(num_tokens, inputs["seq_lens_k"].shape[0], num_heads, head_dim, element_size)
-    one = to_numpy(indexer.indexer_logits(*args, tokens_per_program=1))
-    rows, differing = [], 0
-    for count in (*counts, None):
 
-        def call(_: dict, count: int | None = count) -> object:
-            return indexer.indexer_logits(*args, tokens_per_program=count)
+    def label(count: int | None) -> str:
+        return f"{default} (default)" if count is None else f"{count}"
 
-        check = compare_float("logits", call({}), one, torch.float32)
-        differing += not check.passed
-        timing = time_calls(call, [{}], device, reps=reps)
-        label = f"{default if count is None else count}" + (" (default)" if count is None else "")
-        rows.append(f"  {label:<13} tokens a program {timing.median_s * 1e3:9.3f} ms   vs 1: {check.detail or 'ok'}")
-    return rows, differing
+    def run(count: int | None) -> tuple:
+        return (indexer.indexer_logits(*args, tokens_per_program=count),)
+
+    return _sweep_rows(run, counts, label, "tokens a program", ("logits",), torch.float32, device, reps)
 
 
 def topk_share(name: str, build: Build, device: torch.device, reps: int) -> tuple[str, bool]:

@@ -54,15 +54,14 @@ def launch_gemm(
     kernel: triton.JITFunction,
     shapes: str,
     grid: Callable[[int], tuple[int, ...]],
-    interpreted_blocks: Callable[[], dict[str, int]],
+    interpreted_blocks: dict[str, int],
     **arguments: object,
 ) -> None:
     """Launch a GEMM `kernel` (arguments N, K and BLOCK_M among `arguments`, meta-parameters BLOCK_N and BLOCK_K
     left out) over grid(BLOCK_N): autotuned over TILE_SHAPES[shapes] ("half", "float32" or "int8") on a GPU, with
-    interpreted_blocks() (a dict of BLOCK_N and BLOCK_K) under the interpreter."""
+    interpreted_blocks (BLOCK_N and BLOCK_K) under the interpreter."""
     if interpreting():
-        blocks = interpreted_blocks()
-        kernel[grid(blocks["BLOCK_N"])](**arguments, **blocks)
+        kernel[grid(interpreted_blocks["BLOCK_N"])](**arguments, **interpreted_blocks)
     else:
         _autotuned(kernel, shapes)[lambda meta: grid(meta["BLOCK_N"])](**arguments)
 

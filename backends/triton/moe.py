@@ -640,7 +640,7 @@ def _launch_grouped(
         kernel,
         shapes,
         lambda block_n: (tiles.num_slots, triton.cdiv(n, block_n)),
-        lambda: interpreted,
+        interpreted,
         x_ptr=x,
         w_ptr=w,
         y_ptr=y,

@@ -73,10 +73,9 @@ def with_nan(case: FuzzCase, which: int, places: list[float]) -> FuzzCase:
     floats = sorted(k for k, v in case.inputs.items() if _nonempty_float(v))
     name = floats[which % len(floats)]
     tensor = case.inputs[name].clone().contiguous()
-    flat = tensor.view(-1)
-    for place in places:
-        flat[min(int(place * flat.numel()), flat.numel() - 1)] = float("nan")
-    params = {**case.params, "nan_in": name, "nan_at": [min(int(p * flat.numel()), flat.numel() - 1) for p in places]}
+    at = [min(int(place * tensor.numel()), tensor.numel() - 1) for place in places]
+    tensor.view(-1)[at] = float("nan")
+    params = {**case.params, "nan_in": name, "nan_at": at}
     return FuzzCase(case.op, {**case.inputs, name: tensor}, case.dtype, case.layouts, params)
 
 
